@@ -1,0 +1,50 @@
+"""hp_functional: JAX-style functional sharding for PyTorch.
+
+``apply_fn, params, shard_info = shard(model, plan, mesh)`` — the model is never mutated;
+``apply_fn`` is a ``torch.func.functional_call`` forward whose parallelism is explicit
+collectives that compose with ``torch.func`` (grad, vmap, jvp/vjp).
+"""
+
+from . import collectives
+from .apply import compile_plan, shard
+from .errors import PlanError, ShapeError
+from .placement import ShardInfo, to_dtensor, unshard
+from .plan import ShardingPlan
+from .styles import (
+    Colwise,
+    ModuleSpec,
+    PrepareInput,
+    PrepareOutput,
+    Rowwise,
+    SequenceParallel,
+    Style,
+    VocabEmbedding,
+)
+from .styles import Replicate_ as Replicate
+
+__all__ = [
+    "Colwise",
+    "ModuleSpec",
+    "PlanError",
+    "PrepareInput",
+    "PrepareOutput",
+    "Replicate",
+    "Rowwise",
+    "SequenceParallel",
+    "ShapeError",
+    "ShardInfo",
+    "ShardingPlan",
+    "Style",
+    "VocabEmbedding",
+    "collectives",
+    "compile_plan",
+    "explain",
+    "shard",
+    "to_dtensor",
+    "unshard",
+]
+
+
+def explain(model, plan, mesh) -> str:
+    """The resolved plan: per planned module, parameter placements and lowered collectives."""
+    return compile_plan(model, plan, mesh).explain()

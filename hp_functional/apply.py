@@ -1,0 +1,229 @@
+"""``shard(model, plan, mesh)``: decide everything once, then run ``functional_call``.
+
+Phases (hyper_parallel's ``apply_sharding_plan`` without touching the model):
+1. resolve the plan → planned modules and their ``ModuleSpec``;
+2. place every parameter (tied groups must agree) → ``ShardInfo``, shape checks;
+3. decide rank-varying compute and lower every boundary to ``Step``s (``compile_plan``);
+   everything up to here is local, so bad input raises on every rank before any collective;
+4. slice the local shards into the params pytree;
+5. build the private skeleton and install the local forwards on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .collectives import AxisGroup
+from .errors import PlanError
+from .placement import ShardInfo, local_layout, mesh_placements, slice_local
+from .plan import Planned, ShardingPlan
+from .redistribute import Step, lower
+from .skeleton import build_skeleton, install_boundary
+from .styles import ModuleSpec
+
+
+@dataclass
+class Boundary:
+    """One planned module after lowering."""
+
+    planned: Planned
+    spec: ModuleSpec
+    in_steps: dict[object, list[Step]] = field(default_factory=dict)
+    out_steps: dict[object, list[Step]] = field(default_factory=dict)
+    varying: set[str] = field(default_factory=set)  # axes on which its compute differs per rank
+
+
+@dataclass
+class Program:
+    """Everything ``shard()`` decided: placements, boundaries and parameter conversions."""
+
+    mesh: DeviceMesh
+    boundaries: list[Boundary]
+    infos: dict[str, ShardInfo]  # pytree key → ShardInfo
+    canonical: dict[str, str]  # every parameter FQN (aliases too) → pytree key
+    param_steps: dict[str, list[Step]]  # pytree key → conversions applied before the forward
+    groups: dict[str, AxisGroup]
+
+    def explain(self) -> str:
+        """A readable table: per planned module, its parameters and collectives."""
+        lines = [f"mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True))}"]
+        for b in self.boundaries:
+            p = b.planned
+            lines.append(f"{p.fqn}  [{type(p.style).__name__} on {p.axis!r}]")
+            prefix = f"{p.fqn}."
+            for key, info in self.infos.items():
+                if key.startswith(prefix) and "." not in key[len(prefix):]:
+                    conv = " ; ".join(f"{s.forward}/{s.backward}" for s in self.param_steps.get(key, []))
+                    lines.append(
+                        f"    param {key[len(prefix):]:<10} {_fmt(info.placements)} global {tuple(info.global_shape)}"
+                        f" local {tuple(info.local_shape)}" + (f"  use: {conv}" if conv else "")
+                    )
+            for kind, steps in (("in ", b.in_steps), ("out", b.out_steps)):
+                for key, ss in steps.items():
+                    for s in ss:
+                        lines.append(f"    {kind} {key!s:<10} {s.axis}: fwd {s.forward}, bwd {s.backward}")
+        return "\n".join(lines)
+
+
+def _fmt(placements) -> str:
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def _tensor_steps(src_map, dst_map, key, axes, groups, *, consumer, src_varying, where) -> list[Step]:
+    steps = []
+    for axis in axes:
+        src = src_map.get(key, {}).get(axis, Replicate())
+        dst = dst_map.get(key, {}).get(axis, src)
+        step = lower(src, dst, groups[axis], consumer_varying=axis in consumer,
+                     src_varying=axis in src_varying, where=where)
+        if step is not None:
+            steps.append(step)
+    return steps
+
+
+def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> Program:
+    """Phases 1-3: resolve, place and lower. Reads ``model``; communicates nothing."""
+    if not isinstance(plan, ShardingPlan):
+        plan = ShardingPlan(plan)
+    axes = list(mesh.mesh_dim_names or ())
+    if not axes:
+        raise PlanError("the mesh needs named dims (init_device_mesh(..., mesh_dim_names=(...)))")
+    planned = plan.resolve(model, mesh)
+    specs = {p.fqn: p.style.spec(p.module, p.fqn, p.axis) for p in planned}
+    groups = {a: AxisGroup.from_mesh(mesh, a) for a in axes}
+
+    # phase 2: storage placements; tied parameters form one leaf under the first FQN
+    first_name: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    owner: dict[str, tuple[str, str]] = {}  # param FQN → (module FQN, param name)
+    for name, prm in model.named_parameters(remove_duplicate=False):
+        canonical[name] = first_name.setdefault(id(prm), name)
+        mod, _, pname = name.rpartition(".")
+        owner[name] = (mod, pname)
+    infos: dict[str, ShardInfo] = {}
+    chosen: dict[str, tuple[tuple, str]] = {}
+    for name in canonical:
+        mod, pname = owner[name]
+        per_axis = specs[mod].params.get(pname, {}) if mod in specs else {}
+        placements = mesh_placements(per_axis, mesh, f"parameter {name}")
+        key = canonical[name]
+        if key in chosen and chosen[key][0] != placements:
+            raise PlanError(
+                f"tied parameters {chosen[key][1]} and {name} get conflicting placements "
+                f"{_fmt(chosen[key][0])} vs {_fmt(placements)}; give both modules the same layout"
+            )
+        chosen.setdefault(key, (placements, name))
+    for key, (placements, _) in chosen.items():
+        prm = model.get_parameter(key)
+        local_shape, offset = local_layout(prm.shape, placements, mesh, f"parameter {key}")
+        aliases = tuple(n for n, k in canonical.items() if k == key and n != key)
+        infos[key] = ShardInfo(placements, mesh, prm.shape, local_shape, offset, aliases)
+
+    # phase 3: which compute is rank-varying, and the regions that own gradient reduction
+    sharded_axes = {
+        mod: {a for pls in spec.params.values() for a, pl in pls.items() if isinstance(pl, Shard)}
+        for mod, spec in specs.items()
+    }
+    boundaries: list[Boundary] = []
+    region: dict[str, set[str]] = {}
+    for p in planned:
+        spec = specs[p.fqn]
+        below = set().union(*(s for m, s in sharded_axes.items() if m == p.fqn or m.startswith(p.fqn + ".")))
+        inside = set().union(*(r for m, r in region.items() if p.fqn.startswith(m + ".")), set())
+        varying = set(inside)
+        for axis in axes:
+            if spec.varying is not None:
+                if spec.varying and axis == p.axis:
+                    varying.add(axis)
+            elif axis in below or any(isinstance(d.get(axis), (Shard, Partial)) for d in spec.in_dst.values()):
+                varying.add(axis)
+        region[p.fqn] = {a for a in varying if any(isinstance(d.get(a), Replicate) for d in spec.in_dst.values())}
+        b = Boundary(p, spec, varying=varying)
+        for key in {*spec.in_src, *spec.in_dst}:
+            b.in_steps[key] = _tensor_steps(spec.in_src, spec.in_dst, key, axes, groups, consumer=varying,
+                                            src_varying=inside, where=f"{p.fqn} input {key!r}")
+        for key in {*spec.out_src, *spec.out_dst}:
+            b.out_steps[key] = _tensor_steps(spec.out_src, spec.out_dst, key, axes, groups, consumer=inside,
+                                             src_varying=varying, where=f"{p.fqn} output {key!r}")
+        b.in_steps = {k: v for k, v in b.in_steps.items() if v}
+        b.out_steps = {k: v for k, v in b.out_steps.items() if v}
+        boundaries.append(b)
+
+    # parameter conversions: replicated params used by rank-varying compute get their
+    # gradients all-reduced (copy_to); Replicate → Partial uses (Rowwise bias) keep rank 0's
+    regions = {m: r for m, r in region.items() if r}
+    varying_of = {b.planned.fqn: b.varying for b in boundaries}
+    param_steps: dict[str, list[Step]] = {}
+    for name in canonical:
+        mod, pname = owner[name]
+        key = canonical[name]
+        consumer = set(varying_of.get(mod, set()))
+        consumer |= set().union(*(r for m, r in regions.items() if mod == m or mod.startswith(m + ".")), set())
+        spec = specs.get(mod)
+        stored = {a: pl for a, pl in zip(axes, infos[key].placements, strict=True)}
+        dst = dict(stored)
+        if spec is not None:
+            dst.update(spec.param_dst.get(pname, {}))
+        steps = _tensor_steps({0: stored}, {0: dst}, 0, axes, groups, consumer=consumer, src_varying=set(),
+                              where=f"parameter {name}")
+        if key in param_steps and [(s.forward, s.backward) for s in param_steps[key]] != [
+            (s.forward, s.backward) for s in steps
+        ]:
+            raise PlanError(f"tied parameter {name} is used with different conversions by its modules")
+        param_steps[key] = steps
+    param_steps = {k: v for k, v in param_steps.items() if v}
+    return Program(mesh, boundaries, infos, canonical, param_steps, groups)
+
+
+def shard(
+    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh
+) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
+    """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
+
+    Returns ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns
+    what ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups
+    once) to this rank's local shard; ``shard_info`` says where each shard sits.
+    """
+    program = compile_plan(model, plan, mesh)
+    params = {
+        key: slice_local(model.get_parameter(key), info).requires_grad_(model.get_parameter(key).requires_grad)
+        for key, info in program.infos.items()
+    }
+    skeleton = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.canonical)
+    for b in program.boundaries:
+        skel_module = skeleton.get_submodule(b.planned.fqn)
+        inner = b.planned.style.local_forward(skel_module, program.groups[b.planned.axis]) or skel_module.forward
+        install_boundary(skel_module, b.planned.fqn, inner, b.in_steps, b.out_steps)
+    return make_apply_fn(skeleton, program), params, program.infos
+
+
+def make_apply_fn(skeleton: nn.Module, program: Program) -> Callable:
+    """``apply_fn(params, *args, **kwargs)``: parameter conversions, then ``functional_call``."""
+    conversions = tuple(program.param_steps.items())
+    expected = {k: tuple(i.local_shape) for k, i in program.infos.items()}
+    expected_keys = expected.keys()
+
+    def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
+        if params.keys() != expected_keys:
+            missing, extra = sorted(expected_keys - params.keys()), sorted(params.keys() - expected_keys)
+            raise PlanError(f"apply_fn: params pytree keys differ from shard(): missing {missing[:5]}, extra {extra[:5]}")
+        for key, shape in expected.items():
+            if tuple(params[key].shape) != shape:
+                raise PlanError(f"apply_fn: params[{key!r}] has shape {tuple(params[key].shape)}, expected local {shape}")
+        if conversions:
+            params = dict(params)
+            for key, steps in conversions:
+                value = params[key]
+                for step in steps:
+                    value = step(value)
+                params[key] = value
+        return torch.func.functional_call(skeleton, params, args, kwargs, tie_weights=True, strict=False)
+
+    apply_fn.program = program  # for explain() and tests; read-only by convention
+    return apply_fn

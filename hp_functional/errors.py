@@ -1,0 +1,9 @@
+"""The exceptions hp_functional raises; each names the offending module, parameter or axis."""
+
+
+class PlanError(ValueError):
+    """The plan cannot be applied to this model and mesh (raised on every rank before any collective)."""
+
+
+class ShapeError(PlanError):
+    """A dimension does not divide by the size of the mesh axis that shards it."""

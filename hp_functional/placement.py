@@ -1,0 +1,131 @@
+"""Placements per mesh axis, full → local slicing, ``ShardInfo``, and gathering back.
+
+A parameter is *stored* as ``Shard(d)`` or ``Replicate()`` on each mesh dim (``Partial`` is a
+use-site placement only, see ``redistribute``).  Slicing follows DTensor's convention: mesh dims
+are applied in order, each ``Shard(d)`` narrowing the current chunk further, so
+``to_dtensor`` can wrap our local shards without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from .collectives import AxisGroup, raw_all_gather
+from .errors import PlanError, ShapeError
+
+AxisPlacements = Mapping[str, Placement]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where this rank's local shard of one parameter sits in the global tensor."""
+
+    placements: tuple[Placement, ...]  # one per mesh dim, DTensor order
+    mesh: DeviceMesh
+    global_shape: torch.Size
+    local_shape: torch.Size
+    offset: tuple[int, ...]  # global index of the local shard's first element, per tensor dim
+    aliases: tuple[str, ...] = ()  # other FQNs tied to this leaf
+
+    @property
+    def axes(self) -> dict[str, Placement]:
+        """Placements keyed by mesh dim name."""
+        return dict(zip(self.mesh.mesh_dim_names, self.placements, strict=True))
+
+    @property
+    def is_sharded(self) -> bool:
+        return any(isinstance(p, Shard) for p in self.placements)
+
+
+def check_placement(p: object, where: str) -> Placement:
+    """``p`` if it is a torch.distributed.tensor placement, else a PlanError naming ``where``."""
+    if not isinstance(p, (Shard, Replicate, Partial)):
+        raise PlanError(
+            f"{where}: {p!r} is not a placement; use torch.distributed.tensor.Shard(d), Replicate() or Partial()"
+        )
+    return p
+
+
+def mesh_placements(per_axis: AxisPlacements, mesh: DeviceMesh, where: str) -> tuple[Placement, ...]:
+    """Per-axis placements → one placement per mesh dim (unnamed axes are Replicate)."""
+    names = mesh.mesh_dim_names or ()
+    for axis, p in per_axis.items():
+        if axis not in names:
+            raise PlanError(f"{where}: mesh axis {axis!r} is not in the mesh (axes: {list(names)})")
+        check_placement(p, where)
+    return tuple(per_axis.get(n, Replicate()) for n in names)
+
+
+def local_layout(
+    global_shape: torch.Size, placements: tuple[Placement, ...], mesh: DeviceMesh, where: str
+) -> tuple[torch.Size, tuple[int, ...]]:
+    """This rank's local shape and offset; raises ShapeError naming ``where`` and the axis."""
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    coords = mesh.get_coordinate() or [0] * mesh.ndim
+    for mdim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise PlanError(f"{where}: a parameter cannot be stored as Partial (mesh axis {mesh.mesh_dim_names[mdim]!r})")
+        if not isinstance(p, Shard):
+            continue
+        n, axis = mesh.size(mdim), mesh.mesh_dim_names[mdim]
+        if not -len(shape) <= p.dim < len(shape):
+            raise PlanError(f"{where}: Shard({p.dim}) on axis {axis!r} but the tensor has {len(shape)} dims")
+        d = p.dim % len(shape)
+        if shape[d] % n:
+            raise ShapeError(f"{where}: dim {d} (size {shape[d]}) is not divisible by mesh axis {axis!r} (size {n})")
+        shape[d] //= n
+        offset[d] += coords[mdim] * shape[d]
+    return torch.Size(shape), tuple(offset)
+
+
+def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
+    """The local shard of ``full`` as a new tensor that owns its storage."""
+    local = full
+    for d, (start, size) in enumerate(zip(info.offset, info.local_shape, strict=True)):
+        if size != full.shape[d]:
+            local = local.narrow(d, start, size)
+    return local.detach().clone()
+
+
+def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, Tensor]:
+    """Gather every local shard back to its full tensor (a collective: call on every rank)."""
+    missing = sorted(set(params) - set(shard_info))
+    if missing:
+        raise PlanError(f"unshard: no shard_info for {missing[:5]}")
+    full = {}
+    for name, local in params.items():
+        info = shard_info[name]
+        if tuple(local.shape) != tuple(info.local_shape):
+            raise PlanError(f"unshard: {name} has shape {tuple(local.shape)}, shard_info says {tuple(info.local_shape)}")
+        t = local.detach()
+        for mdim in reversed(range(info.mesh.ndim)):
+            p = info.placements[mdim]
+            if isinstance(p, Shard):
+                t = raw_all_gather(t, p.dim, AxisGroup.from_mesh(info.mesh, info.mesh.mesh_dim_names[mdim]))
+        full[name] = t
+    return full
+
+
+def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, DTensor]:
+    """Wrap the local shards as DTensors (no copy, no communication)."""
+    return {
+        name: DTensor.from_local(
+            local, shard_info[name].mesh, shard_info[name].placements, run_check=False,
+            shape=shard_info[name].global_shape, stride=_contiguous_stride(shard_info[name].global_shape),
+        )
+        for name, local in params.items()
+    }
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))

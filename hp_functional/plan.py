@@ -1,0 +1,112 @@
+"""``ShardingPlan``: module-path patterns → styles, resolved against a model.
+
+Patterns are dot paths where ``*`` matches exactly one segment (``model.layers.*.mlp``).  A
+module matched by several patterns takes the most specific one (fewest ``*``); two equally
+specific patterns with different styles are an error naming both.  Resolution is pure: the
+model and the plan object are only read.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .errors import PlanError
+from .styles import HF_STYLES, ModuleSpec, Style
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One module the plan touches: its path, the module, the style and the mesh axis."""
+
+    fqn: str
+    module: nn.Module
+    style: Style | ModuleSpec
+    axis: str
+    pattern: str
+
+
+def _match(pattern: str, path: str) -> bool:
+    p, q = pattern.split("."), path.split(".")
+    return len(p) == len(q) and all(a == "*" or a == b for a, b in zip(p, q, strict=True))
+
+
+def _as_style(value: object, where: str) -> Style | ModuleSpec:
+    if isinstance(value, (Style, ModuleSpec)):
+        return value
+    if isinstance(value, str):
+        if value not in HF_STYLES:
+            raise PlanError(f"{where}: style {value!r} is not supported (supported: {sorted(HF_STYLES)})")
+        return HF_STYLES[value]
+    raise PlanError(f"{where}: {value!r} is not a style, a ModuleSpec or an HF style string")
+
+
+class ShardingPlan:
+    """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default)."""
+
+    def __init__(self, entries: Mapping[str, Style | ModuleSpec | str], tp_axis: str = "tp"):
+        self.entries: dict[str, Style | ModuleSpec] = {
+            pattern: _as_style(style, f"plan entry {pattern!r}") for pattern, style in entries.items()
+        }
+        self.tp_axis = tp_axis
+
+    def __repr__(self) -> str:
+        return f"ShardingPlan({self.entries!r}, tp_axis={self.tp_axis!r})"
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, tp_axis: str = "tp") -> ShardingPlan:
+        """The plan a Hugging Face model declares (``model._tp_plan``, else the config's
+        ``base_model_tp_plan`` under ``base_model_prefix``).  An unsupported HF style raises
+        naming the style and the module pattern."""
+        raw = dict(getattr(model, "_tp_plan", None) or {})
+        if not raw:
+            base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+            prefix = getattr(model, "base_model_prefix", "")
+            has_prefix = prefix and hasattr(model, prefix)
+            raw = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
+        if not raw:
+            raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)")
+        return cls(raw, tp_axis=tp_axis)
+
+    def resolve(self, model: nn.Module, mesh: DeviceMesh) -> list[Planned]:
+        """Every planned module in ``model.named_modules()`` order; raises PlanError on a pattern
+        that matches nothing (with the closest paths), an unknown axis, or a conflict."""
+        names = mesh.mesh_dim_names or ()
+        modules = dict(model.named_modules())
+        chosen: dict[str, tuple[int, str, Style | ModuleSpec]] = {}
+        for pattern, style in self.entries.items():
+            axis = getattr(style, "axis", None) or self.tp_axis
+            if isinstance(style, ModuleSpec):
+                bad = style.axes - set(names)
+            else:
+                bad = {axis} - set(names)
+            if bad:
+                raise PlanError(f"plan entry {pattern!r}: mesh axis {sorted(bad)[0]!r} is not in the mesh (axes: {list(names)})")
+            hits = [path for path in modules if path and _match(pattern, path)]
+            if not hits:
+                close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
+                raise PlanError(f"plan entry {pattern!r} matches no module; closest paths: {close}")
+            rank = pattern.count("*")
+            for path in hits:
+                prev = chosen.get(path)
+                if prev is None or rank < prev[0]:
+                    chosen[path] = (rank, pattern, style)
+                elif rank == prev[0] and prev[2] != style:
+                    raise PlanError(f"{path}: conflicting plan entries {prev[1]!r} ({prev[2]}) and {pattern!r} ({style})")
+        out = []
+        for path, module in modules.items():
+            if path in chosen:
+                _, pattern, style = chosen[path]
+                axis = getattr(style, "axis", None) or self.tp_axis
+                out.append(Planned(path, module, style, axis, pattern))
+        return out
+
+    def explain(self, model: nn.Module, mesh: DeviceMesh) -> str:
+        """Per planned module: its parameters' placements and the lowered collectives."""
+        from .apply import compile_plan
+
+        return compile_plan(model, self, mesh).explain()

@@ -1,0 +1,92 @@
+"""The one table that lowers a placement change on one mesh axis to a collective.
+
+Every style states its boundaries as placements; ``lower`` turns each (src → dst) into a
+``Step`` once, inside ``shard()``.  Whether a replicated value's gradient is partial decides
+the backward (JAX's device-varying vs invariant values):
+
+* ``consumer_varying`` — the value feeds rank-varying compute (sharded weights, sharded
+  activations), so its gradient arrives as per-rank partial sums;
+* ``src_varying`` — the value already lives inside such a region (its grads are partial too).
+
+=============  ==============================  ===================================
+src → dst      consumer invariant              consumer rank-varying
+=============  ==============================  ===================================
+R → R          nothing                         copy_to (id / all-reduce)
+S(d) → R       gather_from (AG / split)        all_gather (AG / reduce-scatter)
+P → R          reduce_from (AR / id)           all_reduce (AR / AR)
+P → S(d)       reduce_scatter (RS / AG)        reduce_scatter (RS / AG)
+R → S(d)       split_to (split / AG)           split_to (split / AG)
+S(i) → S(j)    all_to_all                      all_to_all
+R → P          partial_from (rank 0 / id)      partial_from (rank 0 / id)
+=============  ==============================  ===================================
+
+Inside a varying region (``src_varying``) R → R is nothing (the region's entry already made the
+gradient partial), and R → S / R → P are rejected: their transposes would over-count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from . import collectives as C
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class Step:
+    """One lowered conversion: the function to run and, for ``explain``, what it communicates."""
+
+    fn: Callable[[Tensor], Tensor]
+    axis: str
+    forward: str  # collective in the forward ("all_gather(1)", "identity", ...)
+    backward: str  # collective in the backward
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.fn(x)
+
+
+def _step(op: Callable, g: C.AxisGroup, fwd: str, bwd: str, *args) -> Step:
+    """A Step running ``op(x, *args, g)``."""
+    return Step(lambda x: op(x, *args, g), g.axis, fwd, bwd)
+
+
+def lower(
+    src: Placement, dst: Placement, g: C.AxisGroup, *, consumer_varying: bool, src_varying: bool = False,
+    where: str = "",
+) -> Step | None:
+    """The Step that turns a value placed ``src`` on axis ``g`` into ``dst`` (None: nothing to do)."""
+    if g.size == 1:
+        return None
+    R, S, P = Replicate, Shard, Partial
+    if src == dst and not isinstance(src, R):
+        return None
+    if isinstance(src, R) and isinstance(dst, R):
+        if consumer_varying and not src_varying:
+            return _step(C.copy_to, g, "identity", "all_reduce")
+        return None
+    if isinstance(src, S) and isinstance(dst, R):
+        if consumer_varying or src_varying:
+            return _step(C.all_gather, g, f"all_gather({src.dim})",
+                         f"reduce_scatter({src.dim})", src.dim)
+        return _step(C.gather_from, g, f"all_gather({src.dim})", "split", src.dim)
+    if isinstance(src, P) and isinstance(dst, R):
+        if consumer_varying or src_varying:
+            return _step(C.all_reduce, g, "all_reduce", "all_reduce")
+        return _step(C.reduce_from, g, "all_reduce", "identity")
+    if isinstance(src, P) and isinstance(dst, S):
+        return _step(C.reduce_scatter, g, f"reduce_scatter({dst.dim})",
+                     f"all_gather({dst.dim})", dst.dim)
+    if isinstance(src, S) and isinstance(dst, S):
+        return _step(C.all_to_all, g,
+                     f"all_to_all({src.dim}->{dst.dim})", f"all_to_all({dst.dim}->{src.dim})", src.dim, dst.dim)
+    if isinstance(src, R) and isinstance(dst, (S, P)):
+        if src_varying:
+            raise PlanError(f"{where}: Replicate -> {dst} on axis {g.axis!r} inside a rank-varying region is not supported")
+        if isinstance(dst, S):
+            return _step(C.split_to, g, "split", f"all_gather({dst.dim})", dst.dim)
+        return _step(C.partial_from, g, "keep_on_rank0", "identity")
+    raise PlanError(f"{where}: no redistribution from {src} to {dst} on axis {g.axis!r}")

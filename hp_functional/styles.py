@@ -1,0 +1,260 @@
+"""Parallel styles: each turns a module into a ``ModuleSpec`` (and, rarely, a local forward).
+
+``ModuleSpec`` is the one low-level boundary contract every style compiles to: where the
+module's own parameters are stored and used, and which placement each forward argument and
+output has on the way in and out (keyed by mesh axis name).  ``shard()`` lowers every
+src → dst difference to collectives once (see ``redistribute``); a style never communicates
+itself.  Styles are frozen dataclasses: pure descriptions, safe to share between plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from .collectives import AxisGroup
+from .errors import PlanError
+from .placement import AxisPlacements
+
+Key = str | int  # a forward argument (name or position) or an output ("output" or tuple index)
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """The boundary contract of one module, placements keyed by mesh axis name.
+
+    ``params``: how each direct parameter is stored (missing: Replicate).
+    ``param_dst``: how it is used in the forward, when that differs (Rowwise bias: Partial).
+    ``in_src``/``in_dst``: placement of a forward argument as it arrives / as the module needs it.
+    ``out_src``/``out_dst``: placement of an output as produced / as handed on.
+    ``varying``: force (True/False) whether the module's compute differs per rank on its axes;
+    None derives it (sharded params here or below, or a sharded input).
+    """
+
+    params: Mapping[str, AxisPlacements] = field(default_factory=dict)
+    param_dst: Mapping[str, AxisPlacements] = field(default_factory=dict)
+    in_src: Mapping[Key, AxisPlacements] = field(default_factory=dict)
+    in_dst: Mapping[Key, AxisPlacements] = field(default_factory=dict)
+    out_src: Mapping[Key, AxisPlacements] = field(default_factory=dict)
+    out_dst: Mapping[Key, AxisPlacements] = field(default_factory=dict)
+    varying: bool | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        """A ModuleSpec in a plan is used as written."""
+        own = dict(module.named_parameters(recurse=False))
+        for name in {*self.params, *self.param_dst}:
+            if name not in own:
+                raise PlanError(f"{fqn}: ModuleSpec names parameter {name!r}, module has {sorted(own)}")
+        return self
+
+    def local_forward(self, module: nn.Module, group: AxisGroup) -> Callable | None:
+        return None
+
+    @property
+    def axes(self) -> set[str]:
+        """Every mesh axis the spec mentions."""
+        maps = (self.params, self.param_dst, self.in_src, self.in_dst, self.out_src, self.out_dst)
+        return {a for m in maps for per_axis in m.values() for a in per_axis}
+
+
+class Style:
+    """Base class of the named styles. ``axis`` None means the plan's ``tp_axis``."""
+
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        raise NotImplementedError
+
+    def local_forward(self, module: nn.Module, group: AxisGroup) -> Callable | None:
+        """A replacement for ``module.forward`` on local shards, or None to run the module's own."""
+        return None
+
+
+def _require(module: nn.Module, kinds: tuple[type, ...], style: Style, fqn: str) -> None:
+    if not isinstance(module, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise PlanError(f"{fqn}: {type(style).__name__} needs a {names}, got {type(module).__name__}")
+
+
+@dataclass(frozen=True)
+class Colwise(Style):
+    """Linear with the output features sharded: weight and bias Shard(0), output Shard(-1).
+
+    ``input_layout=Shard(1)`` all-gathers a sequence-sharded input (Megatron-SP);
+    ``gather_output=True`` (or ``output_layout=Replicate()``) all-gathers the output.
+    """
+
+    input_layout: Placement = Replicate()
+    output_layout: Placement = Shard(-1)
+    gather_output: bool = False
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        _require(module, (nn.Linear,), self, fqn)
+        out = Replicate() if self.gather_output else self.output_layout
+        return ModuleSpec(
+            params={"weight": {axis: Shard(0)}, **({"bias": {axis: Shard(0)}} if module.bias is not None else {})},
+            in_src={0: {axis: self.input_layout}},
+            in_dst={0: {axis: Replicate()}},
+            out_src={"output": {axis: Shard(-1)}},
+            out_dst={"output": {axis: out}},
+        )
+
+
+@dataclass(frozen=True)
+class Rowwise(Style):
+    """Linear with the input features sharded: weight Shard(1), output partial sums reduced.
+
+    The bias is stored replicated and used as Partial (rank 0 adds it), so it is added once
+    after the reduction.  ``output_layout=Shard(1)`` reduce-scatters onto the sequence dim
+    (Megatron-SP); ``input_layout=Replicate()`` splits a replicated input locally.
+    """
+
+    input_layout: Placement = Shard(-1)
+    output_layout: Placement = Replicate()
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        _require(module, (nn.Linear,), self, fqn)
+        has_bias = module.bias is not None
+        return ModuleSpec(
+            params={"weight": {axis: Shard(1)}, **({"bias": {axis: Replicate()}} if has_bias else {})},
+            param_dst={"bias": {axis: Partial()}} if has_bias else {},
+            in_src={0: {axis: self.input_layout}},
+            in_dst={0: {axis: Shard(-1)}},
+            out_src={"output": {axis: Partial()}},
+            out_dst={"output": {axis: self.output_layout}},
+        )
+
+
+@dataclass(frozen=True)
+class Replicate_(Style):
+    """Every parameter replicated.  ``reduce_grads=True`` marks the compute rank-varying (e.g. a
+    per-head norm on local heads, HF ``replicated_with_grad_allreduce``): the parameter
+    gradients are then all-reduced inside the backward."""
+
+    reduce_grads: bool = False
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        return ModuleSpec(varying=True if self.reduce_grads else None)
+
+
+@dataclass(frozen=True)
+class SequenceParallel(Style):
+    """A norm (or any module with only 1-D parameters) on activations sharded on ``seq_dim``.
+
+    Its replicated weights see only local tokens, so their gradients are all-reduced in the
+    backward.  ``output_layout=Replicate()`` all-gathers the output.
+    """
+
+    seq_dim: int = 1
+    output_layout: Placement | None = None
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        bad = [n for n, p in module.named_parameters(recurse=False) if p.dim() > 1]
+        if bad:
+            raise PlanError(f"{fqn}: SequenceParallel needs a norm-like module (1-D parameters); {bad} are not 1-D")
+        seq = Shard(self.seq_dim)
+        return ModuleSpec(
+            in_src={0: {axis: seq}},
+            in_dst={0: {axis: seq}},
+            out_src={"output": {axis: seq}},
+            out_dst={"output": {axis: self.output_layout or seq}},
+        )
+
+
+@dataclass(frozen=True)
+class PrepareInput(Style):
+    """Only re-places forward arguments: ``inputs={key: (src, dst)}``.  A module whose inputs
+    become Replicate for sharded submodules is a *rank-varying region*: the gradient of those
+    inputs is reduced once at its entry, not by every projection inside."""
+
+    inputs: Mapping[Key, tuple[Placement, Placement]] = field(default_factory=dict)
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        return ModuleSpec(
+            in_src={k: {axis: s} for k, (s, _) in self.inputs.items()},
+            in_dst={k: {axis: d} for k, (_, d) in self.inputs.items()},
+        )
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.inputs.items()), self.axis))
+
+
+@dataclass(frozen=True)
+class PrepareOutput(Style):
+    """Only re-places outputs: ``outputs={key: (src, dst)}``."""
+
+    outputs: Mapping[Key, tuple[Placement, Placement]] = field(default_factory=dict)
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        return ModuleSpec(
+            out_src={k: {axis: s} for k, (s, _) in self.outputs.items()},
+            out_dst={k: {axis: d} for k, (_, d) in self.outputs.items()},
+        )
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.outputs.items()), self.axis))
+
+
+@dataclass(frozen=True)
+class VocabEmbedding(Style):
+    """Vocab-parallel ``nn.Embedding``: the table is Shard(0); each rank looks up the ids in its
+    range (others shifted into range and zeroed), and the partial rows are all-reduced, or
+    reduce-scattered onto the sequence dim with ``output_layout=Shard(1)``."""
+
+    output_layout: Placement = Replicate()
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        _require(module, (nn.Embedding,), self, fqn)
+        if module.max_norm is not None:
+            raise PlanError(f"{fqn}: VocabEmbedding does not support max_norm (it renormalises rows in place)")
+        return ModuleSpec(
+            params={"weight": {axis: Shard(0)}},
+            out_src={"output": {axis: Partial()}},
+            out_dst={"output": {axis: self.output_layout}},
+        )
+
+    def local_forward(self, module: nn.Module, group: AxisGroup) -> Callable:
+        rows = module.num_embeddings // group.size
+        start = group.rank * rows
+        pad = module.padding_idx
+        local_pad = pad - start if pad is not None and start <= pad < start + rows else None
+
+        def forward(ids: Tensor) -> Tensor:
+            local = ids - start
+            keep = (local >= 0) & (local < rows)
+            out = F.embedding(torch.where(keep, local, 0), module.weight, local_pad, None, 2.0,
+                              module.scale_grad_by_freq, module.sparse)
+            return out * keep.unsqueeze(-1).to(out.dtype)
+
+        return forward
+
+
+# Public name per the plan language; ``Replicate_`` avoids shadowing the placement inside this module.
+Replicate_.__name__ = Replicate_.__qualname__ = "Replicate"
+
+#: HF ``tp_plan`` strings → styles (``from_hf``); other strings raise naming style and module.
+HF_STYLES: dict[str, Any] = {
+    "colwise": Colwise(),
+    "rowwise": Rowwise(),
+    "colwise_gather_output": Colwise(gather_output=True),
+    "colwise_rep": Colwise(gather_output=True),
+    "rowwise_split_input": Rowwise(input_layout=Replicate()),
+    "rowwise_rep": Rowwise(input_layout=Replicate()),
+    "replicated_with_grad_allreduce": Replicate_(reduce_grads=True),
+    "embedding_rowwise": VocabEmbedding(),
+    "sequence_parallel": SequenceParallel(),
+    "replicate": Replicate_(),
+}

@@ -1,0 +1,96 @@
+"""A pool of spawned gloo ranks that run many test cases each (a process start costs seconds).
+
+``pool.run(fn, *args)`` pickles ``fn`` by reference, runs it on every rank and returns the list
+of per-rank results.  An exception on any rank is re-raised here with every failing rank's
+traceback; a case that outlives ``timeout`` kills the pool (so nothing hangs) and raises.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            outbox.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test process
+            outbox.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    """A case failed on one or more ranks; the message holds each rank's traceback."""
+
+
+class RankPool:
+    """``world`` long-lived gloo ranks on this machine."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._ctx = mp.get_context("spawn")
+        self._start()
+
+    def _start(self) -> None:
+        port = _free_port()
+        self._outbox = self._ctx.Queue()
+        self._inboxes = [self._ctx.Queue() for _ in range(self.world)]
+        self._procs = [
+            self._ctx.Process(target=_worker, args=(r, self.world, port, self._inboxes[r], self._outbox), daemon=True)
+            for r in range(self.world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 300.0, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        for box in self._inboxes:
+            box.put((fn, args, kwargs))
+        results: dict[int, tuple[bool, object]] = {}
+        while len(results) < self.world:
+            try:
+                rank, ok, value = self._outbox.get(timeout=timeout)
+            except queue.Empty:
+                self.restart()
+                raise RankFailure(f"{fn.__name__} timed out after {timeout}s; ranks done: {sorted(results)}") from None
+            results[rank] = (ok, value)
+        failed = {r: v for r, (ok, v) in results.items() if not ok}
+        if failed:
+            raise RankFailure("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items())))
+        return [results[r][1] for r in range(self.world)]
+
+    def restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for box in self._inboxes:
+                box.put(None)
+            for p in self._procs:
+                p.join(timeout=20)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join()

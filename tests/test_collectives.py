@@ -1,0 +1,120 @@
+"""Each collective's forward, backward, jvp, vmap and vmap(grad) against the math, on gloo ranks."""
+
+import pytest
+import torch
+from torch.func import grad, jvp, vmap
+
+from hp_functional import collectives as C
+from tests.helpers import assert_close, mesh, rank, world
+
+SHAPE = (4, 8, 12)  # every split dim divisible by 2 and 4
+
+
+def _inputs(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(SHAPE, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+def _weights(n: int, shape) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+# name -> (fn(x, group), math(all inputs, r) -> output on rank r)
+def _cases(dim: int):
+    n = world()
+    cat = lambda xs: torch.cat(xs, dim)  # noqa: E731
+    return {
+        "all_reduce": (lambda x, g: C.all_reduce(x, g), lambda xs, r: sum(xs)),
+        "reduce_from": (lambda x, g: C.reduce_from(x, g), lambda xs, r: sum(xs)),
+        "copy_to": (lambda x, g: C.copy_to(x, g), lambda xs, r: xs[r]),
+        "all_gather": (lambda x, g: C.all_gather(x, dim, g), lambda xs, r: cat(xs)),
+        "gather_from": (lambda x, g: C.gather_from(x, dim, g), lambda xs, r: cat(xs)),
+        "reduce_scatter": (lambda x, g: C.reduce_scatter(x, dim, g), lambda xs, r: sum(xs).chunk(n, dim)[r]),
+        "split_to": (lambda x, g: C.split_to(x, dim, g), lambda xs, r: xs[r].chunk(n, dim)[r]),
+        "all_to_all": (
+            lambda x, g: C.all_to_all(x, dim, 0, g),
+            lambda xs, r: torch.cat([xs[j].chunk(n, dim)[r] for j in range(n)], 0),
+        ),
+        "partial_from": (lambda x, g: C.partial_from(x, g), lambda xs, r: xs[r] if r == 0 else torch.zeros_like(xs[r])),
+    }
+
+
+# Backward convention: per-rank losses L_r = <w_r, y_r>; each collective's backward is stated
+# in the module docstring.  The expected gradient of x on rank r under that convention:
+def _expected_grad(name, xs, ws, r, dim):
+    n = world()
+    if name == "all_reduce":
+        return sum(ws)
+    if name in ("reduce_from", "partial_from"):
+        return ws[r]
+    if name == "copy_to":
+        return sum(ws)
+    if name == "all_gather":
+        return sum(ws).chunk(n, dim)[r]
+    if name == "gather_from":
+        return ws[r].chunk(n, dim)[r]
+    if name == "reduce_scatter":
+        return torch.cat(ws, dim)
+    if name == "split_to":
+        return torch.cat(ws, dim)
+    if name == "all_to_all":  # y_j = cat_k x_k.chunk(dim)[j] on dim 0; grad flows back by the reverse
+        return torch.cat([ws[j].chunk(n, 0)[r] for j in range(n)], dim)
+    raise KeyError(name)
+
+
+def case_collectives(dim: int):
+    g = C.AxisGroup.from_mesh(mesh(), "tp")
+    r, n = rank(), world()
+    xs = _inputs(n)
+    report = {}
+    for name, (fn, math) in _cases(dim).items():
+        x = xs[r].clone().requires_grad_(True)
+        y = fn(x, g)
+        assert_close(y, math(xs, r), f"{name} forward")
+        ws = _weights(n, y.shape)
+        # backward via autograd and via torch.func.grad
+        (y * ws[r]).sum().backward()
+        expect = _expected_grad(name, xs, ws, r, dim)
+        assert_close(x.grad, expect, f"{name} backward")
+        assert_close(grad(lambda t: (fn(t, g) * ws[r]).sum())(xs[r]), expect, f"{name} torch.func.grad")
+        # jvp: linear maps, so the tangent output is the op on the tangents
+        tangents = _weights(n, x.shape)
+        _, t_out = jvp(lambda t: fn(t, g), (xs[r],), (tangents[r],))
+        assert_close(t_out, math(tangents, r), f"{name} jvp")
+        # vmap over a new leading batch dim: equals the op on each batch element
+        batch = torch.stack([xs[r], 2 * xs[r], -xs[r]])
+        out = vmap(lambda t: fn(t, g))(batch)
+        for b, scale in enumerate((1.0, 2.0, -1.0)):
+            assert_close(out[b], math([scale * x_ for x_ in xs], r), f"{name} vmap[{b}]")
+        # vmap(grad): per-example gradients
+        per = vmap(grad(lambda t: (fn(t, g) * ws[r]).sum()))(batch)
+        for b in range(3):
+            assert_close(per[b], expect, f"{name} vmap(grad)[{b}]")
+        # vmap with the batch dim not in front
+        out_t = vmap(lambda t: fn(t, g), in_dims=1)(batch.movedim(0, 1))
+        assert_close(out_t, out, f"{name} vmap(in_dims=1)")
+        report[name] = True
+    return report
+
+
+@pytest.mark.parametrize("dim", [1, -1])
+def test_collectives_match_math(pool, dim):
+    results = pool.run(case_collectives, dim)
+    assert all(len(r) == 9 for r in results)
+
+
+def case_pytorch_collectives_fail_under_grad():
+    """The platform fact we build around: torch's own differentiable all-reduce raises under grad."""
+    import torch.distributed.nn.functional as dnnf
+
+    x = torch.ones(3)
+    try:
+        grad(lambda t: dnnf.all_reduce(t).sum())(x)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__
+    return None
+
+
+def test_pytorch_own_collective_raises_under_grad(pool):
+    assert all(r is not None for r in pool.run(case_pytorch_collectives_fail_under_grad))

@@ -69,12 +69,12 @@ def lower(
             return _step(C.copy_to, g, "identity", "all_reduce")
         return None
     if isinstance(src, S) and isinstance(dst, R):
-        if consumer_varying or src_varying:
+        if consumer_varying:
             return _step(C.all_gather, g, f"all_gather({src.dim})",
                          f"reduce_scatter({src.dim})", src.dim)
         return _step(C.gather_from, g, f"all_gather({src.dim})", "split", src.dim)
     if isinstance(src, P) and isinstance(dst, R):
-        if consumer_varying or src_varying:
+        if consumer_varying:
             return _step(C.all_reduce, g, "all_reduce", "all_reduce")
         return _step(C.reduce_from, g, "all_reduce", "identity")
     if isinstance(src, P) and isinstance(dst, S):

@@ -1,0 +1,101 @@
+"""A tiny Hugging Face LlamaForCausalLM under TP: loss, logits and every gradient vs unsharded."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.func import grad_and_value
+
+import hp_functional as hpf
+from tests.helpers import assert_close, mesh, tiny_llama_config
+
+
+def sp_plan() -> hpf.ShardingPlan:
+    """Megatron-SP for HF Llama: the residual stream is sequence-sharded between the norms;
+    attention and MLP are entered once (all-gather / reduce-scatter) and left by reduce-scatter."""
+    L = "model.layers.*"
+    return hpf.ShardingPlan({
+        "model.embed_tokens": hpf.VocabEmbedding(),
+        "model.layers.0": hpf.PrepareInput({"hidden_states": (Replicate(), Shard(1))}),
+        f"{L}.input_layernorm": hpf.SequenceParallel(),
+        f"{L}.self_attn": hpf.PrepareInput({"hidden_states": (Shard(1), Replicate())}),
+        f"{L}.self_attn.q_proj": "colwise",
+        f"{L}.self_attn.k_proj": "colwise",
+        f"{L}.self_attn.v_proj": "colwise",
+        f"{L}.self_attn.o_proj": hpf.Rowwise(output_layout=Shard(1)),
+        f"{L}.post_attention_layernorm": hpf.SequenceParallel(),
+        f"{L}.mlp": hpf.PrepareInput({"x": (Shard(1), Replicate())}),
+        f"{L}.mlp.gate_proj": hpf.Colwise(),
+        f"{L}.mlp.up_proj": hpf.Colwise(),
+        f"{L}.mlp.down_proj": hpf.Rowwise(output_layout=Shard(1)),
+        "model.norm": hpf.SequenceParallel(),
+        "lm_head": hpf.Colwise(input_layout=Shard(1), gather_output=True),
+    })
+
+
+def make_llama_state(**cfg):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(**cfg))
+    with torch.no_grad():  # non-trivial norm weights, so their gradients are checked for real
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.state_dict()
+
+
+def build_llama(state, **cfg):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_llama_config(**cfg))
+    model.load_state_dict(state)
+    return model
+
+
+def case_llama(state, plan_kind: str, mesh_shape, cfg):
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    m = mesh(tuple(mesh_shape), names)
+    model = build_llama(state, **cfg)
+    plan = hpf.ShardingPlan.from_hf(model) if plan_kind == "hf" else sp_plan()
+    apply_fn, params, info = hpf.shard(model, plan, m)
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, model.config.vocab_size, (2 * m.size(0), 8), generator=g)
+    if len(mesh_shape) == 2:  # data parallel over dp: each dp group its own batch
+        ids = ids.chunk(m.size(0))[m["dp"].get_local_rank()]
+
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    ref_grads = {k: p.grad for k, p in model.named_parameters()}
+
+    out = apply_fn(params, input_ids=ids, labels=ids)
+    assert_close(out.logits, ref.logits.detach(), "logits")
+    assert_close(out.loss, ref.loss.detach(), "loss")
+    out.loss.backward()
+    grads_bw = {k: p.grad for k, p in params.items()}
+    grads_fn, loss = grad_and_value(lambda p: apply_fn(p, input_ids=ids, labels=ids).loss)(params)
+    assert_close(loss, ref.loss.detach(), "grad_and_value loss")
+    for label, grads in (("backward", grads_bw), ("grad_and_value", grads_fn)):
+        full = hpf.unshard(grads, info)
+        assert set(full) == set(ref_grads), "every parameter has a gradient"
+        for k in ref_grads:
+            assert_close(full[k], ref_grads[k], f"{label} grad {k}")
+    return {k: str(i.placements) for k, i in info.items()}
+
+
+@pytest.mark.parametrize("plan_kind", ["hf", "sp"])
+def test_llama_matches_unsharded(pool, plan_kind):
+    placements = pool.run(case_llama, make_llama_state(), plan_kind, (pool.world,), {})[0]
+    assert placements["model.embed_tokens.weight"] == "(Shard(dim=0),)"
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=1),)"
+    assert placements["model.norm.weight"] == "(Replicate(),)"
+
+
+def test_llama_2d_mesh_dp_tp(pool):
+    pool.run(case_llama, make_llama_state(), "sp", (pool.world // 2, 2), {})
+
+
+def test_llama_tied_embeddings(pool):
+    cfg = {"tie_word_embeddings": True}
+    placements = pool.run(case_llama, make_llama_state(**cfg), "hf", (pool.world,), cfg)[0]
+    assert "lm_head.weight" not in placements  # one leaf under the first FQN

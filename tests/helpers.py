@@ -29,12 +29,38 @@ def assert_close(actual, expected, what: str, atol: float = 1e-5, rtol: float = 
     return (actual - expected).abs().max().item() if actual.numel() else 0.0
 
 
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
+def tiny_config(family: str = "llama", **overrides):
+    """A small config of an HF causal-LM family (random weights, nothing downloaded)."""
+    from transformers import AutoConfig
 
     kw = dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager",
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+        attn_implementation="eager", pad_token_id=0,
     )
     kw.update(overrides)
-    return LlamaConfig(**kw)
+    attn = kw.pop("attn_implementation")
+    config = AutoConfig.for_model(family, **kw)
+    config._attn_implementation = attn
+    return config
+
+
+def build_hf(family: str, state=None, **overrides):
+    """An AutoModelForCausalLM of ``family``; with ``state``, loaded with those weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def make_hf_state(family: str = "llama", **overrides):
+    """Reference weights, built once in the test process and handed to every rank."""
+    torch.manual_seed(0)
+    model = build_hf(family, **overrides)
+    with torch.no_grad():  # non-trivial norm weights, so their gradients are checked for real
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.state_dict()

@@ -6,7 +6,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.func import grad_and_value
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh, tiny_llama_config
+from tests.helpers import assert_close, build_hf, make_hf_state, mesh
 
 
 def sp_plan() -> hpf.ShardingPlan:
@@ -33,29 +33,17 @@ def sp_plan() -> hpf.ShardingPlan:
 
 
 def make_llama_state(**cfg):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(**cfg))
-    with torch.no_grad():  # non-trivial norm weights, so their gradients are checked for real
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model.state_dict()
+    return make_hf_state("llama", **cfg)
 
 
 def build_llama(state, **cfg):
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM(tiny_llama_config(**cfg))
-    model.load_state_dict(state)
-    return model
+    return build_hf("llama", state, **cfg)
 
 
-def case_llama(state, plan_kind: str, mesh_shape, cfg):
+def case_llama(state, plan_kind: str, mesh_shape, cfg, family: str = "llama"):
     names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
     m = mesh(tuple(mesh_shape), names)
-    model = build_llama(state, **cfg)
+    model = build_hf(family, state, **cfg)
     plan = hpf.ShardingPlan.from_hf(model) if plan_kind == "hf" else sp_plan()
     apply_fn, params, info = hpf.shard(model, plan, m)
 
@@ -99,3 +87,31 @@ def test_llama_tied_embeddings(pool):
     cfg = {"tie_word_embeddings": True}
     placements = pool.run(case_llama, make_llama_state(**cfg), "hf", (pool.world,), cfg)[0]
     assert "lm_head.weight" not in placements  # one leaf under the first FQN
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_hf_families_from_hf_plan(pool, family):
+    """Qwen3: per-head q_norm/k_norm as replicated_with_grad_allreduce; Phi3: fused qkv/gate_up
+    projections as colwise_gather_output + rowwise_split_input."""
+    placements = pool.run(case_llama, make_hf_state(family), "hf", (pool.world,), {}, family)[0]
+    assert any("Shard(dim=1)" in p for k, p in placements.items() if k.endswith("o_proj.weight"))
+
+
+def case_explain_and_dtensor(state):
+    model = build_llama(state)
+    m = mesh()
+    text = hpf.explain(model, sp_plan(), m)
+    apply_fn, params, info = hpf.shard(model, sp_plan(), m)
+    dt = hpf.to_dtensor(params, info)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(dt[k].full_tensor(), p.detach(), msg=k)
+        assert dt[k].to_local().data_ptr() == params[k].data_ptr(), "to_dtensor must not copy"
+    return text
+
+
+def test_explain_lists_the_lowered_collectives(pool):
+    text = pool.run(case_explain_and_dtensor, make_llama_state())[0]
+    attn = text.split("model.layers.0.self_attn  ")[1].split("\n")[1]
+    assert "all_gather(1)" in attn and "reduce_scatter(1)" in attn, attn
+    assert "fwd reduce_scatter(1), bwd all_gather(1)" in text  # o_proj / down_proj leaving to Shard(1)
+    assert "param weight     (S(0))" in text

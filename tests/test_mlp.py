@@ -39,6 +39,7 @@ PLANS = {
         "down": hpf.Rowwise(output_layout=Shard(1)),
     },
     "gather": {"up": hpf.Colwise(gather_output=True)},
+    "split_input": {"down": "rowwise_split_input"},
 }
 
 
@@ -76,11 +77,11 @@ def case_mlp(state, plan_name: str, mesh_shape):
     return sorted(k for k, i in info.items() if i.is_sharded)
 
 
-@pytest.mark.parametrize("plan_name", ["tp", "sp", "gather"])
+@pytest.mark.parametrize("plan_name", ["tp", "sp", "gather", "split_input"])
 def test_mlp_matches_unsharded(pool, plan_name):
     sharded = pool.run(case_mlp, make_mlp_state(), plan_name, (pool.world,))
     expected = {"tp": ["down.weight", "up.bias", "up.weight"], "sp": ["down.weight", "up.bias", "up.weight"],
-                "gather": ["up.bias", "up.weight"]}[plan_name]
+                "gather": ["up.bias", "up.weight"], "split_input": ["down.weight"]}[plan_name]
     assert sharded[0] == expected
 
 

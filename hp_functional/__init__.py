@@ -8,10 +8,12 @@ collectives that compose with ``torch.func`` (grad, vmap, jvp/vjp).
 from . import collectives
 from .apply import compile_plan, shard
 from .errors import PlanError, ShapeError
+from .loss import vocab_parallel_cross_entropy
 from .placement import ShardInfo, to_dtensor, unshard
 from .plan import ShardingPlan
 from .styles import (
     Colwise,
+    Heads,
     ModuleSpec,
     PrepareInput,
     PrepareOutput,
@@ -24,6 +26,7 @@ from .styles import Replicate_ as Replicate
 
 __all__ = [
     "Colwise",
+    "Heads",
     "ModuleSpec",
     "PlanError",
     "PrepareInput",
@@ -42,6 +45,7 @@ __all__ = [
     "shard",
     "to_dtensor",
     "unshard",
+    "vocab_parallel_cross_entropy",
 ]
 
 

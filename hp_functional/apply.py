@@ -21,6 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .collectives import AxisGroup
 from .errors import PlanError
+from .loss import vocab_parallel_cross_entropy
 from .placement import ShardInfo, local_layout, mesh_placements, slice_local
 from .plan import Planned, ShardingPlan
 from .redistribute import Step, lower
@@ -49,6 +50,7 @@ class Program:
     canonical: dict[str, str]  # every parameter FQN (aliases too) → pytree key
     param_steps: dict[str, list[Step]]  # pytree key → conversions applied before the forward
     groups: dict[str, AxisGroup]
+    loss_parallel: tuple[AxisGroup, int] | None = None  # (vocab axis, this rank's vocab start)
 
     def explain(self) -> str:
         """A readable table: per planned module, its parameters and collectives."""
@@ -97,6 +99,14 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
     planned = plan.resolve(model, mesh)
     specs = {p.fqn: p.style.spec(p.module, p.fqn, p.axis) for p in planned}
     groups = {a: AxisGroup.from_mesh(mesh, a) for a in axes}
+    for p in planned:
+        for attr in specs[p.fqn].divide_attrs:
+            value, n = getattr(p.module, attr, None), groups[p.axis].size
+            if not isinstance(value, int) or value % n:
+                raise PlanError(
+                    f"{p.fqn}: attribute {attr}={value!r} is not divisible by mesh axis {p.axis!r} (size {n}); "
+                    "grouped-query attention with fewer KV heads than the TP size is rejected"
+                )
 
     # phase 2: storage placements; tied parameters form one leaf under the first FQN
     first_name: dict[int, str] = {}
@@ -178,7 +188,11 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
             raise PlanError(f"tied parameter {name} is used with different conversions by its modules")
         param_steps[key] = steps
     param_steps = {k: v for k, v in param_steps.items() if v}
-    return Program(mesh, boundaries, infos, canonical, param_steps, groups)
+    loss = None
+    if plan.loss_parallel:
+        head = next(p for p in planned if p.fqn == plan.loss_head(model))
+        loss = (groups[head.axis], infos[canonical[f"{head.fqn}.weight"]].offset[0])
+    return Program(mesh, boundaries, infos, canonical, param_steps, groups, loss)
 
 
 def shard(
@@ -198,7 +212,10 @@ def shard(
     skeleton = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.canonical)
     for b in program.boundaries:
         skel_module = skeleton.get_submodule(b.planned.fqn)
-        inner = b.planned.style.local_forward(skel_module, program.groups[b.planned.axis]) or skel_module.forward
+        group = program.groups[b.planned.axis]
+        for attr in b.spec.divide_attrs:
+            setattr(skel_module, attr, getattr(skel_module, attr) // group.size)
+        inner = b.planned.style.local_forward(skel_module, group, skel_module.forward)
         install_boundary(skel_module, b.planned.fqn, inner, b.in_steps, b.out_steps)
     return make_apply_fn(skeleton, program), params, program.infos
 
@@ -208,6 +225,7 @@ def make_apply_fn(skeleton: nn.Module, program: Program) -> Callable:
     conversions = tuple(program.param_steps.items())
     expected = {k: tuple(i.local_shape) for k, i in program.infos.items()}
     expected_keys = expected.keys()
+    loss_parallel = program.loss_parallel
 
     def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
         if params.keys() != expected_keys:
@@ -223,7 +241,17 @@ def make_apply_fn(skeleton: nn.Module, program: Program) -> Callable:
                 for step in steps:
                     value = step(value)
                 params[key] = value
-        return torch.func.functional_call(skeleton, params, args, kwargs, tie_weights=True, strict=False)
+        labels = kwargs.pop("labels", None) if loss_parallel else None
+        out = torch.func.functional_call(skeleton, params, args, kwargs, tie_weights=True, strict=False)
+        if labels is not None:
+            out["loss"] = causal_lm_loss(out.logits, labels, *loss_parallel)
+        return out
 
     apply_fn.program = program  # for explain() and tests; read-only by convention
     return apply_fn
+
+
+def causal_lm_loss(local_logits: Tensor, labels: Tensor, group: AxisGroup, vocab_start: int) -> Tensor:
+    """HF's causal-LM loss (labels shifted left, -100 ignored, mean) on vocab-sharded logits."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    return vocab_parallel_cross_entropy(local_logits, shifted, group, vocab_start=vocab_start)

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         from .launch import run_ranks
 
         os.environ.setdefault("HPF_BACKEND", {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(args.device, "gloo"))
-        results = run_ranks(train, args.nproc, args.steps, 0.5, args.device)
+        results = run_ranks(train, args.nproc, args.steps, 0.2, args.device)
         history = next(iter(results.values()))
         worst = max(abs(a - b) for a, b in history)
         return 0 if worst < 1e-4 else 1

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from .errors import PlanError
-from .styles import HF_STYLES, ModuleSpec, Style
+from .styles import HF_STYLES, Colwise, ModuleSpec, Style
 
 
 @dataclass(frozen=True)
@@ -48,17 +49,20 @@ def _as_style(value: object, where: str) -> Style | ModuleSpec:
 class ShardingPlan:
     """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default)."""
 
-    def __init__(self, entries: Mapping[str, Style | ModuleSpec | str], tp_axis: str = "tp"):
+    def __init__(
+        self, entries: Mapping[str, Style | ModuleSpec | str], tp_axis: str = "tp", *, loss_parallel: bool = False
+    ):
         self.entries: dict[str, Style | ModuleSpec] = {
             pattern: _as_style(style, f"plan entry {pattern!r}") for pattern, style in entries.items()
         }
         self.tp_axis = tp_axis
+        self.loss_parallel = loss_parallel
 
     def __repr__(self) -> str:
-        return f"ShardingPlan({self.entries!r}, tp_axis={self.tp_axis!r})"
+        return f"ShardingPlan({self.entries!r}, tp_axis={self.tp_axis!r}, loss_parallel={self.loss_parallel})"
 
     @classmethod
-    def from_hf(cls, model: nn.Module, tp_axis: str = "tp") -> ShardingPlan:
+    def from_hf(cls, model: nn.Module, tp_axis: str = "tp", *, loss_parallel: bool = False) -> ShardingPlan:
         """The plan a Hugging Face model declares (``model._tp_plan``, else the config's
         ``base_model_tp_plan`` under ``base_model_prefix``).  An unsupported HF style raises
         naming the style and the module pattern."""
@@ -70,7 +74,7 @@ class ShardingPlan:
             raw = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
         if not raw:
             raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)")
-        return cls(raw, tp_axis=tp_axis)
+        return cls(raw, tp_axis=tp_axis, loss_parallel=loss_parallel)
 
     def resolve(self, model: nn.Module, mesh: DeviceMesh) -> list[Planned]:
         """Every planned module in ``model.named_modules()`` order; raises PlanError on a pattern
@@ -97,13 +101,28 @@ class ShardingPlan:
                     chosen[path] = (rank, pattern, style)
                 elif rank == prev[0] and prev[2] != style:
                     raise PlanError(f"{path}: conflicting plan entries {prev[1]!r} ({prev[2]}) and {pattern!r} ({style})")
+        head = self.loss_head(model) if self.loss_parallel else None
         out = []
         for path, module in modules.items():
             if path in chosen:
                 _, pattern, style = chosen[path]
                 axis = getattr(style, "axis", None) or self.tp_axis
+                if path == head:  # loss parallel: the head keeps its logits vocab-sharded
+                    style = replace(style, gather_output=False, output_layout=Shard(-1))
                 out.append(Planned(path, module, style, axis, pattern))
         return out
+
+    def loss_head(self, model: nn.Module) -> str:
+        """The FQN of the output head whose logits stay vocab-sharded under ``loss_parallel``."""
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if get else None
+        path = next((n for n, m in model.named_modules() if head is not None and m is head), None)
+        if path is None:
+            raise PlanError(f"loss_parallel: {type(model).__name__} has no output head (get_output_embeddings())")
+        matched = [p for p, s in self.entries.items() if _match(p, path)]
+        if not matched or not isinstance(self.entries[matched[0]], Colwise):
+            raise PlanError(f"loss_parallel: the output head {path!r} must be planned Colwise (vocab-sharded)")
+        return path
 
     def explain(self, model: nn.Module, mesh: DeviceMesh) -> str:
         """Per planned module: its parameters' placements and the lowered collectives."""

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
@@ -35,6 +34,8 @@ class ModuleSpec:
     ``out_src``/``out_dst``: placement of an output as produced / as handed on.
     ``varying``: force (True/False) whether the module's compute differs per rank on its axes;
     None derives it (sharded params here or below, or a sharded input).
+    ``divide_attrs``: integer attributes (head counts) the skeleton's copy of the module holds
+    divided by the axis size, for modules that reshape with ``self.num_heads``.
     """
 
     params: Mapping[str, AxisPlacements] = field(default_factory=dict)
@@ -44,6 +45,7 @@ class ModuleSpec:
     out_src: Mapping[Key, AxisPlacements] = field(default_factory=dict)
     out_dst: Mapping[Key, AxisPlacements] = field(default_factory=dict)
     varying: bool | None = None
+    divide_attrs: tuple[str, ...] = ()
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         """A ModuleSpec in a plan is used as written."""
@@ -53,8 +55,8 @@ class ModuleSpec:
                 raise PlanError(f"{fqn}: ModuleSpec names parameter {name!r}, module has {sorted(own)}")
         return self
 
-    def local_forward(self, module: nn.Module, group: AxisGroup) -> Callable | None:
-        return None
+    def local_forward(self, module: nn.Module, group: AxisGroup, forward: Callable) -> Callable:
+        return forward
 
     @property
     def axes(self) -> set[str]:
@@ -71,9 +73,10 @@ class Style:
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         raise NotImplementedError
 
-    def local_forward(self, module: nn.Module, group: AxisGroup) -> Callable | None:
-        """A replacement for ``module.forward`` on local shards, or None to run the module's own."""
-        return None
+    def local_forward(self, module: nn.Module, group: AxisGroup, forward: Callable) -> Callable:
+        """The forward to run on local shards, given the module's own ``forward``.  ``module`` is
+        the private skeleton's copy, so a style may localise its attributes."""
+        return forward
 
 
 def _require(module: nn.Module, kinds: tuple[type, ...], style: Style, fqn: str) -> None:
@@ -178,16 +181,31 @@ class PrepareInput(Style):
     inputs is reduced once at its entry, not by every projection inside."""
 
     inputs: Mapping[Key, tuple[Placement, Placement]] = field(default_factory=dict)
+    divide_attrs: tuple[str, ...] = ()
     axis: str | None = None
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         return ModuleSpec(
             in_src={k: {axis: s} for k, (s, _) in self.inputs.items()},
             in_dst={k: {axis: d} for k, (_, d) in self.inputs.items()},
+            divide_attrs=self.divide_attrs,
         )
 
     def __hash__(self) -> int:
-        return hash((tuple(self.inputs.items()), self.axis))
+        return hash((tuple(self.inputs.items()), self.divide_attrs, self.axis))
+
+
+@dataclass(frozen=True)
+class Heads(Style):
+    """An attention module that reshapes with attribute head counts: the skeleton's copy holds
+    ``attrs`` divided by the axis size (the user's module and config are untouched).  A count
+    that does not divide (e.g. ``num_key_value_heads`` < TP size) is rejected."""
+
+    attrs: tuple[str, ...] = ("num_heads", "num_key_value_heads")
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        return ModuleSpec(divide_attrs=tuple(a for a in self.attrs if hasattr(module, a)))
 
 
 @dataclass(frozen=True)
@@ -226,20 +244,21 @@ class VocabEmbedding(Style):
             out_dst={"output": {axis: self.output_layout}},
         )
 
-    def local_forward(self, module: nn.Module, group: AxisGroup) -> Callable:
+    def local_forward(self, module: nn.Module, group: AxisGroup, forward: Callable) -> Callable:
         rows = module.num_embeddings // group.size
         start = group.rank * rows
         pad = module.padding_idx
-        local_pad = pad - start if pad is not None and start <= pad < start + rows else None
+        # the skeleton's copy sees its local table (subclasses such as scaled embeddings keep working)
+        module.num_embeddings = rows
+        module.padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
 
-        def forward(ids: Tensor) -> Tensor:
-            local = ids - start
-            keep = (local >= 0) & (local < rows)
-            out = F.embedding(torch.where(keep, local, 0), module.weight, local_pad, None, 2.0,
-                              module.scale_grad_by_freq, module.sparse)
+        def local(ids: Tensor) -> Tensor:
+            shifted = ids - start
+            keep = (shifted >= 0) & (shifted < rows)
+            out = forward(torch.where(keep, shifted, 0))
             return out * keep.unsqueeze(-1).to(out.dtype)
 
-        return forward
+        return local
 
 
 # Public name per the plan language; ``Replicate_`` avoids shadowing the placement inside this module.

@@ -36,7 +36,7 @@ def tiny_config(family: str = "llama", **overrides):
     kw = dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-        attn_implementation="eager", pad_token_id=0,
+        attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     kw.update(overrides)
     attn = kw.pop("attn_implementation")

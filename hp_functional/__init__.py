@@ -15,12 +15,14 @@ from .styles import (
     Colwise,
     Heads,
     ModuleSpec,
+    ParamRule,
     PrepareInput,
     PrepareOutput,
     Rowwise,
     SequenceParallel,
     Style,
     VocabEmbedding,
+    default_handlers,
 )
 from .styles import Replicate_ as Replicate
 
@@ -28,6 +30,7 @@ __all__ = [
     "Colwise",
     "Heads",
     "ModuleSpec",
+    "ParamRule",
     "PlanError",
     "PrepareInput",
     "PrepareOutput",
@@ -41,6 +44,7 @@ __all__ = [
     "VocabEmbedding",
     "collectives",
     "compile_plan",
+    "default_handlers",
     "explain",
     "shard",
     "to_dtensor",

@@ -73,6 +73,24 @@ class Program:
         return "\n".join(lines)
 
 
+def _block_sizes(name, shape, placements, local_shape, blocks) -> tuple[int, ...]:
+    """Global sub-block sizes of a packed parameter, checked to shard evenly."""
+    dims = [p.dim % len(shape) for p in placements if isinstance(p, Shard)]
+    if len(dims) != 1:
+        raise PlanError(f"parameter {name}: packed blocks need exactly one sharded dim, got {_fmt(placements)}")
+    d = dims[0]
+    sizes = (shape[d] // blocks,) * blocks if isinstance(blocks, int) else tuple(blocks)
+    n = shape[d] // local_shape[d]
+    if sum(sizes) != shape[d] or any(b % n for b in sizes):
+        raise PlanError(f"parameter {name}: packed blocks {sizes} along dim {d} (size {shape[d]}) do not each split {n} ways")
+    return sizes
+
+
+def _is_below(fqn: str, ancestor: str) -> bool:
+    """Whether module ``fqn`` is a proper descendant of ``ancestor`` ("" is the root)."""
+    return fqn != ancestor and (not ancestor or fqn.startswith(ancestor + "."))
+
+
 def _fmt(placements) -> str:
     return "(" + ", ".join(str(p) for p in placements) + ")"
 
@@ -116,11 +134,15 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
         canonical[name] = first_name.setdefault(id(prm), name)
         mod, _, pname = name.rpartition(".")
         owner[name] = (mod, pname)
+    rules = plan.param_rules(model)
     infos: dict[str, ShardInfo] = {}
-    chosen: dict[str, tuple[tuple, str]] = {}
+    chosen: dict[str, tuple[tuple, str, object]] = {}
     for name in canonical:
         mod, pname = owner[name]
-        per_axis = specs[mod].params.get(pname, {}) if mod in specs else {}
+        spec = specs.get(mod)
+        per_axis, blocks = (spec.params.get(pname, {}), spec.param_blocks.get(pname)) if spec else ({}, None)
+        if name in rules:
+            per_axis, blocks = {plan.tp_axis: rules[name].placement}, rules[name].blocks
         placements = mesh_placements(per_axis, mesh, f"parameter {name}")
         key = canonical[name]
         if key in chosen and chosen[key][0] != placements:
@@ -128,12 +150,17 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
                 f"tied parameters {chosen[key][1]} and {name} get conflicting placements "
                 f"{_fmt(chosen[key][0])} vs {_fmt(placements)}; give both modules the same layout"
             )
-        chosen.setdefault(key, (placements, name))
-    for key, (placements, _) in chosen.items():
+        chosen.setdefault(key, (placements, name, blocks))
+    for key, (placements, _, blocks) in chosen.items():
         prm = model.get_parameter(key)
         local_shape, offset = local_layout(prm.shape, placements, mesh, f"parameter {key}")
         aliases = tuple(n for n, k in canonical.items() if k == key and n != key)
-        infos[key] = ShardInfo(placements, mesh, prm.shape, local_shape, offset, aliases)
+        sizes = _block_sizes(key, prm.shape, placements, local_shape, blocks) if blocks else None
+        if sizes:
+            d = next(p.dim % prm.dim() for p in placements if isinstance(p, Shard))
+            n = prm.shape[d] // local_shape[d]
+            offset = (*offset[:d], offset[d] // local_shape[d] * (sizes[0] // n), *offset[d + 1 :])
+        infos[key] = ShardInfo(placements, mesh, prm.shape, local_shape, offset, aliases, sizes)
 
     # phase 3: which compute is rank-varying, and the regions that own gradient reduction
     sharded_axes = {
@@ -144,8 +171,8 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
     region: dict[str, set[str]] = {}
     for p in planned:
         spec = specs[p.fqn]
-        below = set().union(*(s for m, s in sharded_axes.items() if m == p.fqn or m.startswith(p.fqn + ".")))
-        inside = set().union(*(r for m, r in region.items() if p.fqn.startswith(m + ".")), set())
+        below = set().union(*(s for m, s in sharded_axes.items() if m == p.fqn or _is_below(m, p.fqn)))
+        inside = set().union(*(r for m, r in region.items() if _is_below(p.fqn, m)), set())
         varying = set(inside)
         for axis in axes:
             if spec.varying is not None:
@@ -174,7 +201,7 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
         mod, pname = owner[name]
         key = canonical[name]
         consumer = set(varying_of.get(mod, set()))
-        consumer |= set().union(*(r for m, r in regions.items() if mod == m or mod.startswith(m + ".")), set())
+        consumer |= set().union(*(r for m, r in regions.items() if mod == m or _is_below(mod, m)), set())
         spec = specs.get(mod)
         stored = {a: pl for a, pl in zip(axes, infos[key].placements, strict=True)}
         dst = dict(stored)

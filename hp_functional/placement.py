@@ -32,6 +32,9 @@ class ShardInfo:
     local_shape: torch.Size
     offset: tuple[int, ...]  # global index of the local shard's first element, per tensor dim
     aliases: tuple[str, ...] = ()  # other FQNs tied to this leaf
+    blocks: tuple[int, ...] | None = None  # packed: global sizes of the sub-blocks along the sharded dim,
+    # each sharded separately (the local shard is the rank's slice of every block, concatenated;
+    # ``offset`` then locates the slice of the first block)
 
     @property
     def axes(self) -> dict[str, Placement]:
@@ -84,8 +87,22 @@ def local_layout(
     return torch.Size(shape), tuple(offset)
 
 
+def packed_dim(info: ShardInfo) -> int:
+    """The tensor dim a packed parameter is sharded on (exactly one Shard placement)."""
+    dims = [p.dim % len(info.global_shape) for p in info.placements if isinstance(p, Shard)]
+    if len(dims) != 1:
+        raise PlanError(f"packed blocks need exactly one sharded dim, got placements {info.placements}")
+    return dims[0]
+
+
 def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
     """The local shard of ``full`` as a new tensor that owns its storage."""
+    if info.blocks:
+        d = packed_dim(info)
+        n = info.global_shape[d] // info.local_shape[d]
+        r = info.offset[d] // (info.blocks[0] // n)
+        pieces = [blk.chunk(n, d)[r] for blk in full.split(list(info.blocks), d)]
+        return torch.cat(pieces, d).detach().clone()
     local = full
     for d, (start, size) in enumerate(zip(info.offset, info.local_shape, strict=True)):
         if size != full.shape[d]:
@@ -108,12 +125,20 @@ def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -
             p = info.placements[mdim]
             if isinstance(p, Shard):
                 t = raw_all_gather(t, p.dim, AxisGroup.from_mesh(info.mesh, info.mesh.mesh_dim_names[mdim]))
+        if info.blocks:  # gathered as [rank0: b0 b1 .. | rank1: b0 b1 ..] -> [b0 of all ranks | b1 ..]
+            d = packed_dim(info)
+            n = info.global_shape[d] // info.local_shape[d]
+            per_rank = [chunk.split([b // n for b in info.blocks], d) for chunk in t.chunk(n, d)]
+            t = torch.cat([per_rank[r][b] for b in range(len(info.blocks)) for r in range(n)], d)
         full[name] = t
     return full
 
 
 def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, DTensor]:
     """Wrap the local shards as DTensors (no copy, no communication)."""
+    packed = [k for k in params if shard_info[k].blocks]
+    if packed:
+        raise PlanError(f"to_dtensor: packed parameters {packed[:3]} have no DTensor layout; use unshard()")
     return {
         name: DTensor.from_local(
             local, shard_info[name].mesh, shard_info[name].placements, run_check=False,

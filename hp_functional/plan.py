@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .errors import PlanError
-from .styles import HF_STYLES, Colwise, ModuleSpec, Style
+from .styles import HF_STYLES, Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Planned:
 
 
 def _match(pattern: str, path: str) -> bool:
+    if not path or not pattern:  # the root module is addressed by the empty path only
+        return pattern == path
     p, q = pattern.split("."), path.split(".")
     return len(p) == len(q) and all(a == "*" or a == b for a, b in zip(p, q, strict=True))
 
@@ -50,13 +52,38 @@ class ShardingPlan:
     """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default)."""
 
     def __init__(
-        self, entries: Mapping[str, Style | ModuleSpec | str], tp_axis: str = "tp", *, loss_parallel: bool = False
+        self,
+        entries: Mapping[str, Style | ModuleSpec | str],
+        tp_axis: str = "tp",
+        *,
+        loss_parallel: bool = False,
+        special_handlers: Mapping[str, str] | None = None,
+        handlers: Mapping[str, ParamHandler] | None = None,
     ):
         self.entries: dict[str, Style | ModuleSpec] = {
             pattern: _as_style(style, f"plan entry {pattern!r}") for pattern, style in entries.items()
         }
         self.tp_axis = tp_axis
         self.loss_parallel = loss_parallel
+        self.special_handlers = dict(special_handlers or {})  # parameter-path pattern -> handler name
+        self.handlers = dict(handlers) if handlers is not None else default_handlers()
+        for pattern, name in self.special_handlers.items():
+            if name not in self.handlers:
+                raise PlanError(f"special handler {name!r} for {pattern!r} is not registered (have {sorted(self.handlers)})")
+
+    def param_rules(self, model: nn.Module) -> dict[str, ParamRule]:
+        """Parameter FQN -> the rule its special handler decides (patterns must match something)."""
+        rules = {}
+        for pattern, name in self.special_handlers.items():
+            hits = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if _match(pattern, n)]
+            if not hits:
+                raise PlanError(f"special handler pattern {pattern!r} matches no parameter")
+            for n, p in hits:
+                rule = self.handlers[name](p, n)
+                if not isinstance(rule, ParamRule):
+                    raise PlanError(f"special handler {name!r} returned {rule!r} for {n}, not a ParamRule")
+                rules[n] = rule
+        return rules
 
     def __repr__(self) -> str:
         return f"ShardingPlan({self.entries!r}, tp_axis={self.tp_axis!r}, loss_parallel={self.loss_parallel})"
@@ -90,7 +117,7 @@ class ShardingPlan:
                 bad = {axis} - set(names)
             if bad:
                 raise PlanError(f"plan entry {pattern!r}: mesh axis {sorted(bad)[0]!r} is not in the mesh (axes: {list(names)})")
-            hits = [path for path in modules if path and _match(pattern, path)]
+            hits = [path for path in modules if _match(pattern, path)]
             if not hits:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
                 raise PlanError(f"plan entry {pattern!r} matches no module; closest paths: {close}")

@@ -36,6 +36,8 @@ class ModuleSpec:
     None derives it (sharded params here or below, or a sharded input).
     ``divide_attrs``: integer attributes (head counts) the skeleton's copy of the module holds
     divided by the axis size, for modules that reshape with ``self.num_heads``.
+    ``param_blocks``: packed parameters (fused ``gate_up_proj``/``qkv_proj``): a number of equal
+    sub-blocks, or their sizes, along the sharded dim; each block is sharded separately.
     """
 
     params: Mapping[str, AxisPlacements] = field(default_factory=dict)
@@ -46,6 +48,7 @@ class ModuleSpec:
     out_dst: Mapping[Key, AxisPlacements] = field(default_factory=dict)
     varying: bool | None = None
     divide_attrs: tuple[str, ...] = ()
+    param_blocks: Mapping[str, int | tuple[int, ...]] = field(default_factory=dict)
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         """A ModuleSpec in a plan is used as written."""
@@ -91,18 +94,23 @@ class Colwise(Style):
 
     ``input_layout=Shard(1)`` all-gathers a sequence-sharded input (Megatron-SP);
     ``gather_output=True`` (or ``output_layout=Replicate()``) all-gathers the output.
+    ``packed=2`` (or block sizes) shards each block of a fused projection separately, so every
+    rank holds matching slices of, e.g., gate and up (HF ``packed_colwise``).
     """
 
     input_layout: Placement = Replicate()
     output_layout: Placement = Shard(-1)
     gather_output: bool = False
+    packed: int | tuple[int, ...] | None = None
     axis: str | None = None
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         _require(module, (nn.Linear,), self, fqn)
         out = Replicate() if self.gather_output else self.output_layout
+        names = ["weight"] + (["bias"] if module.bias is not None else [])
         return ModuleSpec(
-            params={"weight": {axis: Shard(0)}, **({"bias": {axis: Shard(0)}} if module.bias is not None else {})},
+            params={n: {axis: Shard(0)} for n in names},
+            param_blocks={n: self.packed for n in names} if self.packed else {},
             in_src={0: {axis: self.input_layout}},
             in_dst={0: {axis: Replicate()}},
             out_src={"output": {axis: Shard(-1)}},
@@ -274,6 +282,31 @@ HF_STYLES: dict[str, Any] = {
     "rowwise_rep": Rowwise(input_layout=Replicate()),
     "replicated_with_grad_allreduce": Replicate_(reduce_grads=True),
     "embedding_rowwise": VocabEmbedding(),
+    "packed_colwise": Colwise(packed=2),
     "sequence_parallel": SequenceParallel(),
     "replicate": Replicate_(),
 }
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """What a special handler decides for one parameter: its storage placement on the axis and,
+    for packed layouts, the sub-blocks sharded separately."""
+
+    placement: Placement
+    blocks: int | tuple[int, ...] | None = None
+
+
+ParamHandler = Callable[[torch.Tensor, str], ParamRule]
+
+
+def default_handlers() -> dict[str, ParamHandler]:
+    """A new dict of the built-in special handlers; extend a copy and pass it to the plan
+    (``ShardingPlan(..., handlers={**default_handlers(), "mine": fn})``) — nothing global changes."""
+    return {
+        "shard_heads": lambda p, fqn: ParamRule(Shard(0)),  # per-head vectors: sinks, A_log, dt_bias
+        "shard_last": lambda p, fqn: ParamRule(Shard(-1)),
+        "replicate": lambda p, fqn: ParamRule(Replicate()),
+        "packed_2": lambda p, fqn: ParamRule(Shard(0), 2),
+        "packed_3": lambda p, fqn: ParamRule(Shard(0), 3),
+    }

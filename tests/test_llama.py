@@ -48,6 +48,11 @@ def case_llama(state, plan_kind: str, mesh_shape, cfg, family: str = "llama"):
         "hf": lambda: hpf.ShardingPlan.from_hf(model),
         "hf_loss_parallel": lambda: hpf.ShardingPlan.from_hf(model, loss_parallel=True),
         "sp": sp_plan,
+        "phi3_packed": lambda: hpf.ShardingPlan({
+            **hpf.ShardingPlan.from_hf(model).entries,
+            "model.layers.*.mlp.gate_up_proj": "packed_colwise",  # gate and up sliced separately
+            "model.layers.*.mlp.down_proj": "rowwise",
+        }),
     }[plan_kind]()
     apply_fn, params, info = hpf.shard(model, plan, m)
 
@@ -163,3 +168,8 @@ def case_training(state, steps: int):
 def test_training_curve_matches_unsharded(pool):
     worst, deltas = pool.run(case_training, make_llama_state(), 20)[0]
     print(f"world {pool.world}: max |Δloss| over 20 AdamW steps = {worst:.2e}")
+
+
+def test_phi3_packed_gate_up(pool):
+    placements = pool.run(case_llama, make_hf_state("phi3"), "phi3_packed", (pool.world,), {}, "phi3")[0]
+    assert placements["model.layers.0.mlp.gate_up_proj.weight"] == "(Shard(dim=0),)"

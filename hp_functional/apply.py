@@ -151,10 +151,14 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
                 f"{_fmt(chosen[key][0])} vs {_fmt(placements)}; give both modules the same layout"
             )
         chosen.setdefault(key, (placements, name, blocks))
+    aliases_of: dict[str, list[str]] = {}
+    for name, key in canonical.items():
+        if name != key:
+            aliases_of.setdefault(key, []).append(name)
     for key, (placements, _, blocks) in chosen.items():
         prm = model.get_parameter(key)
         local_shape, offset = local_layout(prm.shape, placements, mesh, f"parameter {key}")
-        aliases = tuple(n for n, k in canonical.items() if k == key and n != key)
+        aliases = tuple(aliases_of.get(key, ()))
         sizes = _block_sizes(key, prm.shape, placements, local_shape, blocks) if blocks else None
         if sizes:
             d = next(p.dim % prm.dim() for p in placements if isinstance(p, Shard))

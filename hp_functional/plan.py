@@ -26,7 +26,7 @@ class Planned:
 
     fqn: str
     module: nn.Module
-    style: Style | ModuleSpec
+    style: Style
     axis: str
     pattern: str
 
@@ -38,8 +38,8 @@ def _match(pattern: str, path: str) -> bool:
     return len(p) == len(q) and all(a == "*" or a == b for a, b in zip(p, q, strict=True))
 
 
-def _as_style(value: object, where: str) -> Style | ModuleSpec:
-    if isinstance(value, (Style, ModuleSpec)):
+def _as_style(value: object, where: str) -> Style:
+    if isinstance(value, Style):
         return value
     if isinstance(value, str):
         if value not in HF_STYLES:
@@ -53,14 +53,14 @@ class ShardingPlan:
 
     def __init__(
         self,
-        entries: Mapping[str, Style | ModuleSpec | str],
+        entries: Mapping[str, Style | str],
         tp_axis: str = "tp",
         *,
         loss_parallel: bool = False,
         special_handlers: Mapping[str, str] | None = None,
         handlers: Mapping[str, ParamHandler] | None = None,
     ):
-        self.entries: dict[str, Style | ModuleSpec] = {
+        self.entries: dict[str, Style] = {
             pattern: _as_style(style, f"plan entry {pattern!r}") for pattern, style in entries.items()
         }
         self.tp_axis = tp_axis
@@ -108,7 +108,7 @@ class ShardingPlan:
         that matches nothing (with the closest paths), an unknown axis, or a conflict."""
         names = mesh.mesh_dim_names or ()
         modules = dict(model.named_modules())
-        chosen: dict[str, tuple[int, str, Style | ModuleSpec]] = {}
+        chosen: dict[str, tuple[int, str, Style]] = {}
         for pattern, style in self.entries.items():
             axis = getattr(style, "axis", None) or self.tp_axis
             if isinstance(style, ModuleSpec):

@@ -24,8 +24,22 @@ from .placement import AxisPlacements
 Key = str | int  # a forward argument (name or position) or an output ("output" or tuple index)
 
 
+class Style:
+    """Base class of the named styles. ``axis`` None means the plan's ``tp_axis``."""
+
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        raise NotImplementedError
+
+    def local_forward(self, module: nn.Module, group: AxisGroup, forward: Callable) -> Callable:
+        """The forward to run on local shards, given the module's own ``forward``.  ``module`` is
+        the private skeleton's copy, so a style may localise its attributes."""
+        return forward
+
+
 @dataclass(frozen=True)
-class ModuleSpec:
+class ModuleSpec(Style):
     """The boundary contract of one module, placements keyed by mesh axis name.
 
     ``params``: how each direct parameter is stored (missing: Replicate).
@@ -58,28 +72,11 @@ class ModuleSpec:
                 raise PlanError(f"{fqn}: ModuleSpec names parameter {name!r}, module has {sorted(own)}")
         return self
 
-    def local_forward(self, module: nn.Module, group: AxisGroup, forward: Callable) -> Callable:
-        return forward
-
     @property
     def axes(self) -> set[str]:
         """Every mesh axis the spec mentions."""
         maps = (self.params, self.param_dst, self.in_src, self.in_dst, self.out_src, self.out_dst)
         return {a for m in maps for per_axis in m.values() for a in per_axis}
-
-
-class Style:
-    """Base class of the named styles. ``axis`` None means the plan's ``tp_axis``."""
-
-    axis: str | None = None
-
-    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
-        raise NotImplementedError
-
-    def local_forward(self, module: nn.Module, group: AxisGroup, forward: Callable) -> Callable:
-        """The forward to run on local shards, given the module's own ``forward``.  ``module`` is
-        the private skeleton's copy, so a style may localise its attributes."""
-        return forward
 
 
 def _require(module: nn.Module, kinds: tuple[type, ...], style: Style, fqn: str) -> None:

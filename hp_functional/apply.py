@@ -14,17 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .collectives import AxisGroup
 from .errors import PlanError
-from .loss import vocab_parallel_cross_entropy
 from .placement import ShardInfo, local_layout, mesh_placements, slice_local
 from .plan import Planned, ShardingPlan
 from .redistribute import Step, lower
+from .runtime import make_apply_fn
 from .skeleton import build_skeleton, install_boundary
 from .styles import ModuleSpec
 
@@ -54,23 +53,9 @@ class Program:
 
     def explain(self) -> str:
         """A readable table: per planned module, its parameters and collectives."""
-        lines = [f"mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True))}"]
-        for b in self.boundaries:
-            p = b.planned
-            lines.append(f"{p.fqn}  [{type(p.style).__name__} on {p.axis!r}]")
-            prefix = f"{p.fqn}."
-            for key, info in self.infos.items():
-                if key.startswith(prefix) and "." not in key[len(prefix):]:
-                    conv = " ; ".join(f"{s.forward}/{s.backward}" for s in self.param_steps.get(key, []))
-                    lines.append(
-                        f"    param {key[len(prefix):]:<10} {_fmt(info.placements)} global {tuple(info.global_shape)}"
-                        f" local {tuple(info.local_shape)}" + (f"  use: {conv}" if conv else "")
-                    )
-            for kind, steps in (("in ", b.in_steps), ("out", b.out_steps)):
-                for key, ss in steps.items():
-                    for s in ss:
-                        lines.append(f"    {kind} {key!s:<10} {s.axis}: fwd {s.forward}, bwd {s.backward}")
-        return "\n".join(lines)
+        from .explain import render
+
+        return render(self)
 
 
 def _block_sizes(name, shape, placements, local_shape, blocks) -> tuple[int, ...]:
@@ -249,40 +234,3 @@ def shard(
         inner = b.planned.style.local_forward(skel_module, group, skel_module.forward)
         install_boundary(skel_module, b.planned.fqn, inner, b.in_steps, b.out_steps)
     return make_apply_fn(skeleton, program), params, program.infos
-
-
-def make_apply_fn(skeleton: nn.Module, program: Program) -> Callable:
-    """``apply_fn(params, *args, **kwargs)``: parameter conversions, then ``functional_call``."""
-    conversions = tuple(program.param_steps.items())
-    expected = {k: tuple(i.local_shape) for k, i in program.infos.items()}
-    expected_keys = expected.keys()
-    loss_parallel = program.loss_parallel
-
-    def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
-        if params.keys() != expected_keys:
-            missing, extra = sorted(expected_keys - params.keys()), sorted(params.keys() - expected_keys)
-            raise PlanError(f"apply_fn: params pytree keys differ from shard(): missing {missing[:5]}, extra {extra[:5]}")
-        for key, shape in expected.items():
-            if tuple(params[key].shape) != shape:
-                raise PlanError(f"apply_fn: params[{key!r}] has shape {tuple(params[key].shape)}, expected local {shape}")
-        if conversions:
-            params = dict(params)
-            for key, steps in conversions:
-                value = params[key]
-                for step in steps:
-                    value = step(value)
-                params[key] = value
-        labels = kwargs.pop("labels", None) if loss_parallel else None
-        out = torch.func.functional_call(skeleton, params, args, kwargs, tie_weights=True, strict=False)
-        if labels is not None:
-            out["loss"] = causal_lm_loss(out.logits, labels, *loss_parallel)
-        return out
-
-    apply_fn.program = program  # for explain() and tests; read-only by convention
-    return apply_fn
-
-
-def causal_lm_loss(local_logits: Tensor, labels: Tensor, group: AxisGroup, vocab_start: int) -> Tensor:
-    """HF's causal-LM loss (labels shifted left, -100 ignored, mean) on vocab-sharded logits."""
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    return vocab_parallel_cross_entropy(local_logits, shifted, group, vocab_start=vocab_start)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .collectives import AxisGroup
 from .errors import PlanError
+from .lint import enforce, lint
 from .placement import ShardInfo, local_layout, mesh_placements, slice_local
 from .plan import Planned, ShardingPlan
 from .redistribute import Step, lower
@@ -100,6 +101,7 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
     if not axes:
         raise PlanError("the mesh needs named dims (init_device_mesh(..., mesh_dim_names=(...)))")
     planned = plan.resolve(model, mesh)
+    enforce(lint(model, plan, mesh, planned))
     specs = {p.fqn: p.style.spec(p.module, p.fqn, p.axis) for p in planned}
     groups = {a: AxisGroup.from_mesh(mesh, a) for a in axes}
     for p in planned:

@@ -7,3 +7,7 @@ class PlanError(ValueError):
 
 class ShapeError(PlanError):
     """A dimension does not divide by the size of the mesh axis that shards it."""
+
+
+class PlanWarning(UserWarning):
+    """The plan is applicable but probably not what was meant (see ``lint``)."""

@@ -7,7 +7,7 @@ collectives that compose with ``torch.func`` (grad, vmap, jvp/vjp).
 
 from . import collectives
 from .apply import compile_plan, shard
-from .errors import PlanError, ShapeError
+from .errors import PlanError, PlanMismatchError, PlanWarning, ShapeError
 from .loss import vocab_parallel_cross_entropy
 from .placement import ShardInfo, to_dtensor, unshard
 from .plan import ShardingPlan
@@ -32,6 +32,8 @@ __all__ = [
     "ModuleSpec",
     "ParamRule",
     "PlanError",
+    "PlanMismatchError",
+    "PlanWarning",
     "PrepareInput",
     "PrepareOutput",
     "Replicate",

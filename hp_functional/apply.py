@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .agree import agree
 from .collectives import AxisGroup
 from .errors import PlanError
 from .lint import enforce, lint
@@ -50,6 +54,7 @@ class Program:
     canonical: dict[str, str]  # every parameter FQN (aliases too) → pytree key
     param_steps: dict[str, list[Step]]  # pytree key → conversions applied before the forward
     groups: dict[str, AxisGroup]
+    dtypes: dict[str, torch.dtype]  # pytree key → dtype (for the cross-rank fingerprint)
     loss_parallel: tuple[AxisGroup, int] | None = None  # (vocab axis, this rank's vocab start)
 
     def explain(self) -> str:
@@ -93,6 +98,16 @@ def _tensor_steps(src_map, dst_map, key, axes, groups, *, consumer, src_varying,
     return steps
 
 
+def _check_devices(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Parameters must live on the mesh's device type (or on meta, materialised later)."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.device.type not in (mesh.device_type, "meta"):
+            raise PlanError(
+                f"{name} is on {t.device.type} but the mesh is {mesh.device_type}: move the model to the mesh's "
+                "device type (or build it on the meta device)"
+            )
+
+
 def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> Program:
     """Phases 1-3: resolve, place and lower. Reads ``model``; communicates nothing."""
     if not isinstance(plan, ShardingPlan):
@@ -100,6 +115,9 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
     axes = list(mesh.mesh_dim_names or ())
     if not axes:
         raise PlanError("the mesh needs named dims (init_device_mesh(..., mesh_dim_names=(...)))")
+    if mesh.get_coordinate() is None:
+        raise PlanError(f"this rank ({dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}; call shard() on its ranks")
+    _check_devices(model, mesh)
     planned = plan.resolve(model, mesh)
     enforce(lint(model, plan, mesh, planned))
     specs = {p.fqn: p.style.spec(p.module, p.fqn, p.axis) for p in planned}
@@ -210,19 +228,24 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
     if plan.loss_parallel:
         head = next(p for p in planned if p.fqn == plan.loss_head(model))
         loss = (groups[head.axis], infos[canonical[f"{head.fqn}.weight"]].offset[0])
-    return Program(mesh, boundaries, infos, canonical, param_steps, groups, loss)
+    dtypes = {key: model.get_parameter(key).dtype for key in infos}
+    return Program(mesh, boundaries, infos, canonical, param_steps, groups, dtypes, loss)
 
 
 def shard(
-    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh
+    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, agree_timeout: float | None = 300.0
 ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
     Returns ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns
     what ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups
-    once) to this rank's local shard; ``shard_info`` says where each shard sits.
+    once) to this rank's local shard; ``shard_info`` says where each shard sits.  All checks
+    are local and raise on every rank before any collective; then one small all-gather
+    agrees on a fingerprint of the result (``PlanMismatchError`` if ranks differ, or if a rank
+    does not arrive within ``agree_timeout`` seconds; None waits for the process group's timeout).
     """
     program = compile_plan(model, plan, mesh)
+    agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout))
     params = {
         key: slice_local(model.get_parameter(key), info).requires_grad_(model.get_parameter(key).requires_grad)
         for key, info in program.infos.items()

@@ -9,5 +9,9 @@ class ShapeError(PlanError):
     """A dimension does not divide by the size of the mesh axis that shards it."""
 
 
+class PlanMismatchError(PlanError):
+    """Ranks resolved different sharding (model config, plan, mesh or library version differ)."""
+
+
 class PlanWarning(UserWarning):
     """The plan is applicable but probably not what was meant (see ``lint``)."""

@@ -115,11 +115,19 @@ def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -
     missing = sorted(set(params) - set(shard_info))
     if missing:
         raise PlanError(f"unshard: no shard_info for {missing[:5]}")
+    for name, local in params.items():  # every check before the first gather, so no rank hangs
+        info = shard_info[name]
+        if info.mesh.get_coordinate() is None:
+            raise PlanError(f"unshard: {name}: this rank is not in its shard_info's mesh {info.mesh.mesh.tolist()}")
+        if tuple(local.shape) != tuple(info.local_shape):
+            dims = dict(zip(info.mesh.mesh_dim_names, info.mesh.shape, strict=True))
+            raise ShapeError(
+                f"unshard: {name} has local shape {tuple(local.shape)} but its shard_info (mesh {dims}, "
+                f"{tuple(map(str, info.placements))}) expects {tuple(info.local_shape)}: shard_info from another mesh or plan?"
+            )
     full = {}
     for name, local in params.items():
         info = shard_info[name]
-        if tuple(local.shape) != tuple(info.local_shape):
-            raise PlanError(f"unshard: {name} has shape {tuple(local.shape)}, shard_info says {tuple(info.local_shape)}")
         t = local.detach()
         for mdim in reversed(range(info.mesh.ndim)):
             p = info.placements[mdim]

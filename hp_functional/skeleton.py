@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from .errors import PlanError
+from .errors import PlanError, ShapeError
 from .redistribute import Step
 
 
@@ -82,27 +82,30 @@ def install_boundary(
     slots = [(name, pos, tuple(in_steps[key])) for key, name, pos in _arg_slots(inner, list(in_steps), fqn)]
     outs = [(0 if key == "output" else key, tuple(steps)) for key, steps in out_steps.items()]
 
-    def convert(value, steps):
+    def convert(value, steps, what):
         if value is None:
             return value
         if not isinstance(value, Tensor):
-            raise TypeError(f"{fqn}: the plan places a tensor here, got {type(value).__name__}")
-        return _run(steps, value)
+            raise TypeError(f"{fqn} {what}: the plan places a tensor here, got {type(value).__name__}")
+        try:
+            return _run(steps, value)
+        except ValueError as exc:  # a split/scatter that the input's shape cannot take (same on every rank)
+            raise ShapeError(f"{fqn} {what} of shape {tuple(value.shape)} does not fit the plan: {exc}") from exc
 
     def forward(*args, **kwargs):
         if slots:
             args = list(args)
             for name, pos, steps in slots:
                 if name in kwargs:
-                    kwargs[name] = convert(kwargs[name], steps)
+                    kwargs[name] = convert(kwargs[name], steps, f"argument {name!r}")
                 elif pos is not None and pos < len(args):
-                    args[pos] = convert(args[pos], steps)
+                    args[pos] = convert(args[pos], steps, f"argument {name!r}")
         out = inner(*args, **kwargs)
         for index, steps in outs:
             if isinstance(out, Tensor) and index == 0:
-                out = convert(out, steps)
+                out = convert(out, steps, "output")
             elif isinstance(out, tuple):
-                out = (*out[:index], convert(out[index], steps), *out[index + 1 :])
+                out = (*out[:index], convert(out[index], steps, f"output {index}"), *out[index + 1 :])
             else:
                 raise TypeError(f"{fqn}: the plan places output {index}, forward returned {type(out).__name__}")
         return out

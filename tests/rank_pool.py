@@ -21,13 +21,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+def _worker(rank: int, world: int, port: int, pg_timeout: float, inbox, outbox) -> None:
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout)
+    )
     while True:
         job = inbox.get()
         if job is None:
@@ -45,10 +49,12 @@ class RankFailure(AssertionError):
 
 
 class RankPool:
-    """``world`` long-lived gloo ranks on this machine."""
+    """``world`` long-lived gloo ranks on this machine; every collective they issue gives up
+    after ``pg_timeout`` seconds (the process group's timeout), so a case cannot hang them."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, pg_timeout: float = 120.0):
         self.world = world
+        self.pg_timeout = pg_timeout
         self._ctx = mp.get_context("spawn")
         self._start()
 
@@ -57,7 +63,7 @@ class RankPool:
         self._outbox = self._ctx.Queue()
         self._inboxes = [self._ctx.Queue() for _ in range(self.world)]
         self._procs = [
-            self._ctx.Process(target=_worker, args=(r, self.world, port, self._inboxes[r], self._outbox), daemon=True)
+            self._ctx.Process(target=_worker, args=(r, self.world, port, self.pg_timeout, self._inboxes[r], self._outbox), daemon=True)
             for r in range(self.world)
         ]
         for p in self._procs:

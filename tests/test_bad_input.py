@@ -1,56 +1,149 @@
-"""Bad plans raise a clear PlanError naming the culprit, on every rank, with the model untouched."""
+"""The bad-input matrix: each row raises a clear error of a tested type and message, on every
+rank, before any collective (no rank hangs), with the model untouched."""
 
 import pytest
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
-from tests.helpers import mesh
+from tests.helpers import mesh, world
 from tests.snapshot import assert_unchanged, snapshot
 from tests.test_llama import build_llama, make_llama_state
+from tests.test_mlp import MLP, PLANS
 
 
 class Odd(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(8, 16)
+        self.odd_emb = nn.Embedding(7, 16)
         self.proj = nn.Linear(16, 7)  # 7 divides by neither 2 nor 4
+        self.back = nn.Linear(7, 16)
+        self.fused = nn.Linear(16, 12)  # four packed blocks of 3: 3 splits neither 2 nor 4 ways
+        self.num_heads = 3
 
 
-BAD = {
-    "no_match": ({"model.layers.*.self_atn.q_proj": "colwise"}, "matches no module", "self_attn.q_proj"),
-    "indivisible": ({"proj": hpf.Colwise()}, "not divisible by mesh axis 'tp'", "proj.weight"),
-    "missing_axis": ({"proj": hpf.Colwise(axis="ep")}, "mesh axis 'ep' is not in the mesh", "proj"),
-    "wrong_module": ({"emb": hpf.Colwise()}, "Colwise needs a Linear, got Embedding", "emb"),
-    "hf_unsupported": ({"proj": "grouped_gemm"}, "style 'grouped_gemm' is not supported", "proj"),
-    "tied_conflict": ({"model.embed_tokens": "embedding_rowwise", "lm_head": "rowwise"},
+# row → (plan, exception type, message needle, culprit named)
+PLAN_ROWS = {
+    "no_match": ({"model.layers.*.self_atn.q_proj": "colwise"}, hpf.PlanError, "matches no module", "self_attn.q_proj"),
+    "indivisible_colwise": ({"proj": hpf.Colwise(gather_output=True)}, hpf.ShapeError, "not divisible by mesh axis 'tp'", "proj.weight"),
+    "indivisible_rowwise": ({"back": hpf.Rowwise()}, hpf.ShapeError, "not divisible by mesh axis 'tp'", "back.weight"),
+    "indivisible_vocab": ({"odd_emb": hpf.VocabEmbedding()}, hpf.ShapeError, "not divisible by mesh axis 'tp'", "odd_emb.weight"),
+    "indivisible_heads": ({"": hpf.Heads(("num_heads",))}, hpf.PlanError, "num_heads=3 is not divisible", "mesh axis 'tp'"),
+    "indivisible_packed": ({"fused": hpf.Colwise(packed=4)}, hpf.PlanError, "packed blocks (3, 3, 3, 3)", "fused.weight"),
+    "unknown_axis": ({"proj": hpf.Colwise(axis="ep")}, hpf.PlanError, "mesh axis 'ep' is not in the mesh", "proj"),
+    "unknown_tp_axis": (hpf.ShardingPlan({"emb": "embedding_rowwise"}, tp_axis="model"), hpf.PlanError,
+                        "mesh axis 'model' is not in the mesh", "emb"),
+    "wrong_module": ({"emb": hpf.Colwise()}, hpf.PlanError, "Colwise needs a Linear, got Embedding", "emb"),
+    "hf_unsupported": ({"proj": "grouped_gemm"}, hpf.PlanError, "style 'grouped_gemm' is not supported", "proj"),
+    "conflicting_styles": ({"model.layers.*.mlp.up_proj": "colwise", "model.layers.0.mlp.*": "rowwise"},
+                           hpf.PlanError, "conflicting plan entries", "model.layers.0.mlp.up_proj"),
+    "tied_conflict": ({"model.embed_tokens": "embedding_rowwise", "lm_head": "rowwise"}, hpf.PlanError,
                       "conflicting placements", "lm_head.weight"),
-    "spec_bad_param": ({"proj": hpf.ModuleSpec(params={"kernel": {"tp": hpf.Replicate()}})}, "parameter 'kernel'", "proj"),
-    "bad_placement": ({"proj": hpf.ModuleSpec(params={"weight": {"tp": hpf.Replicate()}})}, "is not a placement", "proj"),
+    "spec_bad_param": ({"proj": hpf.ModuleSpec(params={"kernel": {"tp": Replicate()}})}, hpf.PlanError,
+                       "parameter 'kernel'", "proj"),
+    "bad_placement": ({"proj": hpf.ModuleSpec(params={"weight": {"tp": hpf.Replicate()}})}, hpf.PlanError,
+                      "is not a placement", "proj"),
+}
+LLAMA_ROWS = {"no_match", "conflicting_styles", "tied_conflict"}
+
+
+def _raised(fn, *args, **kwargs):
+    """(exception type name, message) of what ``fn`` raised, or None."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test checks type and message
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def case_plan_row(state, kind: str):
+    plan = PLAN_ROWS[kind][0]
+    model = build_llama(state, tie_word_embeddings=kind == "tied_conflict") if kind in LLAMA_ROWS else Odd()
+    before = snapshot(model)
+    raised = _raised(lambda: hpf.shard(model, plan if isinstance(plan, hpf.ShardingPlan) else hpf.ShardingPlan(plan), mesh()))
+    assert_unchanged(before, snapshot(model))
+    return raised
+
+
+@pytest.mark.parametrize("kind", sorted(PLAN_ROWS))
+def test_bad_plan_raises_on_every_rank(pool, kind):
+    results = pool.run(case_plan_row, make_llama_state(tie_word_embeddings=kind == "tied_conflict"), kind)
+    _, exc_type, needle, culprit = PLAN_ROWS[kind]
+    for raised in results:
+        assert raised is not None, "no error raised"
+        name, msg = raised
+        assert name == exc_type.__name__ and needle in msg and culprit in msg, raised
+
+
+# ------------------------------------------------------------------ meshes
+def case_mesh_rows():
+    """Wrong world size and duplicate axis names are rejected by torch's own mesh constructor
+    (before any group is created); a rank outside the mesh is rejected by shard()."""
+    rows = {
+        "too_big": _raised(init_device_mesh, "cpu", (world() + 1,), mesh_dim_names=("tp",)),
+        "duplicate_axes": _raised(init_device_mesh, "cpu", (1, world()), mesh_dim_names=("tp", "tp")),
+    }
+    half = DeviceMesh("cpu", list(range(world() // 2)), mesh_dim_names=("tp",))  # every rank builds it
+    model = MLP()
+    before = snapshot(model)
+    rows["rank_outside"] = _raised(hpf.shard, model, hpf.ShardingPlan(PLANS["tp"]), half) if half.get_coordinate() is None \
+        else ("outside only", "ranks of the first half are in the mesh")
+    assert_unchanged(before, snapshot(model))
+    return rows
+
+
+def test_mesh_rows(pool):
+    for r, rows in enumerate(pool.run(case_mesh_rows)):
+        assert rows["too_big"][0] == "RuntimeError" and "Mesh should not be bigger than default world size" in rows["too_big"][1]
+        assert rows["duplicate_axes"][0] == "RuntimeError" and "mesh_dim_name must be unique" in rows["duplicate_axes"][1]
+        if r >= pool.world // 2:
+            name, msg = rows["rank_outside"]
+            assert name == "PlanError" and f"this rank ({r}) is not in the mesh" in msg, rows["rank_outside"]
+
+
+# ------------------------------------------------------------------ apply_fn and unshard
+def case_call_rows():
+    m = mesh()
+    model = MLP()
+    before = snapshot(model)
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan(PLANS["tp"]), m)
+    seq_plan = {"": hpf.PrepareInput({"x": (Replicate(), Shard(1))}), **PLANS["sp"]}  # the model splits the sequence
+    seq_fn, seq_params, _ = hpf.shard(model, hpf.ShardingPlan(seq_plan), m)
+    batch_plan = {"": hpf.PrepareInput({"x": (Replicate(), Shard(0))}), "up": hpf.Colwise(), "down": hpf.Rowwise()}
+    batch_fn, batch_params, _ = hpf.shard(model, hpf.ShardingPlan(batch_plan), m)
+    key = next(iter(params))
+    rows = {
+        "seq_breaks_plan": _raised(seq_fn, seq_params, torch.randn(2, 4 * world() + 1, 16)),
+        "batch_breaks_plan": _raised(batch_fn, batch_params, torch.randn(world() + 1, 4, 16)),
+        "missing_key": _raised(apply_fn, {k: v for k, v in params.items() if k != key}, torch.randn(2, 8, 16)),
+        "extra_key": _raised(apply_fn, {**params, "bogus.weight": torch.ones(1)}, torch.randn(2, 8, 16)),
+        "wrong_shape": _raised(apply_fn, {**params, "up.weight": torch.ones(3, 16)}, torch.randn(2, 8, 16)),
+    }
+    # unshard with a shard_info from another mesh: tp over every rank vs a size-1 tp axis
+    _, _, other_info = hpf.shard(model, hpf.ShardingPlan(PLANS["tp"]), mesh((world(), 1), ("dp", "tp")))
+    _, tp_params, _ = hpf.shard(model, hpf.ShardingPlan(PLANS["tp"]), m)
+    rows["unshard_other_mesh"] = _raised(hpf.unshard, tp_params, other_info)
+    assert_unchanged(before, snapshot(model))
+    return rows
+
+
+CALL_ROWS = {
+    "seq_breaks_plan": ("ShapeError", "argument 'x' of shape", "split on mesh axis 'tp': dim 1"),
+    "batch_breaks_plan": ("ShapeError", "argument 'x' of shape", "split on mesh axis 'tp'"),
+    "missing_key": ("PlanError", "missing ['norm.weight']", "params pytree keys differ"),
+    "extra_key": ("PlanError", "extra ['bogus.weight']", "params pytree keys differ"),
+    "wrong_shape": ("PlanError", "params['up.weight'] has shape (3, 16)", "expected local"),
+    "unshard_other_mesh": ("ShapeError", "unshard: up.weight has local shape", "shard_info from another mesh"),
 }
 
 
-def case_bad(state, kind: str):
-    plan, *_ = BAD[kind]
-    if kind in ("no_match", "tied_conflict"):
-        model = build_llama(state, tie_word_embeddings=kind == "tied_conflict")
-    else:
-        model = Odd()
-    before = snapshot(model)
-    try:
-        hpf.shard(model, hpf.ShardingPlan(plan), mesh())
-    except hpf.PlanError as exc:
-        message = str(exc)
-    else:
-        message = None
-    assert_unchanged(before, snapshot(model))
-    return message
-
-
-@pytest.mark.parametrize("kind", sorted(BAD))
-def test_bad_input_raises_on_every_rank(pool, kind):
-    state = make_llama_state(tie_word_embeddings=kind == "tied_conflict")
-    messages = pool.run(case_bad, state, kind)
-    _, needle, culprit = BAD[kind]
-    for msg in messages:
-        assert msg is not None, "no error raised"
-        assert needle in msg and culprit in msg, msg
+@pytest.mark.parametrize("row", sorted(CALL_ROWS))
+def test_call_rows(pool, row):
+    for rows in pool.run(case_call_rows):
+        assert rows[row] is not None, f"{row}: nothing raised"
+        name, msg = rows[row]
+        exc_type, *needles = CALL_ROWS[row]
+        assert name == exc_type and all(n in msg for n in needles), rows[row]

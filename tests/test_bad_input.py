@@ -28,7 +28,8 @@ class Odd(nn.Module):
 # row → (plan, exception type, message needle, culprit named)
 PLAN_ROWS = {
     "no_match": ({"model.layers.*.self_atn.q_proj": "colwise"}, hpf.PlanError, "matches no module", "self_attn.q_proj"),
-    "indivisible_colwise": ({"proj": hpf.Colwise(gather_output=True)}, hpf.ShapeError, "not divisible by mesh axis 'tp'", "proj.weight"),
+    "indivisible_colwise": ({"proj": hpf.Colwise(gather_output=True)}, hpf.ShapeError, "not divisible by mesh axis 'tp'",
+                            "proj.weight"),
     "indivisible_rowwise": ({"back": hpf.Rowwise()}, hpf.ShapeError, "not divisible by mesh axis 'tp'", "back.weight"),
     "indivisible_vocab": ({"odd_emb": hpf.VocabEmbedding()}, hpf.ShapeError, "not divisible by mesh axis 'tp'", "odd_emb.weight"),
     "indivisible_heads": ({"": hpf.Heads(("num_heads",))}, hpf.PlanError, "num_heads=3 is not divisible", "mesh axis 'tp'"),
@@ -147,3 +148,16 @@ def test_call_rows(pool, row):
         name, msg = rows[row]
         exc_type, *needles = CALL_ROWS[row]
         assert name == exc_type and all(n in msg for n in needles), rows[row]
+
+
+def test_parameters_on_another_device_type_than_the_mesh():
+    """The device check runs before anything else; a CPU-only machine has no second device
+    type, so the mesh's device type is stood in for."""
+    from types import SimpleNamespace
+
+    from hp_functional.apply import _check_devices
+
+    with pytest.raises(hpf.PlanError, match=r"norm.weight is on cpu but the mesh is cuda"):
+        _check_devices(MLP(), SimpleNamespace(device_type="cuda"))
+    with torch.device("meta"):
+        _check_devices(MLP(), SimpleNamespace(device_type="cuda"))  # meta models materialise later

@@ -25,12 +25,15 @@ from .styles import (
     default_handlers,
 )
 from .styles import Replicate_ as Replicate
+from .validate import PlacementMismatchError, ValidationError, ValidationReport, validate
+from .validate_dtensor import validate_placements
 
 __all__ = [
     "Colwise",
     "Heads",
     "ModuleSpec",
     "ParamRule",
+    "PlacementMismatchError",
     "PlanError",
     "PlanMismatchError",
     "PlanWarning",
@@ -43,6 +46,8 @@ __all__ = [
     "ShardInfo",
     "ShardingPlan",
     "Style",
+    "ValidationError",
+    "ValidationReport",
     "VocabEmbedding",
     "collectives",
     "compile_plan",
@@ -51,6 +56,8 @@ __all__ = [
     "shard",
     "to_dtensor",
     "unshard",
+    "validate",
+    "validate_placements",
     "vocab_parallel_cross_entropy",
 ]
 

@@ -63,7 +63,9 @@ class RankPool:
         self._outbox = self._ctx.Queue()
         self._inboxes = [self._ctx.Queue() for _ in range(self.world)]
         self._procs = [
-            self._ctx.Process(target=_worker, args=(r, self.world, port, self.pg_timeout, self._inboxes[r], self._outbox), daemon=True)
+            self._ctx.Process(
+                target=_worker, args=(r, self.world, port, self.pg_timeout, self._inboxes[r], self._outbox), daemon=True
+            )
             for r in range(self.world)
         ]
         for p in self._procs:

@@ -1,0 +1,172 @@
+"""DTensor mode of ``validate``: run the planned layouts with DTensor placement propagation as
+the reference for what each planned module really produces (upstream's ``validate_mode``).
+
+A private skeleton of the model gets every parameter as a DTensor with the placements
+``shard()`` decided (the local shards wrapped without communication); each planned module's
+arguments are wrapped (plain tensors: as the plan's ``in_src`` declares) or checked (DTensors:
+their placements against ``in_src``) and redistributed to ``in_dst``, as ``PrepareModuleInput``
+does; the module's *own* forward then runs under DTensor dispatch, and its outputs' actual
+placements are compared with the declared ``out_src`` before being redistributed to ``out_dst``.
+Plain tensors that meet DTensors (rotary tables, masks) count as replicated.
+
+Checkable: every style whose compute is the module's own forward — ``Colwise``, ``Rowwise``,
+``SequenceParallel``, ``Replicate``, ``PrepareInput``/``PrepareOutput``, ``Heads`` (DTensor
+works on global shapes, so no head counts are divided) and ``ModuleSpec``.  ``VocabEmbedding``
+is checked with DTensor's own embedding rule standing in for the style's masked local lookup
+(a broken ``local_forward`` is numeric mode's job).  Not checkable: packed parameters (DTensor
+has no layout for them; rejected up front), the vocab-parallel ``labels=`` loss of
+``loss_parallel`` plans (rejected up front: pass no labels), ``param_dst`` (DTensor decides how
+a Rowwise bias meets the partial sums itself) and forwards DTensor cannot dispatch (a
+``PlanError`` names the innermost planned module).  DTensor may reduce a Partial value earlier
+than the plan does, through an op it does not treat as linear (Gemma's embedding times a tensor
+scale): that reads as a mismatch (expected Partial, actual Replicate) — confirm with numeric mode.
+Forward only, under ``torch.no_grad``; HF models get ``use_cache=False`` unless the caller says.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+
+from .apply import Boundary, compile_plan
+from .errors import PlanError
+from .placement import mesh_placements, slice_local, to_dtensor
+from .plan import ShardingPlan
+from .skeleton import _arg_slots, build_skeleton
+from .validate import PlacementMismatchError
+
+
+def same_placements(a: tuple[Placement, ...], b: tuple[Placement, ...], ndim: int) -> bool:
+    """Equal per mesh dim, with Shard dims normalised by ``ndim`` and any Partial subclass
+    (DTensor's masked embedding partial) equal to ``Partial`` of the same reduce op."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, Shard) and isinstance(y, Shard):
+            if x.dim % max(ndim, 1) != y.dim % max(ndim, 1):
+                return False
+        elif isinstance(x, Partial) and isinstance(y, Partial):
+            if x.reduce_op != y.reduce_op:
+                return False
+        elif not (isinstance(x, Replicate) and isinstance(y, Replicate)):
+            return False
+    return True
+
+
+def validate_placements(
+    model: nn.Module,
+    plan: ShardingPlan | Mapping,
+    mesh: DeviceMesh,
+    *args: Any,
+    raise_on_mismatch: bool = True,
+    **kwargs: Any,
+) -> list[PlacementMismatchError]:
+    """Run ``model(*args, **kwargs)`` as DTensors laid out by ``plan`` (call on every rank) and
+    return every planned module whose actual input/output placement differs from the declared
+    ``in_src``/``out_src``, in forward order; ``raise_on_mismatch`` raises the first one.
+
+    ``args``/``kwargs`` are what ``apply_fn`` would get (this rank's local data).  The model is
+    only read.
+    """
+    found, _ = check_placements(model, plan, mesh, args, kwargs)
+    if found and raise_on_mismatch:
+        raise found[0]
+    return found
+
+
+def check_placements(
+    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, args: tuple, kwargs: dict
+) -> tuple[list[PlacementMismatchError], int]:
+    """``validate_placements`` without raising: (mismatches in forward order, placements compared)."""
+    plan = plan if isinstance(plan, ShardingPlan) else ShardingPlan(plan)
+    program = compile_plan(model, plan, mesh)  # local: a bad plan raises here, on every rank
+    packed = sorted(k for k, i in program.infos.items() if i.blocks)
+    if packed:
+        raise PlanError(f"validate_placements: packed parameters {packed[:3]} have no DTensor layout; use validate()")
+    if plan.loss_parallel and kwargs.get("labels") is not None:
+        raise PlanError("validate_placements: the loss_parallel labels= loss is not checked by DTensor; pass no labels")
+    dmodel = build_skeleton(model, {k: i.global_shape for k, i in program.infos.items()}, program.canonical)
+    local = {k: slice_local(model.get_parameter(k), i) for k, i in program.infos.items()}
+    dparams = {k: nn.Parameter(v, requires_grad=False) for k, v in to_dtensor(local, program.infos).items()}
+    for name, key in program.canonical.items():
+        owner, _, pname = name.rpartition(".")
+        setattr(dmodel.get_submodule(owner), pname, dparams[key])
+
+    trail = _Trail()
+    for b in program.boundaries:
+        _attach(dmodel.get_submodule(b.planned.fqn), b, mesh, trail)
+    if "use_cache" in inspect.signature(dmodel.forward).parameters and "use_cache" not in kwargs:
+        kwargs = {**kwargs, "use_cache": False}  # HF's KV cache concatenates plain tensors with DTensors
+    try:
+        with torch.no_grad(), implicit_replication():
+            dmodel(*args, **kwargs)
+    except Exception as exc:
+        where = (f"inside {trail.stack[-1]}" if trail.stack else f"after {trail.last}" if trail.last
+                 else "before any planned module")
+        raise PlanError(f"validate_placements: the DTensor forward failed {where}: {type(exc).__name__}: {exc}") from exc
+    return trail.found, trail.checked
+
+
+class _Trail:
+    """What the hooks saw: mismatches, how many placements were compared, where the forward is."""
+
+    def __init__(self):
+        self.found: list[PlacementMismatchError] = []
+        self.checked = 0
+        self.stack: list[str] = []  # planned modules entered and not yet left
+        self.last = ""  # the last planned module left
+
+
+def _attach(module: nn.Module, b: Boundary, mesh: DeviceMesh, trail: _Trail) -> None:
+    """Hooks that wrap/check/redistribute ``module``'s arguments and outputs as ``b`` declares."""
+    spec, fqn = b.spec, b.planned.fqn
+    in_keys = list(dict.fromkeys([*spec.in_src, *spec.in_dst]))
+    out_keys = list(dict.fromkeys([*spec.out_src, *spec.out_dst]))
+    slots = _arg_slots(module.forward, in_keys, fqn) if in_keys else []
+
+    def convert(value, key, src_map, dst_map, stage: str):
+        if not isinstance(value, Tensor):
+            return value
+        expected = mesh_placements(src_map.get(key, {}), mesh, f"{fqn} {stage} {key!r}")
+        target = tuple(dst_map.get(key, {}).get(a, p) for a, p in zip(mesh.mesh_dim_names, expected, strict=True))
+        if isinstance(value, DTensor):
+            actual = tuple(value.placements)
+        elif stage == "in_src":  # the caller's data arrives as the plan says it does
+            value, actual = DTensor.from_local(value, mesh, expected, run_check=False), expected
+        else:  # a plain output computed without DTensor: replicated
+            actual = (Replicate(),) * mesh.ndim
+            value = DTensor.from_local(value, mesh, actual, run_check=False)
+        trail.checked += 1
+        if not same_placements(actual, expected, value.ndim):
+            trail.found.append(PlacementMismatchError(fqn, expected, actual, stage, key))
+        return value.redistribute(mesh, target)
+
+    def pre(mod, args, kwargs):
+        trail.stack.append(fqn)
+        args = list(args)
+        for key, name, pos in slots:
+            if name in kwargs:
+                kwargs[name] = convert(kwargs[name], key, spec.in_src, spec.in_dst, "in_src")
+            elif pos is not None and pos < len(args):
+                args[pos] = convert(args[pos], key, spec.in_src, spec.in_dst, "in_src")
+        return tuple(args), kwargs
+
+    def post(mod, args, out):
+        trail.last = trail.stack.pop()
+        for key in out_keys:
+            index = 0 if key == "output" else key
+            if isinstance(out, Tensor) and index == 0:
+                out = convert(out, key, spec.out_src, spec.out_dst, "out_src")
+            elif isinstance(out, tuple) and isinstance(index, int) and index < len(out):
+                out = (*out[:index], convert(out[index], key, spec.out_src, spec.out_dst, "out_src"), *out[index + 1:])
+        return out
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post)

@@ -1,0 +1,198 @@
+"""validate(): passes on correct plans, names the culprit on deliberately broken ones; the DTensor
+mode names (module, expected, actual) where a declared placement disagrees with DTensor."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import hp_functional as hpf
+from hp_functional.validate import PlacementMismatchError, ValidationError, validate
+from hp_functional.validate_dtensor import validate_placements
+from tests.helpers import build_hf, make_hf_state, mesh, world
+from tests.snapshot import assert_unchanged, snapshot
+from tests.test_llama import sp_plan
+from tests.test_mlp import MLP, make_mlp_state
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseNoReduce(hpf.Rowwise):
+    """Broken on purpose: declares the output Replicate where it is Partial, so the reduction is skipped."""
+
+    def spec(self, module, fqn, axis):
+        return dataclasses.replace(super().spec(module, fqn, axis), out_src={"output": {axis: Replicate()}})
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabEmbeddingWrongOffset(hpf.VocabEmbedding):
+    """Broken on purpose: every rank looks its ids up at the next rank's vocabulary offset."""
+
+    def local_forward(self, module, group, forward):
+        return super().local_forward(module, dataclasses.replace(group, rank=(group.rank + 1) % group.size), forward)
+
+
+def sp_norm_without_grad_reduce() -> hpf.ModuleSpec:
+    """Broken on purpose: a SequenceParallel norm forced invariant, so its weight gradient (from
+    this rank's tokens only) is never all-reduced."""
+    seq = {"tp": Shard(1)}
+    return hpf.ModuleSpec(in_src={0: seq}, in_dst={0: seq}, out_src={"output": seq}, out_dst={"output": seq}, varying=False)
+
+
+MLP_SP = {  # Megatron-SP inside a root boundary: full input and output, sequence-sharded in between
+    "": hpf.ModuleSpec(in_src={0: {"tp": Replicate()}}, in_dst={0: {"tp": Shard(1)}},
+                       out_src={"output": {"tp": Shard(1)}}, out_dst={"output": {"tp": Replicate()}}),
+    "norm": hpf.SequenceParallel(),
+    "up": hpf.Colwise(input_layout=Shard(1)),
+    "down": hpf.Rowwise(output_layout=Shard(1)),
+}
+L = "model.layers.*"
+SETUPS = {  # name -> (model, plan entries on top of its base plan)
+    "llama_hf": ("llama", {}),
+    "llama_sp": ("llama_sp", {}),
+    "llama_sp_2d": ("llama_sp", {}),  # on a (dp, tp) mesh, each dp group with its own batch
+    "mlp_tp": ("mlp", {"up": hpf.Colwise(), "down": hpf.Rowwise()}),
+    "mlp_sp": ("mlp", MLP_SP),
+    "mlp_partial": ("mlp", {"up": hpf.Colwise(), "down": hpf.Rowwise(output_layout=Partial())}),  # output left unreduced
+    "broken_rowwise": ("llama", {"model.layers.1.self_attn.o_proj": RowwiseNoReduce()}),
+    "broken_mlp_rowwise": ("mlp", {"up": hpf.Colwise(), "down": RowwiseNoReduce()}),
+    "broken_sp_norm": ("llama_sp", {f"{L}.input_layernorm": sp_norm_without_grad_reduce()}),
+    "broken_vocab_offset": ("llama", {"model.embed_tokens": VocabEmbeddingWrongOffset()}),
+    "broken_declared_input": ("llama_sp", {"model.layers.0": hpf.PrepareInput({"hidden_states": (Shard(1), Shard(1))})}),
+}
+
+
+def setup(name: str, states: dict, labels: bool = True):
+    """(model, plan, mesh, args, kwargs) of a named setup, built inside a rank."""
+    kind, extra = SETUPS[name]
+    m = mesh((world() // 2, 2), ("dp", "tp")) if name.endswith("_2d") else mesh()
+    if kind == "mlp":
+        model = MLP()
+        model.load_state_dict(states["mlp"])
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+        return model, hpf.ShardingPlan(extra), m, (x,), {}
+    model = build_hf("llama", states["llama"])
+    base = sp_plan().entries if kind == "llama_sp" else hpf.ShardingPlan.from_hf(model).entries
+    dp = m.size(0) if m.ndim == 2 else 1
+    ids = torch.randint(0, 128, (2 * dp, 8), generator=torch.Generator().manual_seed(7))
+    ids = ids.chunk(dp)[m["dp"].get_local_rank()] if dp > 1 else ids
+    return model, hpf.ShardingPlan({**base, **extra}), m, (), {"input_ids": ids, **({"labels": ids} if labels else {})}
+
+
+@pytest.fixture(scope="module")
+def states():
+    return {"llama": make_hf_state("llama"), "mlp": make_mlp_state()}
+
+
+def case_validate(name: str, states: dict):
+    model, plan, m, args, kwargs = setup(name, states)
+    before = snapshot(model)
+    report = validate(model, plan, m, *args, **kwargs)
+    assert_unchanged(before, snapshot(model))  # hooks and gradients landed on private copies only
+    error = None
+    try:
+        report.raise_if_failed()
+    except ValidationError as exc:
+        error = str(exc)
+    return {
+        "ok": report.ok, "text": str(report), "error": error,
+        "modules": [(d.name, d.what, d.ok) for d in report.modules],
+        "params": [(d.name, d.ok) for d in report.params],
+        "replicas": [(r.param, r.axis) for r in report.mismatched_replicas],
+        "n_params": len(dict(model.named_parameters())),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama_hf", "llama_sp", "llama_sp_2d", "mlp_tp", "mlp_sp", "mlp_partial"])
+def test_validate_passes_on_correct_plans(pool, states, name):
+    results = pool.run(case_validate, name, states)
+    r = results[0]
+    assert r["ok"], r["text"]
+    assert all(x == r for x in results), "every rank gets the same report"
+    assert len(r["params"]) == r["n_params"] and r["modules"], r["text"]
+    assert not r["replicas"] and r["error"] is None
+
+
+BROKEN = {  # name -> (the module the report must name first, the failing gradients or None for "any")
+    "broken_rowwise": ("model.layers.1.self_attn.o_proj", None),
+    "broken_mlp_rowwise": ("down", None),
+    "broken_vocab_offset": ("model.embed_tokens", None),
+    "broken_sp_norm": (None, {"model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"}),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_validate_names_the_broken_module(pool, states, name):
+    module, grads = BROKEN[name]
+    r = pool.run(case_validate, name, states)[0]
+    assert not r["ok"], r["text"]
+    first_line = r["error"].splitlines()[0]
+    failing_modules = [m for m, _, ok in r["modules"] if not ok]
+    failing_params = {p for p, ok in r["params"] if not ok}
+    if module is not None:
+        assert failing_modules[0] == module, r["text"]  # the first divergence, ahead of what inherits it
+        assert f"first diverging module {module} " in first_line, first_line
+        assert not any(ok for _, _, ok in r["modules"][: len(failing_modules)]), "failing rows come first"
+    if grads is not None:  # forward exact; only the unreduced norm gradients are wrong
+        assert not failing_modules, r["text"]
+        assert failing_params == grads, r["text"]
+        assert {p for p, _ in r["replicas"]} == grads and {a for _, a in r["replicas"]} == {"tp"}
+        assert any(f"worst gradient {g} " in first_line for g in grads), first_line
+
+
+def case_dtensor(name: str, states: dict):
+    model, plan, m, args, kwargs = setup(name, states, labels=False)
+    before = snapshot(model)
+    report = validate(model, plan, m, *args, mode="dtensor", **kwargs)
+    found = [(e.module, e.expected, e.actual, e.stage, e.key) for e in report.placement_mismatches]
+    raised = None
+    try:
+        validate_placements(model, plan, m, *args, **kwargs)
+    except PlacementMismatchError as exc:
+        raised = (exc.module, exc.expected, exc.actual, exc.stage, str(exc))
+    assert_unchanged(before, snapshot(model))
+    return report.ok, report.placements_checked, found, raised, str(report)
+
+
+@pytest.mark.parametrize("name", ["llama_hf", "llama_sp", "mlp_tp", "mlp_sp"])
+def test_dtensor_mode_agrees_with_correct_plans(pool, states, name):
+    ok, checked, found, raised, text = pool.run(case_dtensor, name, states)[0]
+    assert ok and not found and raised is None, text
+    assert checked >= 4, text
+
+
+@pytest.mark.parametrize("name,module,expected,actual,stage", [
+    ("broken_rowwise", "model.layers.1.self_attn.o_proj", (Replicate(),), (Partial(),), "out_src"),
+    ("broken_declared_input", "model.layers.0", (Shard(1),), (Replicate(),), "in_src"),
+])
+def test_dtensor_mode_raises_placement_mismatch(pool, states, name, module, expected, actual, stage):
+    ok, _, found, raised, text = pool.run(case_dtensor, name, states)[0]
+    assert not ok and len(found) == 1, text
+    assert found[0][:4] == (module, expected, actual, stage), found
+    assert raised[:4] == (module, expected, actual, stage), raised
+    assert raised[4].startswith(f"[{module}] {stage} placement mismatch"), raised[4]
+
+
+def case_bad_input(states: dict):
+    model, plan, _, args, _ = setup("mlp_tp", states)
+    before = snapshot(model)
+    errors = []
+    for kwargs, kind in [({"mode": "jax"}, ValueError), ({"tolerance": -1.0}, ValueError), ({"loss_fn": 3}, TypeError),
+                         ({"check_axes": ["dp"]}, ValueError), ({"mode": "dtensor", "loss_fn": sum}, ValueError)]:
+        with pytest.raises(kind) as exc:
+            validate(model, plan, mesh(), *args, **kwargs)
+        errors.append(str(exc.value))
+    with pytest.raises(hpf.PlanError, match="matches no module"):
+        validate(model, {"upp": hpf.Colwise()}, mesh(), *args)
+    with pytest.raises(RuntimeError):  # wrong input width: the (local) reference run raises first
+        validate(model, plan, mesh(), torch.randn(2, 8, 5))
+    assert_unchanged(before, snapshot(model))
+    # nothing above reached a collective, or this one would hang or mix up messages
+    assert validate(model, plan, mesh(), *args, loss_fn=lambda out: (out**2).mean(), raise_on_failure=True).ok
+    return errors
+
+
+def test_bad_input_raises_before_any_collective(pool, states):
+    errors = pool.run(case_bad_input, states)[0]
+    assert "mode 'jax'" in errors[0] and "tolerance" in errors[1] and "loss_fn" in errors[2], errors
+    assert "check_axes" in errors[3] and "mode='numeric'" in errors[4], errors

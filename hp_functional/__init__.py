@@ -8,9 +8,13 @@ collectives that compose with ``torch.func`` (grad, vmap, jvp/vjp).
 from . import collectives
 from .apply import compile_plan, shard
 from .errors import PlanError, PlanMismatchError, PlanWarning, ShapeError
+from .explain import Explanation, Memory, Schedule, ScheduleRow
+from .explain import explain as _explain  # loads the submodule first, so the def below keeps the name
+from .lint import Finding, lint
 from .loss import vocab_parallel_cross_entropy
 from .placement import ShardInfo, to_dtensor, unshard
 from .plan import ShardingPlan
+from .simulate import simulate
 from .styles import (
     Colwise,
     Heads,
@@ -29,6 +33,13 @@ from .validate import PlacementMismatchError, ValidationError, ValidationReport,
 from .validate_dtensor import validate_placements
 
 __all__ = [
+    "Explanation",
+    "Finding",
+    "Memory",
+    "Schedule",
+    "ScheduleRow",
+    "lint",
+    "simulate",
     "Colwise",
     "Heads",
     "ModuleSpec",
@@ -62,6 +73,8 @@ __all__ = [
 ]
 
 
-def explain(model, plan, mesh) -> str:
-    """The resolved plan: per planned module, parameter placements and lowered collectives."""
-    return compile_plan(model, plan, mesh).explain()
+def explain(model, plan, mesh, *args, **kwargs) -> str:
+    """The plan as text: placements and lowered steps per module; with example inputs (or
+    ``batch=``, ``seq=``) the measured communication schedule; per-rank parameter memory.
+    ``hp_functional.explain.explain`` returns the structured ``Explanation``."""
+    return str(_explain(model, plan, mesh, *args, **kwargs))

@@ -1,45 +1,289 @@
-"""Plan lint: findings about a resolved plan that ``shard()`` reports before placing anything.
+"""Plan lint: findings about a plan resolved against a model, before anything is placed.
 
-Errors raise ``PlanError`` (on every rank, before any collective); warnings go through
-``warnings.warn`` as ``PlanWarning``.
+``shard()`` (through ``compile_plan``) runs ``lint`` right after resolving the plan: errors raise
+one ``PlanError`` listing them all (on every rank, before any collective); warnings go through
+``warnings.warn`` as ``PlanWarning`` (only when there is no error).  ``lint(model, plan, mesh)``
+called by itself returns every finding instead — including the errors that resolving and
+placing raise (collected, not raised); it reads the model and the plan, never mutates them,
+and communicates nothing.
+
+An *error* means the plan cannot be applied or would certainly compute something else than the
+model; a *warning* means it runs but is probably not what was meant.  A Linear that is meant
+to stay replicated beside sharded siblings is marked with an explicit ``Replicate()`` entry,
+which silences ``unreduced`` and ``replicated``.
+
+=====================  =======  ==============================================================
+code                   level    finding
+=====================  =======  ==============================================================
+``entry``              error    a pattern matches no module, names an axis not in the mesh, or
+                                an unsupported HF style string
+``conflict``           error    equally specific patterns give one module different styles
+``style``              error    a style that does not fit its module (Colwise on an Embedding,
+                                a ModuleSpec naming a missing parameter), a special handler
+                                that matches no parameter, a loss-parallel head not Colwise
+``argument``           error    PrepareInput/ModuleSpec names a forward argument the module
+                                does not have
+``heads``              error    a Colwise would cut an attention head in two: its local output
+                                features are not a multiple of the parent's ``head_dim``
+                                (fewer heads than ranks)
+``unreduced``          error    an unplanned Linear registered after Colwise siblings takes
+                                their output width, and no Rowwise reduces their Shard(-1)
+                                outputs (q/k/v colwise, o_proj left out)
+``placement``          error    standalone only: a dim not divisible by its axis, tied weights
+                                with conflicting layouts, bad packed blocks, bad placements
+                                (``shard()`` raises these itself)
+``sharded-output``     warning  a Colwise output stays Shard(-1) (no gather) and no sibling
+                                Rowwise consumes it
+``unsharded-input``    warning  a Rowwise expects a Shard(-1) input and no sibling Colwise
+                                produces it (use ``Rowwise(input_layout=Replicate())``)
+``replicated``         warning  an unplanned Linear has the weight shape of a sharded sibling
+                                (forgotten?)
+``sequence-parallel``  warning  SequenceParallel modules, but no other entry splits or gathers
+                                the sequence dim on that axis
+``shadowed``           warning  every module a pattern matches is taken by a more specific one
+=====================  =======  ==============================================================
 """
 
 from __future__ import annotations
 
+import copy
+import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from .errors import PlanError, PlanWarning
 
 if TYPE_CHECKING:
     from .plan import Planned, ShardingPlan
+    from .styles import ModuleSpec
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One lint result: ``level`` error or warning, the module/parameter it names, and why."""
+    """One lint result: ``level`` error or warning, the module/pattern it names, why, and a
+    short ``code`` (see the module docstring)."""
 
     level: Literal["error", "warning"]
     where: str
     message: str
+    code: str = ""
 
     def __str__(self) -> str:
-        return f"{self.level}: {self.where}: {self.message}"
+        named = not self.where or self.where in self.message
+        return f"{self.level}: {self.message}" if named else f"{self.level}: {self.where}: {self.message}"
 
 
-def lint(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: list[Planned]) -> list[Finding]:
-    """Findings about ``plan`` resolved against ``model`` (``planned``); reads, never mutates."""
-    return []
+def lint(
+    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, planned: list[Planned] | None = None
+) -> list[Finding]:
+    """Every finding about ``plan`` on ``model`` and ``mesh``.  ``planned`` (from ``compile_plan``,
+    already resolved) skips what resolving and placing check themselves."""
+    from .plan import ShardingPlan
+
+    if planned is not None:
+        return _shadowed(model, plan) + _semantic(model, plan, mesh, planned, standalone=False)
+    if not isinstance(plan, ShardingPlan):
+        try:
+            plan = ShardingPlan(plan)
+        except PlanError as exc:
+            return [Finding("error", "plan", str(exc), "entry")]
+    findings, good = [], {}
+    for pattern, style in plan.entries.items():  # each entry alone: unmatched pattern, unknown axis
+        try:
+            ShardingPlan({pattern: style}, tp_axis=plan.tp_axis).resolve(model, mesh)
+            good[pattern] = style
+        except PlanError as exc:
+            findings.append(Finding("error", pattern, str(exc), "entry"))
+    sub = copy.copy(plan)
+    sub.entries = good
+    findings += _conflicts(model, sub) + _shadowed(model, sub)
+    try:
+        sub.param_rules(model)
+        planned = sub.resolve(model, mesh)
+    except PlanError as exc:
+        if not any(f.code == "conflict" for f in findings):
+            findings.append(Finding("error", "plan", str(exc), "style"))
+        return findings
+    findings += _semantic(model, sub, mesh, planned, standalone=True)
+    if not any(f.level == "error" for f in findings):
+        from .apply import compile_plan
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PlanWarning)
+                compile_plan(model, plan, mesh)
+        except PlanError as exc:
+            findings.append(Finding("error", "plan", str(exc), "placement"))
+    return findings
+
+
+def collapse(findings: list[Finding]) -> list[str]:
+    """The findings as lines, those that differ only in layer indices merged into one
+    (``model.layers.*.mlp``, with a count)."""
+    groups: dict[str, int] = {}
+    for f in findings:
+        line = re.sub(r"\.\d+(?=\.)", ".*", str(f))
+        groups[line] = groups.get(line, 0) + 1
+    return [f"{line} ({n} modules)" if n > 1 else line for line, n in groups.items()]
 
 
 def enforce(findings: list[Finding]) -> None:
     """Raise the errors (all of them, in one PlanError); warn about the rest."""
     errors = [f for f in findings if f.level == "error"]
     if errors:
-        raise PlanError("; ".join(str(f) for f in errors))
-    for f in findings:
-        warnings.warn(str(f), PlanWarning, stacklevel=3)
+        raise PlanError("; ".join(collapse(errors)))
+    for line in collapse(findings):
+        warnings.warn(line, PlanWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------- pattern checks
+def _candidates(model: nn.Module, plan: ShardingPlan) -> dict[str, list[tuple[int, str, object]]]:
+    """Module path → every (specificity, pattern, style) matching it."""
+    from .plan import _match
+
+    out: dict[str, list[tuple[int, str, object]]] = {}
+    for path in dict(model.named_modules()):
+        for pattern, style in plan.entries.items():
+            if _match(pattern, path):
+                out.setdefault(path, []).append((pattern.count("*"), pattern, style))
+    return out
+
+
+def _conflicts(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
+    findings = []
+    for path, cands in _candidates(model, plan).items():
+        best = min(r for r, _, _ in cands)
+        top = [(p, s) for r, p, s in cands if r == best]
+        for p, s in top[1:]:
+            if s != top[0][1]:
+                findings.append(Finding("error", path, f"{path}: conflicting plan entries {top[0][0]!r} ({top[0][1]}) "
+                                                      f"and {p!r} ({s})", "conflict"))
+    return findings
+
+
+def _shadowed(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
+    hits: dict[str, list[bool]] = {}
+    for cands in _candidates(model, plan).values():
+        best = min(r for r, _, _ in cands)
+        for r, pattern, _ in cands:
+            hits.setdefault(pattern, []).append(r > best)
+    return [
+        Finding("warning", pattern, f"plan entry {pattern!r} has no effect: every module it matches is taken by a more "
+                                    "specific pattern", "shadowed")
+        for pattern, shadowed in hits.items() if all(shadowed)
+    ]
+
+
+# ---------------------------------------------------------------- structural checks
+def _placement(spec_map: Mapping, key, axis: str):
+    return spec_map.get(key, {}).get(axis)
+
+
+def _semantic(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: list[Planned], *, standalone: bool):
+    """The checks on module structure: siblings of sharded Linears, heads, arguments, SP."""
+    from .skeleton import _arg_slots
+    from .styles import SequenceParallel
+
+    findings: list[Finding] = []
+    specs: dict[str, ModuleSpec] = {}
+    for p in planned:
+        try:
+            specs[p.fqn] = p.style.spec(p.module, p.fqn, p.axis)
+        except PlanError as exc:  # compile_plan raises these itself right after lint
+            if standalone:
+                findings.append(Finding("error", p.fqn, str(exc), "style"))
+            continue
+        keys = [*dict.fromkeys([*specs[p.fqn].in_src, *specs[p.fqn].in_dst])]
+        if keys:
+            try:
+                _arg_slots(p.module.forward, keys, p.fqn)
+            except PlanError as exc:
+                findings.append(Finding("error", p.fqn, str(exc), "argument"))
+    by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
+    head = plan.loss_head(model) if plan.loss_parallel else None
+    modules = dict(model.named_modules())
+    parents = {fqn.rpartition(".")[0] for fqn, m in modules.items() if isinstance(m, nn.Linear) and fqn in by_fqn}
+    for parent in sorted(parents):
+        findings += _siblings(parent, modules, by_fqn, specs, head, mesh)
+    for p in by_fqn.values():
+        if isinstance(p.style, SequenceParallel):
+            seq = Shard(p.style.seq_dim)
+            others = [
+                q for q in by_fqn.values() if not isinstance(q.style, SequenceParallel) and any(
+                    pl.get(p.axis) == seq for m in (specs[q.fqn].in_src, specs[q.fqn].in_dst, specs[q.fqn].out_src,
+                                                    specs[q.fqn].out_dst) for pl in m.values())
+            ]
+            if not others:
+                findings.append(Finding(
+                    "warning", p.fqn, f"{p.fqn}: SequenceParallel, but no other plan entry splits or gathers dim "
+                    f"{p.style.seq_dim} on axis {p.axis!r} (e.g. Rowwise(output_layout=Shard(1)), PrepareInput to/from "
+                    "Shard(1)); its input must arrive sequence-sharded and its output is never gathered", "sequence-parallel"))
+    return findings
+
+
+def _siblings(parent: str, modules, by_fqn, specs, head, mesh: DeviceMesh) -> list[Finding]:
+    """Colwise/Rowwise pairs among the direct children of ``parent``."""
+    findings: list[Finding] = []
+    join = (lambda n: f"{parent}.{n}") if parent else (lambda n: n)
+    children = [join(n) for n, _ in modules[parent].named_children()]
+    linears = [c for c in children if isinstance(modules[c], nn.Linear)]
+    unplanned = [c for c in linears if c not in by_fqn]
+    planned = [c for c in linears if c in by_fqn]
+    axes = {by_fqn[c].axis for c in planned}
+    for axis in sorted(axes):
+        mine = [c for c in planned if by_fqn[c].axis == axis]
+        producers = [c for c in mine if c != head and isinstance(_placement(specs[c].out_dst, "output", axis), Shard)
+                     and _placement(specs[c].out_dst, "output", axis).dim == -1]
+        consumers = [c for c in mine if _placement(specs[c].in_src, 0, axis) == Shard(-1)]
+        sharded = [c for c in mine if any(isinstance(pl.get(axis), Shard) for pl in specs[c].params.values())]
+        flagged = set()
+        if producers and not consumers:
+            widths, first = {modules[c].out_features for c in producers}, min(children.index(c) for c in producers)
+            culprits = [u for u in unplanned if modules[u].in_features in widths and children.index(u) > first]
+            for u in culprits:
+                findings.append(Finding(
+                    "error", u, f"{u} is left replicated (no plan entry) but consumes the Shard(-1) outputs of {producers}, "
+                    "which nothing reduces: plan it Rowwise, or gather those outputs (gather_output=True)", "unreduced"))
+            flagged.update(culprits)
+            if not culprits:
+                for c in producers:
+                    findings.append(Finding(
+                        "warning", c, f"{c}: its output stays sharded on the last dim (Colwise without gather_output) and "
+                        "no sibling Rowwise consumes it", "sharded-output"))
+        if consumers and not producers:
+            for c in consumers:
+                findings.append(Finding(
+                    "warning", c, f"{c}: Rowwise expects its input sharded on the last dim but no sibling Colwise produces "
+                    "it; use Rowwise(input_layout=Replicate()) to split a replicated input", "unsharded-input"))
+        for u in unplanned:
+            twin = next((c for c in sharded if modules[c].weight.shape == modules[u].weight.shape), None)
+            if u not in flagged and twin is not None:
+                findings.append(Finding(
+                    "warning", u, f"{u} is left replicated while its sibling {twin} of the same shape is sharded; plan it "
+                    "too, or plan it Replicate() if that is meant", "replicated"))
+        findings += _heads(parent, modules, producers, by_fqn, specs, mesh, axis)
+    return findings
+
+
+def _heads(parent: str, modules, producers, by_fqn, specs, mesh: DeviceMesh, axis: str) -> list[Finding]:
+    """HF attention reshapes with ``-1`` and ``head_dim``: every rank needs whole heads."""
+    head_dim = getattr(modules[parent], "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0 or (parent in specs and specs[parent].divide_attrs):
+        return []
+    n = mesh.size(list(mesh.mesh_dim_names).index(axis))
+    findings = []
+    for c in producers:
+        out = modules[c].out_features
+        if getattr(by_fqn[c].style, "packed", None) or out % n:
+            continue  # packed projections are not split by heads; indivisible dims raise ShapeError
+        if (out // n) % head_dim:
+            findings.append(Finding(
+                "error", c, f"{c}: {out} output features over {n} ranks of axis {axis!r} leave {out // n} per rank, not a "
+                f"multiple of head_dim={head_dim} of {parent or 'the root'} (fewer heads than ranks)", "heads"))
+    return findings

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from .agree import agree
 from .collectives import AxisGroup
@@ -84,6 +84,15 @@ def _is_below(fqn: str, ancestor: str) -> bool:
 
 def _fmt(placements) -> str:
     return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def _exit_placement(spec: ModuleSpec, axis: str) -> Placement:
+    """A region's undeclared output leaves with the placement its replicated input arrived in
+    (a residual-stream block: Replicate in, Replicate out; sequence-sharded in, sharded out)."""
+    return next(
+        (spec.in_src.get(k, {}).get(axis, Replicate()) for k, d in spec.in_dst.items() if isinstance(d.get(axis), Replicate)),
+        Replicate(),
+    )
 
 
 def _tensor_steps(src_map, dst_map, key, axes, groups, *, consumer, src_varying, where) -> list[Step]:
@@ -190,12 +199,15 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
             elif axis in below or any(isinstance(d.get(axis), (Shard, Partial)) for d in spec.in_dst.values()):
                 varying.add(axis)
         region[p.fqn] = {a for a in varying if any(isinstance(d.get(a), Replicate) for d in spec.in_dst.values())}
+        out_src = dict(spec.out_src)
+        if region[p.fqn] and "output" not in {*spec.out_src, *spec.out_dst}:
+            out_src["output"] = {a: _exit_placement(spec, a) for a in region[p.fqn]}  # leaves as it came in
         b = Boundary(p, spec, varying=varying)
         for key in {*spec.in_src, *spec.in_dst}:
             b.in_steps[key] = _tensor_steps(spec.in_src, spec.in_dst, key, axes, groups, consumer=varying,
                                             src_varying=inside, where=f"{p.fqn} input {key!r}")
-        for key in {*spec.out_src, *spec.out_dst}:
-            b.out_steps[key] = _tensor_steps(spec.out_src, spec.out_dst, key, axes, groups, consumer=inside,
+        for key in {*out_src, *spec.out_dst}:
+            b.out_steps[key] = _tensor_steps(out_src, spec.out_dst, key, axes, groups, consumer=inside,
                                              src_varying=varying, where=f"{p.fqn} output {key!r}")
         b.in_steps = {k: v for k, v in b.in_steps.items() if v}
         b.out_steps = {k: v for k, v in b.out_steps.items() if v}

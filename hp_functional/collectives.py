@@ -8,7 +8,9 @@ collective is linear: the tangent goes through the same forward op) and an expli
 rule (the vmapped dim is moved to the front; dims given as non-negative indices shift by one).
 
 The raw communication uses ``torch.ops._c10d_functional`` so the forward is traceable by
-``torch.compile`` and works on any backend (gloo, nccl, hccl).
+``torch.compile`` and works on any backend (gloo, nccl, hccl).  Under ``torch.compile`` each
+collective runs as a twin Function without the ``jvp``/``vmap`` rules (Dynamo refuses a custom
+``jvp``), with the same forward and backward, so ``torch.compile(apply_fn)`` is one graph.
 
 Naming follows the transpose pairs of JAX/Megatron:
 
@@ -24,6 +26,7 @@ function                   forward             backward
 ``gather_from``            all-gather          split (local chunk)
 ``split_to``               split (local chunk) all-gather
 ``partial_from``           keep on rank 0      identity
+``leave_region``           identity            keep on rank 0
 =========================  ==================  ==================
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -108,18 +112,28 @@ def _keep_on_rank0(x: Tensor, g: AxisGroup) -> Tensor:
     return x.view_as(x) if g.rank == 0 else torch.zeros_like(x)
 
 
-# ---------------------------------------------------------------- autograd.Function factory
+# ---------------------------------------------------------------- autograd.Function pairs
 def _shift_dims(args: tuple) -> tuple:
     """Dims (ints) as seen with a vmapped batch dim in front: non-negative ones move by one."""
     return tuple(a + 1 if isinstance(a, int) and not isinstance(a, bool) and a >= 0 else a for a in args)
 
 
-def _collective(name: str, forward: Callable, transpose: Callable[..., Tensor]) -> type[torch.autograd.Function]:
-    """An autograd.Function whose forward is ``forward(x, *args)`` and whose backward is
-    ``transpose(grad, *args)`` (itself built from collectives, so it is differentiable)."""
+class Collective(NamedTuple):
+    """One collective as two ``autograd.Function`` classes with the same forward and backward:
+    ``eager`` also has the forward-mode ``jvp`` and the ``vmap`` rule; ``traced`` has neither,
+    because Dynamo cannot trace a Function with a custom ``jvp`` (torch.compile would graph-break)."""
 
-    def fwd(x, *args):
-        return forward(x, *args)
+    eager: type[torch.autograd.Function]
+    traced: type[torch.autograd.Function]
+
+    def apply(self, x: Tensor, *args) -> Tensor:
+        """Run the collective; under ``torch.compile`` the traceable twin (a constant choice at trace time)."""
+        return (self.traced if torch.compiler.is_compiling() else self.eager).apply(x, *args)
+
+
+def _collective(name: str, forward: Callable, transpose: Callable[..., Tensor]) -> Collective:
+    """A collective whose forward is ``forward(x, *args)`` and whose backward is
+    ``transpose(grad, *args)`` (itself built from collectives, so it is differentiable)."""
 
     def setup_context(ctx, inputs, output):
         ctx.args = inputs[1:]
@@ -128,27 +142,26 @@ def _collective(name: str, forward: Callable, transpose: Callable[..., Tensor]) 
         return (transpose(grad, *ctx.args), *([None] * len(ctx.args)))
 
     def jvp(ctx, tangent, *_):
-        return fn.apply(tangent, *ctx.args)
+        return eager.apply(tangent, *ctx.args)
 
     def vmap(info, in_dims, x, *args):
         if in_dims[0] is None:
-            return fn.apply(x, *args), None
-        return fn.apply(x.movedim(in_dims[0], 0), *_shift_dims(args)), 0
+            return eager.apply(x, *args), None
+        return eager.apply(x.movedim(in_dims[0], 0), *_shift_dims(args)), 0
 
-    fn = type(
-        name,
-        (torch.autograd.Function,),
-        {
-            "generate_vmap_rule": False,
-            "forward": staticmethod(fwd),
-            "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward),
-            "jvp": staticmethod(jvp),
-            "vmap": staticmethod(vmap),
-            "__doc__": f"Differentiable {name} (see module docstring).",
-        },
-    )
-    return fn
+    common = {
+        # the raw op itself, not a ``*args`` wrapper: when no grad is needed Dynamo calls forward
+        # with ctx first and drops it only if forward's arity matches apply's arguments
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+        "__doc__": f"Differentiable {name} (see module docstring).",
+    }
+    eager = type(name, (torch.autograd.Function,), {
+        **common, "generate_vmap_rule": False, "jvp": staticmethod(jvp), "vmap": staticmethod(vmap),
+    })
+    traced = type(f"{name}Traced", (torch.autograd.Function,), common)
+    return Collective(eager, traced)
 
 
 # The transposes refer to the public functions below, which exist by the time backward runs.
@@ -161,6 +174,7 @@ ReduceFrom = _collective("ReduceFrom", raw_all_reduce, lambda g, ax: g)
 GatherFrom = _collective("GatherFrom", raw_all_gather, lambda g, d, ax: split_to(g, d, ax))
 SplitTo = _collective("SplitTo", raw_split, lambda g, d, ax: all_gather(g, d, ax))
 PartialFrom = _collective("PartialFrom", _keep_on_rank0, lambda g, ax: g)
+LeaveRegion = _collective("LeaveRegion", _identity, lambda g, ax: partial_from(g, ax))
 
 
 # ---------------------------------------------------------------- public functional API
@@ -207,3 +221,9 @@ def split_to(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
 def partial_from(x: Tensor, group: AxisGroup) -> Tensor:
     """Replicate → Partial: rank 0 keeps ``x``, the others contribute zeros; identity backward."""
     return PartialFrom.apply(x, group)
+
+
+def leave_region(x: Tensor, group: AxisGroup) -> Tensor:
+    """Identity forward; backward keeps the (replicated) gradient on rank 0 only.  A replicated
+    value leaving a rank-varying region, whose gradients inside are per-rank partial sums."""
+    return LeaveRegion.apply(x, group)

@@ -12,6 +12,7 @@ the backward (JAX's device-varying vs invariant values):
 src → dst      consumer invariant              consumer rank-varying
 =============  ==============================  ===================================
 R → R          nothing                         copy_to (id / all-reduce)
+R → R (leave)  leave_region (id / rank 0)      nothing
 S(d) → R       gather_from (AG / split)        all_gather (AG / reduce-scatter)
 P → R          reduce_from (AR / id)           all_reduce (AR / AR)
 P → S(d)       reduce_scatter (RS / AG)        reduce_scatter (RS / AG)
@@ -20,8 +21,11 @@ S(i) → S(j)    all_to_all                      all_to_all
 R → P          partial_from (rank 0 / id)      partial_from (rank 0 / id)
 =============  ==============================  ===================================
 
-Inside a varying region (``src_varying``) R → R is nothing (the region's entry already made the
-gradient partial), and R → S / R → P are rejected: their transposes would over-count.
+Inside a varying region (``src_varying``) gradients of replicated values are per-rank partial
+sums: R → R into more varying compute is nothing (the region's entry reduces them once), R → R
+out of the region into invariant compute is ``leave_region`` (its replicated gradient is kept on
+rank 0 only, so the partial sums add up to it once), and R → S / R → P are rejected: their
+transposes would over-count.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ def lower(
     if isinstance(src, R) and isinstance(dst, R):
         if consumer_varying and not src_varying:
             return _step(C.copy_to, g, "identity", "all_reduce")
+        if src_varying and not consumer_varying:
+            return _step(C.leave_region, g, "identity", "keep_on_rank0")
         return None
     if isinstance(src, S) and isinstance(dst, R):
         if consumer_varying:

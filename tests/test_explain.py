@@ -9,7 +9,7 @@ from hp_functional.explain import explain
 from hp_functional.models import tiny_config
 from hp_functional.simulate import simulate
 from tests.helpers import build_hf, mesh
-from tests.test_llama import sp_plan
+from tests.test_llama import megatron_plan, sp_plan
 from tests.test_mlp import MLP, PLANS
 
 B, S = 2, 8  # batch and sequence of the example inputs
@@ -60,9 +60,7 @@ def param_bytes(n: int) -> tuple[int, int]:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_schedule_totals_match_closed_form(world, sp):
-    """On the fake process group (one process).  Not on the shared rank pool: importing the
-    ``hp_functional.explain`` submodule there shadows the package's ``explain`` function for the
-    tests that run after it (see the report: ``__init__`` should import the submodule first)."""
+    """On the fake process group (one process): any world size, nothing allocated."""
     totals, rows, memory, text = simulate(lambda m: case_explain(sp, m), world_size=world)
     assert totals == closed_form(world, sp)
     assert memory.world == world and (memory.sharded, memory.replicated) == param_bytes(world)
@@ -80,6 +78,26 @@ def test_schedule_totals_match_closed_form(world, sp):
         assert bwd[0] == "lm_head" and bwd[-1] == "model.layers.0.self_attn.q_proj"
     assert "communication schedule" in text and "parameter memory per rank" in text
     assert ("fwd all_gather(1)" if sp else "fwd all_gather(-1)") in text  # render()'s lowered steps
+
+
+@pytest.mark.parametrize("partial_exit", [False, True], ids=["regions", "partial_exit"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_regions(world, partial_exit):
+    """Attention and the MLP as regions: the backward all-reduces each block's input once (plus,
+    when the block leaves replicated, once at o_proj/down_proj, whose gradient arrives kept on
+    rank 0); with Megatron's g (partial exit) exactly one per block — 2L+1 with the head's input,
+    not one per column-parallel projection (5L+1)."""
+
+    def run(m):
+        model = build_hf("llama")
+        return explain(model, megatron_plan(model, partial_exit), m, batch=B, seq=S).schedule.totals()
+
+    c = tiny_config("llama")
+    L, act = c.num_hidden_layers, B * S * c.hidden_size * 4
+    n = 2 * L + 1 if partial_exit else 4 * L + 1
+    expected = closed_form(world, sp=False)
+    expected[("bwd", "all_reduce", "tp")] = (n, n * act)
+    assert simulate(run, world_size=world) == expected
 
 
 def test_dtype_loss_parallel_and_plain_modules():

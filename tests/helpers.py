@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from hp_functional.models import tiny_config
+
 
 @functools.cache
 def mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] = ("tp",)):
@@ -27,22 +29,6 @@ def assert_close(actual, expected, what: str, atol: float = 1e-5, rtol: float = 
     """assert_close that names ``what`` and returns the max abs difference."""
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
     return (actual - expected).abs().max().item() if actual.numel() else 0.0
-
-
-def tiny_config(family: str = "llama", **overrides):
-    """A small config of an HF causal-LM family (random weights, nothing downloaded)."""
-    from transformers import AutoConfig
-
-    kw = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-        attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    kw.update(overrides)
-    attn = kw.pop("attn_implementation")
-    config = AutoConfig.for_model(family, **kw)
-    config._attn_implementation = attn
-    return config
 
 
 def build_hf(family: str, state=None, **overrides):

@@ -9,7 +9,7 @@ from . import collectives
 from .apply import compile_plan, shard
 from .errors import PlanError, PlanMismatchError, PlanWarning, ShapeError
 from .explain import Explanation, Memory, Schedule, ScheduleRow
-from .explain import explain as _explain  # loads the submodule first, so the def below keeps the name
+from .explain import explain as explain_plan  # loads the submodule first, so the def below keeps the name
 from .lint import Finding, lint
 from .loss import vocab_parallel_cross_entropy
 from .placement import ShardInfo, to_dtensor, unshard
@@ -64,6 +64,7 @@ __all__ = [
     "compile_plan",
     "default_handlers",
     "explain",
+    "explain_plan",
     "shard",
     "to_dtensor",
     "unshard",
@@ -76,5 +77,5 @@ __all__ = [
 def explain(model, plan, mesh, *args, **kwargs) -> str:
     """The plan as text: placements and lowered steps per module; with example inputs (or
     ``batch=``, ``seq=``) the measured communication schedule; per-rank parameter memory.
-    ``hp_functional.explain.explain`` returns the structured ``Explanation``."""
-    return str(_explain(model, plan, mesh, *args, **kwargs))
+    ``explain_plan`` returns the structured ``Explanation``."""
+    return str(explain_plan(model, plan, mesh, *args, **kwargs))

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from .agree import agree
 from .collectives import AxisGroup
-from .errors import PlanError
+from .errors import PlanError, ShapeError
 from .lint import enforce, lint
 from .placement import ShardInfo, local_layout, mesh_placements, slice_local
 from .plan import Planned, ShardingPlan
@@ -64,7 +64,7 @@ class Program:
         return render(self)
 
 
-def _block_sizes(name, shape, placements, local_shape, blocks) -> tuple[int, ...]:
+def _block_sizes(name, shape, placements, local_shape, blocks, axes) -> tuple[int, ...]:
     """Global sub-block sizes of a packed parameter, checked to shard evenly."""
     dims = [p.dim % len(shape) for p in placements if isinstance(p, Shard)]
     if len(dims) != 1:
@@ -73,7 +73,8 @@ def _block_sizes(name, shape, placements, local_shape, blocks) -> tuple[int, ...
     sizes = (shape[d] // blocks,) * blocks if isinstance(blocks, int) else tuple(blocks)
     n = shape[d] // local_shape[d]
     if sum(sizes) != shape[d] or any(b % n for b in sizes):
-        raise PlanError(f"parameter {name}: packed blocks {sizes} along dim {d} (size {shape[d]}) do not each split {n} ways")
+        raise ShapeError(f"parameter {name}: packed blocks {sizes} along dim {d} (size {shape[d]}) do not each split {n} "
+                         f"ways over mesh axes {[a for a, p in zip(axes, placements, strict=True) if isinstance(p, Shard)]}")
     return sizes
 
 
@@ -128,8 +129,8 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
         raise PlanError(f"this rank ({dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}; call shard() on its ranks")
     _check_devices(model, mesh)
     planned = plan.resolve(model, mesh)
+    specs = {p.fqn: p.style.spec(p.module, p.fqn, p.axis) for p in planned}  # a style on the wrong module raises here
     enforce(lint(model, plan, mesh, planned))
-    specs = {p.fqn: p.style.spec(p.module, p.fqn, p.axis) for p in planned}
     groups = {a: AxisGroup.from_mesh(mesh, a) for a in axes}
     for p in planned:
         for attr in specs[p.fqn].divide_attrs:
@@ -173,7 +174,7 @@ def compile_plan(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
         prm = model.get_parameter(key)
         local_shape, offset = local_layout(prm.shape, placements, mesh, f"parameter {key}")
         aliases = tuple(aliases_of.get(key, ()))
-        sizes = _block_sizes(key, prm.shape, placements, local_shape, blocks) if blocks else None
+        sizes = _block_sizes(key, prm.shape, placements, local_shape, blocks, axes) if blocks else None
         if sizes:
             d = next(p.dim % prm.dim() for p in placements if isinstance(p, Shard))
             n = prm.shape[d] // local_shape[d]

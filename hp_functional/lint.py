@@ -126,11 +126,10 @@ def lint(
 def collapse(findings: list[Finding]) -> list[str]:
     """The findings as lines, those that differ only in layer indices merged into one
     (``model.layers.*.mlp``, with a count)."""
-    groups: dict[str, int] = {}
+    groups: dict[str, list[str]] = {}
     for f in findings:
-        line = re.sub(r"\.\d+(?=\.)", ".*", str(f))
-        groups[line] = groups.get(line, 0) + 1
-    return [f"{line} ({n} modules)" if n > 1 else line for line, n in groups.items()]
+        groups.setdefault(re.sub(r"\.\d+(?=\.)", ".*", str(f)), []).append(str(f))
+    return [f"{line} ({len(lines)} modules)" if len(lines) > 1 else lines[0] for line, lines in groups.items()]
 
 
 def enforce(findings: list[Finding]) -> None:
@@ -206,11 +205,12 @@ def _semantic(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: l
             except PlanError as exc:
                 findings.append(Finding("error", p.fqn, str(exc), "argument"))
     by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
+    entries = {p.fqn for p in planned}  # with an entry, even one whose style failed above
     head = plan.loss_head(model) if plan.loss_parallel else None
     modules = dict(model.named_modules())
     parents = {fqn.rpartition(".")[0] for fqn, m in modules.items() if isinstance(m, nn.Linear) and fqn in by_fqn}
     for parent in sorted(parents):
-        findings += _siblings(parent, modules, by_fqn, specs, head, mesh)
+        findings += _siblings(parent, modules, by_fqn, specs, head, mesh, entries)
     for p in by_fqn.values():
         if isinstance(p.style, SequenceParallel):
             seq = Shard(p.style.seq_dim)
@@ -227,13 +227,13 @@ def _semantic(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: l
     return findings
 
 
-def _siblings(parent: str, modules, by_fqn, specs, head, mesh: DeviceMesh) -> list[Finding]:
+def _siblings(parent: str, modules, by_fqn, specs, head, mesh: DeviceMesh, entries: set[str]) -> list[Finding]:
     """Colwise/Rowwise pairs among the direct children of ``parent``."""
     findings: list[Finding] = []
     join = (lambda n: f"{parent}.{n}") if parent else (lambda n: n)
     children = [join(n) for n, _ in modules[parent].named_children()]
     linears = [c for c in children if isinstance(modules[c], nn.Linear)]
-    unplanned = [c for c in linears if c not in by_fqn]
+    unplanned = [c for c in linears if c not in entries]
     planned = [c for c in linears if c in by_fqn]
     axes = {by_fqn[c].axis for c in planned}
     for axis in sorted(axes):

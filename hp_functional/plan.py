@@ -108,36 +108,44 @@ class ShardingPlan:
         that matches nothing (with the closest paths), an unknown axis, or a conflict."""
         names = mesh.mesh_dim_names or ()
         modules = dict(model.named_modules())
-        chosen: dict[str, tuple[int, str, Style]] = {}
+        candidates: dict[str, list[tuple[int, str, Style]]] = {}
         for pattern, style in self.entries.items():
-            axis = getattr(style, "axis", None) or self.tp_axis
             if isinstance(style, ModuleSpec):
                 bad = style.axes - set(names)
             else:
-                bad = {axis} - set(names)
+                bad = {self._axis(style, names)} - set(names)
             if bad:
                 raise PlanError(f"plan entry {pattern!r}: mesh axis {sorted(bad)[0]!r} is not in the mesh (axes: {list(names)})")
             hits = [path for path in modules if _match(pattern, path)]
             if not hits:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
                 raise PlanError(f"plan entry {pattern!r} matches no module; closest paths: {close}")
-            rank = pattern.count("*")
             for path in hits:
-                prev = chosen.get(path)
-                if prev is None or rank < prev[0]:
-                    chosen[path] = (rank, pattern, style)
-                elif rank == prev[0] and prev[2] != style:
-                    raise PlanError(f"{path}: conflicting plan entries {prev[1]!r} ({prev[2]}) and {pattern!r} ({style})")
+                candidates.setdefault(path, []).append((pattern.count("*"), pattern, style))
+        chosen: dict[str, tuple[str, Style]] = {}
+        for path, cands in candidates.items():  # the most specific entries win, whatever the dict order
+            best = [(pattern, style) for rank, pattern, style in cands if rank == min(c[0] for c in cands)]
+            for pattern, style in best[1:]:
+                if style != best[0][1]:
+                    raise PlanError(f"{path}: conflicting plan entries {best[0][0]!r} ({best[0][1]}) and {pattern!r} ({style})")
+            chosen[path] = best[0]
         head = self.loss_head(model) if self.loss_parallel else None
         out = []
         for path, module in modules.items():
             if path in chosen:
-                _, pattern, style = chosen[path]
-                axis = getattr(style, "axis", None) or self.tp_axis
+                pattern, style = chosen[path]
+                axis = self._axis(style, names)
                 if path == head:  # loss parallel: the head keeps its logits vocab-sharded
                     style = replace(style, gather_output=False, output_layout=Shard(-1))
                 out.append(Planned(path, module, style, axis, pattern))
         return out
+
+    def _axis(self, style: Style, names) -> str:
+        """The mesh axis a style acts on: its own ``axis=``, else the plan's ``tp_axis``; a
+        ModuleSpec names its axes itself (the ``tp_axis`` if it is one, else the first it names)."""
+        if isinstance(style, ModuleSpec) and self.tp_axis not in names:
+            return next((a for a in names if a in style.axes), names[0] if names else self.tp_axis)
+        return getattr(style, "axis", None) or self.tp_axis
 
     def loss_head(self, model: nn.Module) -> str:
         """The FQN of the output head whose logits stay vocab-sharded under ``loss_parallel``."""

@@ -82,7 +82,7 @@ class ModuleSpec(Style):
 def _require(module: nn.Module, kinds: tuple[type, ...], style: Style, fqn: str) -> None:
     if not isinstance(module, kinds):
         names = " or ".join(k.__name__ for k in kinds)
-        raise PlanError(f"{fqn}: {type(style).__name__} needs a {names}, got {type(module).__name__}")
+        raise PlanError(f"{fqn or '<root module>'}: {type(style).__name__} needs a {names}, got {type(module).__name__}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,9 @@ class Colwise(Style):
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         _require(module, (nn.Linear,), self, fqn)
         out = Replicate() if self.gather_output else self.output_layout
+        if self.packed and out != Shard(-1):
+            raise PlanError(f"{fqn}: a packed Colwise keeps its output sharded (gathering would interleave the blocks "
+                            "rank by rank); drop gather_output/output_layout")
         names = ["weight"] + (["bias"] if module.bias is not None else [])
         return ModuleSpec(
             params={n: {axis: Shard(0)} for n in names},
@@ -152,6 +155,9 @@ class Replicate_(Style):
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         return ModuleSpec(varying=True if self.reduce_grads else None)
+
+    def __repr__(self) -> str:
+        return f"Replicate(reduce_grads={self.reduce_grads!r}, axis={self.axis!r})"
 
 
 @dataclass(frozen=True)
@@ -266,8 +272,9 @@ class VocabEmbedding(Style):
         return local
 
 
-# Public name per the plan language; ``Replicate_`` avoids shadowing the placement inside this module.
-Replicate_.__name__ = Replicate_.__qualname__ = "Replicate"
+# Public name per the plan language (``hpf.Replicate``); the qualified name stays ``Replicate_``
+# (it avoids shadowing the placement here) so that pickle finds the class.
+Replicate_.__name__ = "Replicate"
 
 #: HF ``tp_plan`` strings → styles (``from_hf``); other strings raise naming style and module.
 HF_STYLES: dict[str, Any] = {
@@ -297,13 +304,23 @@ class ParamRule:
 ParamHandler = Callable[[torch.Tensor, str], ParamRule]
 
 
+@dataclass(frozen=True)
+class FixedRule:
+    """A special handler that gives every parameter it matches the same rule (picklable)."""
+
+    rule: ParamRule
+
+    def __call__(self, param: torch.Tensor, fqn: str) -> ParamRule:
+        return self.rule
+
+
 def default_handlers() -> dict[str, ParamHandler]:
     """A new dict of the built-in special handlers; extend a copy and pass it to the plan
     (``ShardingPlan(..., handlers={**default_handlers(), "mine": fn})``) — nothing global changes."""
     return {
-        "shard_heads": lambda p, fqn: ParamRule(Shard(0)),  # per-head vectors: sinks, A_log, dt_bias
-        "shard_last": lambda p, fqn: ParamRule(Shard(-1)),
-        "replicate": lambda p, fqn: ParamRule(Replicate()),
-        "packed_2": lambda p, fqn: ParamRule(Shard(0), 2),
-        "packed_3": lambda p, fqn: ParamRule(Shard(0), 3),
+        "shard_heads": FixedRule(ParamRule(Shard(0))),  # per-head vectors: sinks, A_log, dt_bias
+        "shard_last": FixedRule(ParamRule(Shard(-1))),
+        "replicate": FixedRule(ParamRule(Replicate())),
+        "packed_2": FixedRule(ParamRule(Shard(0), 2)),
+        "packed_3": FixedRule(ParamRule(Shard(0), 3)),
     }

@@ -8,6 +8,7 @@ traceback; a case that outlives ``timeout`` kills the pool (so nothing hangs) an
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -73,6 +74,7 @@ class RankPool:
 
     def run(self, fn, *args, timeout: float = 300.0, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        pickle.dumps((fn, args, kwargs))  # fail here, not silently in the queue's feeder thread
         for box in self._inboxes:
             box.put((fn, args, kwargs))
         results: dict[int, tuple[bool, object]] = {}

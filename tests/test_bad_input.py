@@ -33,7 +33,9 @@ PLAN_ROWS = {
     "indivisible_rowwise": ({"back": hpf.Rowwise()}, hpf.ShapeError, "not divisible by mesh axis 'tp'", "back.weight"),
     "indivisible_vocab": ({"odd_emb": hpf.VocabEmbedding()}, hpf.ShapeError, "not divisible by mesh axis 'tp'", "odd_emb.weight"),
     "indivisible_heads": ({"": hpf.Heads(("num_heads",))}, hpf.PlanError, "num_heads=3 is not divisible", "mesh axis 'tp'"),
-    "indivisible_packed": ({"fused": hpf.Colwise(packed=4)}, hpf.PlanError, "packed blocks (3, 3, 3, 3)", "fused.weight"),
+    "indivisible_packed": ({"fused": hpf.Colwise(packed=4)}, hpf.ShapeError, "packed blocks (3, 3, 3, 3)", "fused.weight"),
+    "packed_gather": ({"fused": hpf.Colwise(packed=4, gather_output=True)}, hpf.PlanError,
+                      "a packed Colwise keeps its output sharded", "fused"),
     "unknown_axis": ({"proj": hpf.Colwise(axis="ep")}, hpf.PlanError, "mesh axis 'ep' is not in the mesh", "proj"),
     "unknown_tp_axis": (hpf.ShardingPlan({"emb": "embedding_rowwise"}, tp_axis="model"), hpf.PlanError,
                         "mesh axis 'model' is not in the mesh", "emb"),
@@ -161,3 +163,19 @@ def test_parameters_on_another_device_type_than_the_mesh():
         _check_devices(MLP(), SimpleNamespace(device_type="cuda"))
     with torch.device("meta"):
         _check_devices(MLP(), SimpleNamespace(device_type="cuda"))  # meta models materialise later
+
+
+def test_conflicts_do_not_depend_on_entry_order():
+    """The most specific entries win whatever the dict order: an exact path settles a module that
+    two equally specific wildcards disagree on; without it, both orders raise."""
+    from types import SimpleNamespace
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)))
+    fake_mesh = SimpleNamespace(mesh_dim_names=("tp",))
+    wild = {"0.*": hpf.Colwise(), "*.0": hpf.Rowwise()}
+    for entries in ({**wild, "0.0": hpf.Colwise()}, {"0.0": hpf.Colwise(), **wild}):
+        [planned] = hpf.ShardingPlan(entries).resolve(model, fake_mesh)
+        assert (planned.fqn, planned.pattern) == ("0.0", "0.0")
+    for entries in (wild, dict(reversed(wild.items()))):
+        with pytest.raises(hpf.PlanError, match="0.0: conflicting plan entries"):
+            hpf.ShardingPlan(entries).resolve(model, fake_mesh)

@@ -1,7 +1,12 @@
-"""``apply_fn``: the per-call path — parameter conversions, then ``functional_call``.
+"""``apply_fn``: the per-call path — check the params pytree, convert, bind, run the skeleton.
 
 Everything here runs on every step, so it does no plan or placement work: ``shard()`` decided
-all of it and hands over a ``Program``.
+all of it and hands over a ``Program``.  Binding is ``torch.func.functional_call`` with its
+per-call setup done once: ``functional_call(..., tie_weights=True)`` walks every named
+parameter and buffer of the module on each call to find tied weights and resolves every dotted
+name to its submodule; here the tied groups are known (``Program.canonical``) and the
+(submodule ``_parameters`` dict, name) slots are resolved once, so a call is one dict store
+per slot, the forward, and one store per slot to put the meta placeholders back.
 """
 
 from __future__ import annotations
@@ -21,34 +26,57 @@ if TYPE_CHECKING:
 
 
 def make_apply_fn(skeleton: nn.Module, program: Program) -> Callable:
-    """``apply_fn(params, *args, **kwargs)``: parameter conversions, then ``functional_call``."""
-    conversions = tuple(program.param_steps.items())
-    expected = {k: tuple(i.local_shape) for k, i in program.infos.items()}
-    expected_keys = expected.keys()
+    """``apply_fn(params, *args, **kwargs)``: check, convert, bind into the skeleton, forward."""
+    keys = tuple(program.infos)
+    key_set = frozenset(keys)
+    shapes = tuple(torch.Size(program.infos[k].local_shape) for k in keys)
+    steps = tuple(tuple(program.param_steps.get(k, ())) for k in keys)
+    index = {k: i for i, k in enumerate(keys)}
+    slots = []  # (leaf index, the owning skeleton module's _parameters, attribute name, placeholder)
+    for fqn, key in program.canonical.items():
+        mod, _, name = fqn.rpartition(".")
+        store = skeleton.get_submodule(mod)._parameters
+        slots.append((index[key], store, name, store[name]))
+    slots = tuple(slots)
+    converted = tuple(i for i, s in enumerate(steps) if s)
     loss_parallel = program.loss_parallel
 
     def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
-        if params.keys() != expected_keys:
-            missing, extra = sorted(expected_keys - params.keys()), sorted(params.keys() - expected_keys)
-            raise PlanError(f"apply_fn: params pytree keys differ from shard(): missing {missing[:5]}, extra {extra[:5]}")
-        for key, shape in expected.items():
-            if tuple(params[key].shape) != shape:
-                raise PlanError(f"apply_fn: params[{key!r}] has shape {tuple(params[key].shape)}, expected local {shape}")
-        if conversions:
-            params = dict(params)
-            for key, steps in conversions:
-                value = params[key]
-                for step in steps:
-                    value = step(value)
-                params[key] = value
+        values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, key_set)
+        if tuple(v.shape for v in values) != shapes:
+            _raise_shape(values, keys, shapes)
+        if converted:
+            values = list(values)
+            for i in converted:
+                for step in steps[i]:
+                    values[i] = step(values[i])
         labels = kwargs.pop("labels", None) if loss_parallel else None
-        out = torch.func.functional_call(skeleton, params, args, kwargs, tie_weights=True, strict=False)
+        try:
+            for i, store, name, _ in slots:
+                store[name] = values[i]
+            out = skeleton(*args, **kwargs)
+        finally:  # the skeleton never keeps the caller's tensors alive
+            for _, store, name, placeholder in slots:
+                store[name] = placeholder
         if labels is not None:
             out["loss"] = causal_lm_loss(out.logits, labels, *loss_parallel)
         return out
 
     apply_fn.program = program  # for explain() and tests; read-only by convention
     return apply_fn
+
+
+def _reordered(params: Mapping[str, Tensor], keys: tuple[str, ...], key_set: frozenset[str]) -> tuple[Tensor, ...]:
+    """The slow path of the key check: ``params`` in ``keys`` order, or a PlanError naming the keys."""
+    if params.keys() != key_set:
+        missing, extra = sorted(key_set - params.keys()), sorted(params.keys() - key_set)
+        raise PlanError(f"apply_fn: params pytree keys differ from shard(): missing {missing[:5]}, extra {extra[:5]}")
+    return tuple(params[k] for k in keys)
+
+
+def _raise_shape(values: tuple[Tensor, ...], keys: tuple[str, ...], shapes: tuple[torch.Size, ...]) -> None:
+    key, got, want = next((k, tuple(v.shape), tuple(s)) for k, v, s in zip(keys, values, shapes, strict=True) if v.shape != s)
+    raise PlanError(f"apply_fn: params[{key!r}] has shape {got}, expected local {want}")
 
 
 def causal_lm_loss(local_logits: Tensor, labels: Tensor, group: AxisGroup, vocab_start: int) -> Tensor:

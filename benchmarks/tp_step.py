@@ -43,8 +43,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import hp_functional as hpf
 from hp_functional.launch import run_ranks, under_torchrun
+from hp_functional.models import megatron_plan
 
-ORDER = ("d", "a", "a+", "b", "c", "e")
+ORDER = ("d", "a", "a'", "a+", "b", "c", "e")
 
 
 def compiled_variant(apply_fn, params, ids, backend: str, eager: Variant) -> tuple[Variant, dict]:
@@ -84,6 +85,9 @@ def measure_size(size: Size, mesh, opts: argparse.Namespace, checkpoint_dir: str
     apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh)
     a = apply_variant("a", "hp_functional apply_fn", apply_fn, params, ids)
     variants, compile_info = [a, dtensor_variant(model, mesh, ids)], {}
+    if world > 1:  # (a'): the same model with Megatron's f/g regions, one all-reduce per block each way
+        fg_fn, fg_params, _ = hpf.shard(model, megatron_plan(model), mesh)
+        variants.insert(1, apply_variant("a'", "hp_functional, Megatron f/g plan", fg_fn, fg_params, ids))
     if world == 1:  # the floor, and (a) and (b) with nothing to communicate: their dispatch cost alone
         variants.insert(0, model_variant("d", "unsharded model(...)", model, ids))
     else:
@@ -178,6 +182,8 @@ def report(results: dict[int, dict], opts: argparse.Namespace) -> None:
             print(f"hp_functional / DTensor  = {_ratio(rows, 'a', 'b')}")
             print(f"hp_functional / HF TP    = {_ratio(rows, 'a', 'c')}")
             print(f"hp_functional / Megatron = {_ratio(rows, 'a', 'e')}")
+            fg = _ratio(rows, "a'", "b")
+            print(f"hp_functional f/g plan / DTensor = {fg}")
             c = res["compile"]
             if c:
                 print(f"torch.compile(apply_fn, backend={c['backend']!r}): {c['graphs']} graph(s), {c['breaks']} graph break(s), "

@@ -6,10 +6,10 @@ from torch.distributed.tensor import Shard
 
 import hp_functional as hpf
 from hp_functional.explain import explain
-from hp_functional.models import tiny_config
+from hp_functional.models import megatron_plan, tiny_config
 from hp_functional.simulate import simulate
 from tests.helpers import build_hf, mesh
-from tests.test_llama import megatron_plan, sp_plan
+from tests.test_llama import sp_plan
 from tests.test_mlp import MLP, PLANS
 
 B, S = 2, 8  # batch and sequence of the example inputs

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.func import grad_and_value
 
 import hp_functional as hpf
+from hp_functional.models import megatron_plan
 from tests.helpers import assert_close, build_hf, make_hf_state, mesh
 
 
@@ -32,26 +33,6 @@ def sp_plan() -> hpf.ShardingPlan:
     })
 
 
-def megatron_plan(model, partial_exit: bool = False) -> hpf.ShardingPlan:
-    """The HF plan plus Megatron's f: attention and the MLP are rank-varying regions, so each
-    input gradient is all-reduced once where the block is entered (not once per projection).
-
-    ``partial_exit``: Megatron's g too — o_proj/down_proj keep their partial sums and the block's
-    output is reduced where it leaves (all-reduce forward, identity backward), so the backward
-    has one all-reduce per block instead of two."""
-    entries = dict(hpf.ShardingPlan.from_hf(model).entries)
-    for block, arg, out_proj in (("self_attn", "hidden_states", "o_proj"), ("mlp", "x", "down_proj")):
-        if partial_exit:
-            entries[f"model.layers.*.{block}"] = hpf.ModuleSpec(
-                in_src={arg: {"tp": Replicate()}}, in_dst={arg: {"tp": Replicate()}},
-                out_src={"output": {"tp": Partial()}}, out_dst={"output": {"tp": Replicate()}},
-            )
-            entries[f"model.layers.*.{block}.{out_proj}"] = hpf.Rowwise(output_layout=Partial())
-        else:
-            entries[f"model.layers.*.{block}"] = hpf.PrepareInput({arg: (Replicate(), Replicate())})
-    return hpf.ShardingPlan(entries)
-
-
 def make_llama_state(**cfg):
     return make_hf_state("llama", **cfg)
 
@@ -68,7 +49,7 @@ def case_llama(state, plan_kind: str, mesh_shape, cfg, family: str = "llama"):
         "hf": lambda: hpf.ShardingPlan.from_hf(model),
         "hf_loss_parallel": lambda: hpf.ShardingPlan.from_hf(model, loss_parallel=True),
         "sp": sp_plan,
-        "regions": lambda: megatron_plan(model),
+        "regions": lambda: megatron_plan(model, partial_exit=False),
         "regions_partial_exit": lambda: megatron_plan(model, partial_exit=True),
         # a whole decoder layer as one region: residual adds and norms inside it
         "layer_regions": lambda: hpf.ShardingPlan({

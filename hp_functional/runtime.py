@@ -39,12 +39,15 @@ def make_apply_fn(skeleton: nn.Module, program: Program) -> Callable:
         slots.append((index[key], store, name, store[name]))
     slots = tuple(slots)
     converted = tuple(i for i, s in enumerate(steps) if s)
+    devices = frozenset({program.mesh.device_type, "meta"})  # meta: shapes only (explain, simulate)
     loss_parallel = program.loss_parallel
 
     def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
         values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, key_set)
         if tuple(v.shape for v in values) != shapes:
             _raise_shape(values, keys, shapes)
+        if not {v.device.type for v in values} <= devices:
+            _raise_device(values, keys, devices)
         if converted:
             values = list(values)
             for i in converted:
@@ -77,6 +80,12 @@ def _reordered(params: Mapping[str, Tensor], keys: tuple[str, ...], key_set: fro
 def _raise_shape(values: tuple[Tensor, ...], keys: tuple[str, ...], shapes: tuple[torch.Size, ...]) -> None:
     key, got, want = next((k, tuple(v.shape), tuple(s)) for k, v, s in zip(keys, values, shapes, strict=True) if v.shape != s)
     raise PlanError(f"apply_fn: params[{key!r}] has shape {got}, expected local {want}")
+
+
+def _raise_device(values: tuple[Tensor, ...], keys: tuple[str, ...], devices: frozenset[str]) -> None:
+    key, got = next((k, v.device) for k, v in zip(keys, values, strict=True) if v.device.type not in devices)
+    raise PlanError(f"apply_fn: params[{key!r}] is on {got}, but the mesh's device type is "
+                    f"{sorted(devices - {'meta'})[0]}: move the params to the mesh's device")
 
 
 def causal_lm_loss(local_logits: Tensor, labels: Tensor, group: AxisGroup, vocab_start: int) -> Tensor:

@@ -179,3 +179,22 @@ def test_conflicts_do_not_depend_on_entry_order():
     for entries in (wild, dict(reversed(wild.items()))):
         with pytest.raises(hpf.PlanError, match="0.0: conflicting plan entries"):
             hpf.ShardingPlan(entries).resolve(model, fake_mesh)
+
+
+def test_apply_fn_params_on_another_device_type_than_the_mesh():
+    """The per-call device check: the mesh's device type is stood in for (a CPU-only machine has
+    no second device type); a dtype cast (mixed precision) is allowed."""
+    from types import SimpleNamespace
+
+    from hp_functional.runtime import make_apply_fn
+
+    infos = {"weight": SimpleNamespace(local_shape=(2, 2))}
+    program = SimpleNamespace(infos=infos, canonical={"weight": "weight"}, param_steps={}, loss_parallel=None,
+                      mesh=SimpleNamespace(device_type="cuda"))
+    apply_fn = make_apply_fn(nn.Linear(2, 2, bias=False).to("meta"), program)
+    with pytest.raises(hpf.PlanError, match=r"params\['weight'\] is on cpu, but the mesh's device type is cuda"):
+        apply_fn({"weight": torch.ones(2, 2)}, torch.ones(1, 2))
+    program.mesh = SimpleNamespace(device_type="cpu")
+    apply_fn = make_apply_fn(nn.Linear(2, 2, bias=False).to("meta"), program)
+    out = apply_fn({"weight": torch.ones(2, 2, dtype=torch.float64)}, torch.ones(1, 2, dtype=torch.float64))
+    assert out.dtype == torch.float64 and out.tolist() == [[2.0, 2.0]]

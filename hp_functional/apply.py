@@ -26,6 +26,7 @@ from .collectives import AxisGroup
 from .errors import PlanError, ShapeError
 from .lint import enforce, lint
 from .placement import ShardInfo, local_layout, mesh_placements, slice_local
+from .placement import fmt_placements as _fmt
 from .plan import Planned, ShardingPlan
 from .redistribute import Step, lower
 from .runtime import make_apply_fn
@@ -81,10 +82,6 @@ def _block_sizes(name, shape, placements, local_shape, blocks, axes) -> tuple[in
 def _is_below(fqn: str, ancestor: str) -> bool:
     """Whether module ``fqn`` is a proper descendant of ``ancestor`` ("" is the root)."""
     return fqn != ancestor and (not ancestor or fqn.startswith(ancestor + "."))
-
-
-def _fmt(placements) -> str:
-    return "(" + ", ".join(str(p) for p in placements) + ")"
 
 
 def _exit_placement(spec: ModuleSpec, axis: str) -> Placement:

@@ -25,7 +25,16 @@ import sys
 import warnings
 
 _AXES = ("dp", "cp", "ep", "tp")
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+def _backend(device: str) -> str:
+    """torch's default process-group backend for a device type (cpu → gloo, cuda → nccl, ...;
+    torch-npu registers npu → hccl); an unknown device type is an error, not a silent gloo."""
+    import torch.distributed as dist
+
+    backend = dist.Backend.default_device_backend_map.get(device)
+    if backend is None:
+        raise SystemExit(f"hp-functional: no process-group backend is registered for device type {device!r} "
+                         f"(known: {sorted(dist.Backend.default_device_backend_map)})")
+    return backend
 
 
 def _mesh_spec(args) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -156,7 +165,7 @@ def check_command(args) -> int:
     from .launch import run_ranks
 
     shape, names = _mesh_spec(args)
-    os.environ.setdefault("HPF_BACKEND", _BACKENDS.get(args.device, "gloo"))
+    os.environ.setdefault("HPF_BACKEND", _backend(args.device))
     results = run_ranks(check_rank, math.prod(shape), args.model, shape, names, args.plan, args.loss_parallel,
                         args.batch, args.seq, args.device)
     first = results[min(results)]
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import train
         from .launch import run_ranks
 
-        os.environ.setdefault("HPF_BACKEND", _BACKENDS.get(args.device, "gloo"))
+        os.environ.setdefault("HPF_BACKEND", _backend(args.device))
         results = run_ranks(train, args.nproc, args.steps, 0.2, args.device)
         history = next(iter(results.values()))
         worst = max(abs(a - b) for a, b in history)

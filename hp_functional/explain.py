@@ -36,16 +36,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .placement import fmt_placements as _fmt
+
 if TYPE_CHECKING:
     from .apply import Program
     from .plan import ShardingPlan
 
 _OPS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
         "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
-
-
-def _fmt(placements) -> str:
-    return "(" + ", ".join(str(p) for p in placements) + ")"
 
 
 def render(program: Program) -> str:

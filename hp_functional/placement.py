@@ -46,6 +46,11 @@ class ShardInfo:
         return any(isinstance(p, Shard) for p in self.placements)
 
 
+def fmt_placements(placements) -> str:
+    """``(Shard(dim=0), Replicate())`` as text, one placement per mesh dim."""
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
 def check_placement(p: object, where: str) -> Placement:
     """``p`` if it is a torch.distributed.tensor placement, else a PlanError naming ``where``."""
     if not isinstance(p, (Shard, Replicate, Partial)):

@@ -111,7 +111,7 @@ class ShardingPlan:
         candidates: dict[str, list[tuple[int, str, Style]]] = {}
         for pattern, style in self.entries.items():
             if isinstance(style, ModuleSpec):
-                bad = style.axes - set(names)
+                bad = (style.axes or {self.tp_axis}) - set(names)  # a spec naming no axis acts on tp_axis
             else:
                 bad = {self._axis(style, names)} - set(names)
             if bad:
@@ -143,8 +143,8 @@ class ShardingPlan:
     def _axis(self, style: Style, names) -> str:
         """The mesh axis a style acts on: its own ``axis=``, else the plan's ``tp_axis``; a
         ModuleSpec names its axes itself (the ``tp_axis`` if it is one, else the first it names)."""
-        if isinstance(style, ModuleSpec) and self.tp_axis not in names:
-            return next((a for a in names if a in style.axes), names[0] if names else self.tp_axis)
+        if isinstance(style, ModuleSpec) and self.tp_axis not in names and style.axes:
+            return next(a for a in names if a in style.axes)
         return getattr(style, "axis", None) or self.tp_axis
 
     def loss_head(self, model: nn.Module) -> str:

@@ -14,10 +14,11 @@ mesh, calls ``fn(mesh)`` and tears the process group down again.  What that supp
 ``local_tensors=True`` additionally runs ``fn`` under ``torch.distributed._local_tensor.
 LocalTensorMode(world_size)``, where a ``LocalTensor`` holds one value per simulated rank and
 collectives compute the real result across them.  What works under it (tested in
-``tests/test_simulate.py``): this package's rank-independent collectives — ``all_reduce``,
-``all_gather``, ``reduce_scatter``, ``all_to_all``, ``copy_to``, ``reduce_from``,
-``gather_from`` — on any mesh axis of an N-D mesh, forward, ``.backward()`` and
-``torch.func.grad``, with real numbers.  What does not: ``split_to`` and ``partial_from`` (and so
+``tests/test_simulate.py``): this package's collectives whose forward and backward are both
+rank-independent — ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+``copy_to``, ``reduce_from`` — on any mesh axis of an N-D mesh, forward, ``.backward()`` and
+``torch.func.grad``, with real numbers; ``gather_from`` forward only (its backward is a split).
+What does not: ``split_to``, ``partial_from`` and ``leave_region`` (and so
 ``Rowwise(input_layout=Replicate())``, ``Rowwise`` biases, ``PrepareInput`` Replicate → Shard)
 take the rank as a Python int (the fake group's ``rank``) and give every simulated rank that
 rank's slice; likewise ``shard()`` slices parameters and ``VocabEmbedding`` picks its vocabulary

@@ -37,6 +37,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from .apply import Boundary, shard
 from .collectives import AxisGroup, raw_all_gather, raw_all_reduce
 from .errors import PlanError
+from .placement import fmt_placements as _fmt
 from .placement import unshard
 from .plan import ShardingPlan
 
@@ -224,10 +225,6 @@ def _check_arguments(mesh, mode, loss_fn, tolerance, atol, check_axes) -> None:
         raise ValueError(f"validate: check_axes must be a sequence of mesh axis names {list(names)}, got {check_axes!r}")
 
 
-def _fmt(placements) -> str:
-    return "(" + ", ".join(str(p) for p in placements) + ")"
-
-
 class _Recorder:
     """Forward hooks that record planned modules' outputs into ``target`` ({(fqn, call): {key: tensor}})."""
 
@@ -343,10 +340,15 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
         a for a in axes if any(a == b.planned.axis or a in b.spec.axes for b in program.boundaries)
     ]
     ref_out, local_out = {}, {}
-    with torch.random.fork_rng(devices=[]):  # both runs start from the same CPU RNG state; the caller's is restored
-        rng = torch.get_rng_state()
+    accel = None if mesh.device_type == "cpu" else torch.get_device_module(mesh.device_type)
+    devices = [] if accel is None else [accel.current_device()]
+    # both runs start from the same CPU and device RNG states (dropout masks alike); the caller's are restored
+    with torch.random.fork_rng(devices=devices, device_type=mesh.device_type if accel else "cuda"):
+        rng, device_rng = torch.get_rng_state(), accel.get_rng_state() if accel else None
         for target, fn, who in ((ref_out, ref, "the unsharded model"), (local_out, partial(apply_fn, params), "apply_fn")):
             torch.set_rng_state(rng)
+            if accel:
+                accel.set_rng_state(device_rng)
             rec.target = target
             loss = _scalar(fn(*args, **kwargs), loss_fn, who)
             if loss.requires_grad:  # the reference runs first and is local: bad inputs raise before any collective

@@ -142,33 +142,21 @@ def enforce(findings: list[Finding]) -> None:
 
 
 # ---------------------------------------------------------------- pattern checks
-def _candidates(model: nn.Module, plan: ShardingPlan) -> dict[str, list[tuple[int, str, object]]]:
-    """Module path → every (specificity, pattern, style) matching it."""
-    from .plan import _match
-
-    out: dict[str, list[tuple[int, str, object]]] = {}
-    for path in dict(model.named_modules()):
-        for pattern, style in plan.entries.items():
-            if _match(pattern, path):
-                out.setdefault(path, []).append((pattern.count("*"), pattern, style))
-    return out
-
-
 def _conflicts(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
+    from .plan import most_specific
+
     findings = []
-    for path, cands in _candidates(model, plan).items():
-        best = min(r for r, _, _ in cands)
-        top = [(p, s) for r, p, s in cands if r == best]
-        for p, s in top[1:]:
-            if s != top[0][1]:
-                findings.append(Finding("error", path, f"{path}: conflicting plan entries {top[0][0]!r} ({top[0][1]}) "
-                                                      f"and {p!r} ({s})", "conflict"))
+    for path, cands in plan.candidates(model).items():
+        try:
+            most_specific(path, cands)
+        except PlanError as exc:
+            findings.append(Finding("error", path, str(exc), "conflict"))
     return findings
 
 
 def _shadowed(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
     hits: dict[str, list[bool]] = {}
-    for cands in _candidates(model, plan).values():
+    for cands in plan.candidates(model).values():
         best = min(r for r, _, _ in cands)
         for r, pattern, _ in cands:
             hits.setdefault(pattern, []).append(r > best)

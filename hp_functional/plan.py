@@ -48,6 +48,17 @@ def _as_style(value: object, where: str) -> Style:
     raise PlanError(f"{where}: {value!r} is not a style, a ModuleSpec or an HF style string")
 
 
+def most_specific(path: str, cands: list[tuple[int, str, Style]]) -> tuple[str, Style]:
+    """The (pattern, style) that plans ``path``: the fewest ``*`` win, whatever the entry order;
+    equally specific patterns with different styles are a PlanError naming both."""
+    fewest = min(rank for rank, _, _ in cands)
+    best = [(pattern, style) for rank, pattern, style in cands if rank == fewest]
+    for pattern, style in best[1:]:
+        if style != best[0][1]:
+            raise PlanError(f"{path}: conflicting plan entries {best[0][0]!r} ({best[0][1]}) and {pattern!r} ({style})")
+    return best[0]
+
+
 class ShardingPlan:
     """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default)."""
 
@@ -108,7 +119,6 @@ class ShardingPlan:
         that matches nothing (with the closest paths), an unknown axis, or a conflict."""
         names = mesh.mesh_dim_names or ()
         modules = dict(model.named_modules())
-        candidates: dict[str, list[tuple[int, str, Style]]] = {}
         for pattern, style in self.entries.items():
             if isinstance(style, ModuleSpec):
                 bad = (style.axes or {self.tp_axis}) - set(names)  # a spec naming no axis acts on tp_axis
@@ -116,19 +126,13 @@ class ShardingPlan:
                 bad = {self._axis(style, names)} - set(names)
             if bad:
                 raise PlanError(f"plan entry {pattern!r}: mesh axis {sorted(bad)[0]!r} is not in the mesh (axes: {list(names)})")
-            hits = [path for path in modules if _match(pattern, path)]
-            if not hits:
+        candidates = self.candidates(model)
+        hit = {pattern for cands in candidates.values() for _, pattern, _ in cands}
+        for pattern in self.entries:
+            if pattern not in hit:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
                 raise PlanError(f"plan entry {pattern!r} matches no module; closest paths: {close}")
-            for path in hits:
-                candidates.setdefault(path, []).append((pattern.count("*"), pattern, style))
-        chosen: dict[str, tuple[str, Style]] = {}
-        for path, cands in candidates.items():  # the most specific entries win, whatever the dict order
-            best = [(pattern, style) for rank, pattern, style in cands if rank == min(c[0] for c in cands)]
-            for pattern, style in best[1:]:
-                if style != best[0][1]:
-                    raise PlanError(f"{path}: conflicting plan entries {best[0][0]!r} ({best[0][1]}) and {pattern!r} ({style})")
-            chosen[path] = best[0]
+        chosen = {path: most_specific(path, cands) for path, cands in candidates.items()}
         head = self.loss_head(model) if self.loss_parallel else None
         out = []
         for path, module in modules.items():
@@ -138,6 +142,15 @@ class ShardingPlan:
                 if path == head:  # loss parallel: the head keeps its logits vocab-sharded
                     style = replace(style, gather_output=False, output_layout=Shard(-1))
                 out.append(Planned(path, module, style, axis, pattern))
+        return out
+
+    def candidates(self, model: nn.Module) -> dict[str, list[tuple[int, str, Style]]]:
+        """Module path → every (number of ``*``, pattern, style) whose pattern matches it."""
+        out: dict[str, list[tuple[int, str, Style]]] = {}
+        for path in dict(model.named_modules()):
+            for pattern, style in self.entries.items():
+                if _match(pattern, path):
+                    out.setdefault(path, []).append((pattern.count("*"), pattern, style))
         return out
 
     def _axis(self, style: Style, names) -> str:

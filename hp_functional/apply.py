@@ -261,11 +261,12 @@ def shard(
         for key, info in program.infos.items()
     }
     skeleton = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.canonical)
+    shared: dict = {}  # input conversions shared within one apply_fn call (see install_boundary)
     for b in program.boundaries:
         skel_module = skeleton.get_submodule(b.planned.fqn)
         group = program.groups[b.planned.axis]
         for attr in b.spec.divide_attrs:
             setattr(skel_module, attr, getattr(skel_module, attr) // group.size)
         inner = b.planned.style.local_forward(skel_module, group, skel_module.forward)
-        install_boundary(skel_module, b.planned.fqn, inner, b.in_steps, b.out_steps)
-    return make_apply_fn(skeleton, program), params, program.infos
+        install_boundary(skel_module, b.planned.fqn, inner, b.in_steps, b.out_steps, shared)
+    return make_apply_fn(skeleton, program, shared), params, program.infos

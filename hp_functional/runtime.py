@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from .apply import Program
 
 
-def make_apply_fn(skeleton: nn.Module, program: Program) -> Callable:
-    """``apply_fn(params, *args, **kwargs)``: check, convert, bind into the skeleton, forward."""
+def make_apply_fn(skeleton: nn.Module, program: Program, shared: dict | None = None) -> Callable:
+    """``apply_fn(params, *args, **kwargs)``: check, convert, bind into the skeleton, forward.
+    ``shared``: the boundaries' per-call conversion cache, emptied after every call."""
     keys = tuple(program.infos)
     key_set = frozenset(keys)
     shapes = tuple(torch.Size(program.infos[k].local_shape) for k in keys)
@@ -61,6 +62,8 @@ def make_apply_fn(skeleton: nn.Module, program: Program) -> Callable:
         finally:  # the skeleton never keeps the caller's tensors alive
             for _, store, name, placeholder in slots:
                 store[name] = placeholder
+            if shared:
+                shared.clear()
         if labels is not None:
             out["loss"] = causal_lm_loss(out.logits, labels, *loss_parallel)
         return out

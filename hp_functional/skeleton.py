@@ -76,10 +76,17 @@ def install_boundary(
     inner: Callable,
     in_steps: Mapping[object, Sequence[Step]],
     out_steps: Mapping[object, Sequence[Step]],
+    shared: dict | None = None,
 ) -> None:
     """Make ``module.forward`` run ``inner`` with ``in_steps`` on its arguments and
-    ``out_steps`` on its outputs (``"output"``: the tensor, or element 0 of a tuple)."""
-    slots = [(name, pos, tuple(in_steps[key]), f"argument {name!r}")
+    ``out_steps`` on its outputs (``"output"``: the tensor, or element 0 of a tuple).
+
+    ``shared`` (one dict per ``apply_fn``, emptied after every call) lets modules that convert
+    the *same* input tensor the same way share one conversion: q, k and v projections entering
+    rank-varying compute then have one all-reduce in the backward (their gradients add up before
+    it), not three — the sum of the all-reduces is the all-reduce of the sum."""
+    slots = [(name, pos, tuple(in_steps[key]), f"argument {name!r}",
+              tuple((s.axis, s.forward, s.backward) for s in in_steps[key]))
              for key, name, pos in _arg_slots(inner, list(in_steps), fqn)]
     outs = [(0 if key == "output" else key, tuple(steps), "output" if key == "output" else f"output {key}")
             for key, steps in out_steps.items()]
@@ -98,14 +105,24 @@ def install_boundary(
         except ValueError as exc:  # a split/scatter that the input's shape cannot take (same on every rank)
             raise ShapeError(f"{fqn} {what} of shape {tuple(value.shape)} does not fit the plan: {exc}") from exc
 
+    def convert_input(value, steps, what, signature):
+        if shared is None or not isinstance(value, Tensor) or torch.compiler.is_compiling():
+            return convert(value, steps, what)
+        hit = shared.get((id(value), signature))
+        if hit is not None and hit[0] is value:  # the value is held, so its id is not reused meanwhile
+            return hit[1]
+        out = convert(value, steps, what)
+        shared[(id(value), signature)] = (value, out)
+        return out
+
     def forward(*args, **kwargs):
         if slots:
             args = list(args)
-            for name, pos, steps, what in slots:
+            for name, pos, steps, what, signature in slots:
                 if name in kwargs:
-                    kwargs[name] = convert(kwargs[name], steps, what)
+                    kwargs[name] = convert_input(kwargs[name], steps, what, signature)
                 elif pos is not None and pos < len(args):
-                    args[pos] = convert(args[pos], steps, what)
+                    args[pos] = convert_input(args[pos], steps, what, signature)
         out = inner(*args, **kwargs)
         for index, steps, what in outs:
             if isinstance(out, Tensor) and index == 0:

@@ -28,17 +28,18 @@ def closed_form(n: int, sp: bool) -> dict:
 
     Without SP: forward one all-reduce after attention and one after the MLP per block (plus the
     vocab-parallel embedding's, plus the all-gather of the logits); backward one all-reduce per
-    column-parallel projection (q, k, v, gate, up; the HF plan has no rank-varying regions) and
-    one for the head's input.  With SP: an all-gather entering and a reduce-scatter leaving
-    attention and the MLP, their transposes in the backward, the split at layer 0 (all-gather in
-    the backward) and the norm weights' gradient all-reduces."""
+    block input (q, k and v share one, as do gate and up: the same input tensor entering
+    rank-varying compute is converted once per call) and one for the head's input.  With SP: an
+    all-gather entering and a reduce-scatter leaving attention and the MLP, their transposes in the
+    backward, the split at layer 0 (all-gather in the backward) and the norm weights' gradient
+    all-reduces."""
     c = tiny_config("llama")
     L, h, V, f32 = c.num_hidden_layers, c.hidden_size, c.vocab_size, 4
     act, logits = B * S * h * f32, B * S * V * f32
     if not sp:
         return {("fwd", "all_reduce", "tp"): (2 * L + 1, (2 * L + 1) * act),
                 ("fwd", "all_gather", "tp"): (1, logits),
-                ("bwd", "all_reduce", "tp"): (5 * L + 1, (5 * L + 1) * act)}
+                ("bwd", "all_reduce", "tp"): (2 * L + 1, (2 * L + 1) * act)}
     norms = 2 * L + 1
     return {("fwd", "all_reduce", "tp"): (1, act),  # the embedding's partial rows
             ("fwd", "all_gather", "tp"): (2 * L + 2, (2 * L + 1) * act + logits),  # attn, mlp, head input; logits
@@ -85,8 +86,7 @@ def test_schedule_totals_match_closed_form(world, sp):
 def test_megatron_regions(world, partial_exit):
     """Attention and the MLP as regions: the backward all-reduces each block's input once (plus,
     when the block leaves replicated, once at o_proj/down_proj, whose gradient arrives kept on
-    rank 0); with Megatron's g (partial exit) exactly one per block — 2L+1 with the head's input,
-    not one per column-parallel projection (5L+1)."""
+    rank 0); with Megatron's g (partial exit) exactly one per block — 2L+1 with the head's input."""
 
     def run(m):
         model = build_hf("llama")

@@ -159,10 +159,6 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _colwise(x: Tensor, weight: Tensor, g: C.AxisGroup) -> Tensor:
-    return F.linear(C.copy_to(x, g), weight)
-
-
 def _rope_tables(seq: int, dim: int, theta: float, like: Tensor) -> tuple[Tensor, Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=like.device) / dim))
     freqs = torch.arange(seq, device=like.device, dtype=torch.float)[:, None] * inv_freq
@@ -176,10 +172,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def megatron_loss(params: Mapping[str, Tensor], layers: list[dict[str, Tensor]], ids: Tensor, config, g: C.AxisGroup) -> Tensor:
-    """HF Llama's loss written out over the local shards with the collectives HF's plan lowers to:
-    vocab-parallel embedding (all-reduce), copy_to (identity / all-reduce) into every colwise
-    projection, reduce_from (all-reduce / identity) out of every rowwise one, and the head's
-    logits all-gathered.  ``layers[i]``: layer i's shards without the ``model.layers.{i}.`` prefix."""
+    """HF Llama's loss written out over the local shards with Megatron's collectives (those HF's
+    plan lowers to): vocab-parallel embedding (all-reduce), one copy_to (identity / all-reduce)
+    per block input — shared by q/k/v and by gate/up, Megatron's f — reduce_from (all-reduce /
+    identity) out of every rowwise projection (g), and the head's logits all-gathered.
+    ``layers[i]``: layer i's shards without the ``model.layers.{i}.`` prefix."""
     eps, head_dim = config.rms_norm_eps, config.hidden_size // config.num_attention_heads
     b, s = ids.shape
     table = params["model.embed_tokens.weight"]
@@ -188,16 +185,16 @@ def megatron_loss(params: Mapping[str, Tensor], layers: list[dict[str, Tensor]],
     x = C.reduce_from(F.embedding(torch.where(keep, local, 0), table) * keep.unsqueeze(-1).to(table.dtype), g)
     cos, sin = _rope_tables(s, head_dim, config.rope_parameters["rope_theta"], x)
     for p in layers:
-        h = _rms_norm(x, p["input_layernorm.weight"], eps)
-        q, k, v = (_colwise(h, p[f"self_attn.{n}_proj.weight"], g).view(b, s, -1, head_dim).transpose(1, 2) for n in "qkv")
+        h = C.copy_to(_rms_norm(x, p["input_layernorm.weight"], eps), g)
+        q, k, v = (F.linear(h, p[f"self_attn.{n}_proj.weight"]).view(b, s, -1, head_dim).transpose(1, 2) for n in "qkv")
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(b, s, -1)
         x = x + C.reduce_from(F.linear(a, p["self_attn.o_proj.weight"]), g)
-        h = _rms_norm(x, p["post_attention_layernorm.weight"], eps)
-        mlp = F.silu(_colwise(h, p["mlp.gate_proj.weight"], g)) * _colwise(h, p["mlp.up_proj.weight"], g)
+        h = C.copy_to(_rms_norm(x, p["post_attention_layernorm.weight"], eps), g)
+        mlp = F.silu(F.linear(h, p["mlp.gate_proj.weight"])) * F.linear(h, p["mlp.up_proj.weight"])
         x = x + C.reduce_from(F.linear(mlp, p["mlp.down_proj.weight"]), g)
     h = _rms_norm(x, params["model.norm.weight"], eps)
-    logits = C.gather_from(_colwise(h, params["lm_head.weight"], g), -1, g)
+    logits = C.gather_from(F.linear(C.copy_to(h, g), params["lm_head.weight"]), -1, g)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 

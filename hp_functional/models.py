@@ -63,8 +63,10 @@ def build_model(config, *, device: str | torch.device | None = None, seed: int =
 
 def megatron_plan(model: nn.Module, partial_exit: bool = True):
     """HF's plan for a Llama-family model (``self_attn`` with ``o_proj``, ``mlp`` with
-    ``down_proj``) plus Megatron's f/g: attention and the MLP are rank-varying regions, so each
-    block's input gradient is all-reduced once where it is entered, not once per projection.
+    ``down_proj``) plus Megatron's f/g stated explicitly: attention and the MLP are rank-varying
+    regions, so each block's input gradient is all-reduced once where it is entered.  (The plain
+    HF plan reaches the same count through shared input conversions; this form also covers blocks
+    whose projections take different tensors, and shows how regions are written.)
 
     ``partial_exit``: o_proj/down_proj keep their partial sums and the block's output is reduced
     where it leaves (all-reduce forward, identity backward) — one all-reduce per block each way;

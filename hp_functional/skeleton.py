@@ -106,7 +106,7 @@ def install_boundary(
             raise ShapeError(f"{fqn} {what} of shape {tuple(value.shape)} does not fit the plan: {exc}") from exc
 
     def convert_input(value, steps, what, signature):
-        if shared is None or not isinstance(value, Tensor) or torch.compiler.is_compiling():
+        if shared is None or not isinstance(value, Tensor):
             return convert(value, steps, what)
         hit = shared.get((id(value), signature))
         if hit is not None and hit[0] is value:  # the value is held, so its id is not reused meanwhile

@@ -13,6 +13,7 @@ from torch.func import grad, vmap
 
 import hp_functional as hpf
 from hp_functional import agree as agree_module
+from tests.conftest import get_pool
 from tests.helpers import assert_close, build_hf, mesh, rank, world
 from tests.rank_pool import RankFailure, RankPool
 from tests.snapshot import assert_unchanged, snapshot
@@ -71,10 +72,9 @@ def case_submesh_agreement(state):
     return None
 
 
-def test_agreement_on_a_submesh(pool):
-    if pool.world < 4:
-        pytest.skip("a proper sub-mesh needs 4 ranks (2 x 2)")
-    messages = pool.run(case_submesh_agreement, make_llama_state())
+def test_agreement_on_a_submesh():
+    """Needs a proper sub-mesh, so 4 ranks (2 x 2): run on the world-size-4 pool only."""
+    messages = get_pool(4).run(case_submesh_agreement, make_llama_state())
     assert messages[:2] == [None, None], "the first tp group agrees and must not raise"
     for msg in messages[2:]:
         assert "on ranks [3]" in msg and "mlp.down_proj.weight" in msg, msg

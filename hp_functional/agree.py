@@ -56,9 +56,13 @@ def describe(program: Program) -> dict[str, dict[str, str]]:
     }
 
 
+def digest(text: str) -> int:
+    """A stable (cross-process) 63-bit hash of ``text``, to all-gather as an int64."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
 def _digest(items: dict[str, str]) -> int:
-    text = "\n".join(f"{k}={v}" for k, v in sorted(items.items()))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1  # fits int64
+    return digest("\n".join(f"{k}={v}" for k, v in sorted(items.items())))
 
 
 def _gather(value, mesh, timeout: timedelta | None):

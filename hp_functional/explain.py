@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -359,13 +358,13 @@ def memory_table(mem: Memory) -> Table:
     return table
 
 
-def params_table(program: Program, names: Sequence[str] | None = None) -> Table:
+def params_table(program: Program) -> Table:
     """Per parameter: global shape, placement on each mesh axis, local shape."""
     axes = list(program.mesh.mesh_dim_names)
     table = Table(title="parameters", title_justify="left")
     for col in ("parameter", "global shape", *axes, "local shape"):
         table.add_column(col)
-    for key in names or program.infos:
+    for key in program.infos:
         info = program.infos[key]
         aliases = f" (= {', '.join(info.aliases)})" if info.aliases else ""
         table.add_row(key + aliases, str(tuple(info.global_shape)), *(str(p) for p in info.placements),

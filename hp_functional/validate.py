@@ -22,7 +22,6 @@ will gather before gathering anything, so a disagreement raises everywhere inste
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from .agree import digest as stable_digest
 from .apply import Boundary, shard
 from .collectives import AxisGroup, raw_all_gather, raw_all_reduce
 from .errors import PlanError
@@ -360,7 +360,7 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
     grads = {k: p.grad for k, p in params.items() if p.grad is not None}
     signature = repr(([(e[0], e[1], None if e[2] is None else (tuple(e[2].shape), str(e[2].dtype)), e[5]) for e in entries],
                       [(k, tuple(g.shape)) for k, g in grads.items()], check))
-    digest = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:8], "little", signed=True)
+    digest = stable_digest(signature)
     device = next((t.device for t in grads.values()), torch.device(mesh.device_type))
     hashes = _mesh_gather(torch.tensor([digest], dtype=torch.int64, device=device), groups, axes)
     if not bool((hashes == digest).all()):

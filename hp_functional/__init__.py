@@ -3,22 +3,24 @@
 ``apply_fn, params, shard_info = shard(model, plan, mesh)`` — the model is never mutated;
 ``apply_fn`` is a ``torch.func.functional_call`` forward whose parallelism is explicit
 collectives that compose with ``torch.func`` (grad, vmap, jvp/vjp).
+
+The package is layered (each imports only from those before it): ``core`` → ``plan`` →
+``compile`` → ``runtime`` → ``tools`` → ``cli``; ``docs/architecture.md`` has the diagram.
 """
 
-from . import collectives
-from .apply import compile_plan, shard
-from .errors import PlanError, PlanMismatchError, PlanWarning, ShapeError
-from .explain import Explanation, Memory, Schedule, ScheduleRow
-from .explain import explain as explain_plan  # loads the submodule first, so the def below keeps the name
-from .lint import Finding, lint
-from .loss import vocab_parallel_cross_entropy
-from .placement import ShardInfo, to_dtensor, unshard
-from .plan import ShardingPlan
-from .simulate import simulate
-from .styles import (
+from .compile.build import build_program, lint
+from .compile.lint import Finding
+from .core import collectives
+from .core.errors import PlanError, PlanMismatchError, PlanWarning, ShapeError
+from .core.placement import ShardInfo, slice_local, to_dtensor, unshard
+from .core.program import Program
+from .plan.plan import ShardingPlan
+from .plan.recipes import llama_sp_plan, megatron_plan
+from .plan.styles import (
     Colwise,
     Heads,
     ModuleSpec,
+    NoParallel,
     ParamRule,
     PrepareInput,
     PrepareOutput,
@@ -28,9 +30,14 @@ from .styles import (
     VocabEmbedding,
     default_handlers,
 )
-from .styles import Replicate_ as Replicate
-from .validate import PlacementMismatchError, ValidationError, ValidationReport, validate
-from .validate_dtensor import validate_placements
+from .runtime.loss import vocab_parallel_cross_entropy
+from .runtime.shard import shard
+from .tools.explain import Explanation, Memory, Schedule, explain
+from .tools.record import ScheduleRow
+from .tools.simulate import simulate
+from .tools.validate import validate
+from .tools.validate_dtensor import validate_placements
+from .tools.validation_report import PlacementMismatchError, ValidationError, ValidationReport
 
 __all__ = [
     "Colwise",
@@ -39,6 +46,7 @@ __all__ = [
     "Heads",
     "Memory",
     "ModuleSpec",
+    "NoParallel",
     "ParamRule",
     "PlacementMismatchError",
     "PlanError",
@@ -46,7 +54,7 @@ __all__ = [
     "PlanWarning",
     "PrepareInput",
     "PrepareOutput",
-    "Replicate",
+    "Program",
     "Rowwise",
     "Schedule",
     "ScheduleRow",
@@ -58,24 +66,19 @@ __all__ = [
     "ValidationError",
     "ValidationReport",
     "VocabEmbedding",
+    "build_program",
     "collectives",
-    "compile_plan",
     "default_handlers",
     "explain",
-    "explain_plan",
     "lint",
+    "llama_sp_plan",
+    "megatron_plan",
     "shard",
     "simulate",
+    "slice_local",
     "to_dtensor",
     "unshard",
     "validate",
     "validate_placements",
     "vocab_parallel_cross_entropy",
 ]
-
-
-def explain(model, plan, mesh, *args, **kwargs) -> str:
-    """The plan as text: placements and lowered steps per module; with example inputs (or
-    ``batch=``, ``seq=``) the measured communication schedule; per-rank parameter memory.
-    ``explain_plan`` returns the structured ``Explanation``."""
-    return str(explain_plan(model, plan, mesh, *args, **kwargs))

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from hp_functional.models import tiny_config
+from hp_functional.tools.models import tiny_config
 
 
 @functools.cache

@@ -2,44 +2,13 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import Shard
 from torch.func import grad_and_value
 
 import hp_functional as hpf
 from tests.helpers import assert_close, mesh
+from tests.models import AttrAttention, attn_plan
 from tests.snapshot import assert_unchanged, snapshot
-
-
-class AttrAttention(nn.Module):
-    """Multi-head attention that uses self.num_heads / self.num_key_value_heads in view()."""
-
-    def __init__(self, hidden: int = 32, heads: int = 8, kv_heads: int = 4):
-        super().__init__()
-        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden)
-        self.head_scale = nn.Parameter(torch.linspace(0.5, 1.5, heads))  # a per-head vector
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        q = q * self.head_scale.view(1, -1, 1, 1)
-        k = self.k_proj(x).view(b, s, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        rep = self.num_heads // self.num_key_value_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
-
-
-def plan(handlers=None):
-    entries = {"q_proj": hpf.Colwise(), "k_proj": hpf.Colwise(), "v_proj": hpf.Colwise(), "o_proj": hpf.Rowwise()}
-    name = "shard_heads" if handlers is None else "mine"
-    return hpf.ShardingPlan({"": hpf.Heads(), **entries}, special_handlers={"head_scale": name}, handlers=handlers)
 
 
 def case_attr_heads(state, user_handler: bool):
@@ -51,7 +20,7 @@ def case_attr_heads(state, user_handler: bool):
         handlers = {**hpf.default_handlers(), "mine": lambda p, fqn: hpf.ParamRule(Shard(0))}
         assert "mine" not in hpf.default_handlers()
     # the root module is addressed by the empty path
-    apply_fn, params, info = hpf.shard(model, plan(handlers), mesh())
+    apply_fn, params, info = hpf.shard(model, attn_plan(handlers), mesh())
     assert info["head_scale"].placements == (Shard(0),)
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
     ref = model(x)
@@ -77,7 +46,7 @@ def test_attribute_head_counts_and_per_head_params(pool, user_handler):
 def case_gqa_too_few_kv_heads(kv_heads: int):
     model = AttrAttention(hidden=32, heads=8, kv_heads=kv_heads)
     try:
-        hpf.shard(model, plan(), mesh())
+        hpf.shard(model, attn_plan(), mesh())
     except hpf.PlanError as exc:
         return str(exc)
     return None

@@ -9,9 +9,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
 from tests.helpers import mesh, world
+from tests.models import MLP, PLANS, build_llama, make_llama_state
 from tests.snapshot import assert_unchanged, snapshot
-from tests.test_llama import build_llama, make_llama_state
-from tests.test_mlp import MLP, PLANS
 
 
 class Odd(nn.Module):
@@ -47,7 +46,7 @@ PLAN_ROWS = {
                       "conflicting placements", "lm_head.weight"),
     "spec_bad_param": ({"proj": hpf.ModuleSpec(params={"kernel": {"tp": Replicate()}})}, hpf.PlanError,
                        "parameter 'kernel'", "proj"),
-    "bad_placement": ({"proj": hpf.ModuleSpec(params={"weight": {"tp": hpf.Replicate()}})}, hpf.PlanError,
+    "bad_placement": ({"proj": hpf.ModuleSpec(params={"weight": {"tp": hpf.NoParallel()}})}, hpf.PlanError,
                       "is not a placement", "proj"),
 }
 LLAMA_ROWS = {"no_match", "conflicting_styles", "tied_conflict"}
@@ -155,14 +154,12 @@ def test_call_rows(pool, row):
 def test_parameters_on_another_device_type_than_the_mesh():
     """The device check runs before anything else; a CPU-only machine has no second device
     type, so the mesh's device type is stood in for."""
-    from types import SimpleNamespace
-
-    from hp_functional.apply import _check_devices
+    from hp_functional.compile.build import check_devices
 
     with pytest.raises(hpf.PlanError, match=r"norm.weight is on cpu but the mesh is cuda"):
-        _check_devices(MLP(), SimpleNamespace(device_type="cuda"))
+        check_devices(MLP(), "cuda")
     with torch.device("meta"):
-        _check_devices(MLP(), SimpleNamespace(device_type="cuda"))  # meta models materialise later
+        check_devices(MLP(), "cuda")  # meta models materialise later
 
 
 def test_conflicts_do_not_depend_on_entry_order():
@@ -186,10 +183,10 @@ def test_apply_fn_params_on_another_device_type_than_the_mesh():
     no second device type); a dtype cast (mixed precision) is allowed."""
     from types import SimpleNamespace
 
-    from hp_functional.runtime import make_apply_fn
+    from hp_functional.runtime.apply_fn import make_apply_fn
 
     infos = {"weight": SimpleNamespace(local_shape=(2, 2))}
-    program = SimpleNamespace(infos=infos, canonical={"weight": "weight"}, param_steps={}, loss_parallel=None,
+    program = SimpleNamespace(infos=infos, leaf_of={"weight": "weight"}, param_steps={}, loss_parallel=None,
                       mesh=SimpleNamespace(device_type="cuda"))
     apply_fn = make_apply_fn(nn.Linear(2, 2, bias=False).to("meta"), program)
     with pytest.raises(hpf.PlanError, match=r"params\['weight'\] is on cpu, but the mesh's device type is cuda"):

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hp_functional.cli import main
-from hp_functional.models import tiny_config
+from hp_functional.cli.main import main
+from hp_functional.tools.models import tiny_config
 
 C = tiny_config("llama")
 
@@ -65,7 +65,7 @@ def test_plan_from_config_json_on_a_2d_mesh(tmp_path, capsys):
 
 
 def test_plan_with_a_custom_plan_and_lint_errors(capsys):
-    assert main(["plan", "llama", "--tp", "2", "--plan", "tests.test_llama:sp_plan", "--brief"]) == 0
+    assert main(["plan", "llama", "--tp", "2", "--plan", "hp_functional:llama_sp_plan", "--brief"]) == 0
     out = capsys.readouterr().out
     assert _row(out, "fwd", "reduce_scatter", "tp", str(2 * C.num_hidden_layers))
     assert main(["plan", "llama", "--tp", "8"]) == 1  # 4 KV heads of 8 cannot split 8 ways

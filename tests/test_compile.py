@@ -11,7 +11,7 @@ import torch
 
 import hp_functional as hpf
 from tests.helpers import assert_close, mesh
-from tests.test_llama import build_llama, make_llama_state, sp_plan
+from tests.models import build_llama, make_llama_state
 
 
 def _grads(params) -> dict[str, torch.Tensor]:
@@ -27,7 +27,7 @@ def case_compile(state, plan_kind: str):
     torch._dynamo.reset()
     counters.clear()
     model = build_llama(state)
-    plan = sp_plan() if plan_kind == "sp" else hpf.ShardingPlan.from_hf(model, loss_parallel=True)
+    plan = hpf.llama_sp_plan() if plan_kind == "sp" else hpf.ShardingPlan.from_hf(model, loss_parallel=True)
     apply_fn, params, info = hpf.shard(model, plan, mesh())
     compiled = torch.compile(apply_fn, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break raises
 

@@ -5,12 +5,10 @@ import torch
 from torch.distributed.tensor import Shard
 
 import hp_functional as hpf
-from hp_functional.explain import explain
-from hp_functional.models import megatron_plan, tiny_config
-from hp_functional.simulate import simulate
+from hp_functional import explain, simulate
+from hp_functional.tools.models import tiny_config
 from tests.helpers import build_hf, mesh
-from tests.test_llama import sp_plan
-from tests.test_mlp import MLP, PLANS
+from tests.models import MLP, PLANS
 
 B, S = 2, 8  # batch and sequence of the example inputs
 
@@ -18,7 +16,7 @@ B, S = 2, 8  # batch and sequence of the example inputs
 def case_explain(sp: bool, m=None):
     """Explain the HF (Megatron TP) or the SP plan of the tiny Llama on mesh ``m`` (default: all ranks)."""
     model = build_hf("llama")
-    plan = sp_plan() if sp else hpf.ShardingPlan.from_hf(model)
+    plan = hpf.llama_sp_plan() if sp else hpf.ShardingPlan.from_hf(model)
     e = explain(model, plan, m or mesh(), batch=B, seq=S)
     return e.schedule.totals(), [(r.module, r.direction, r.op) for r in e.schedule.rows], e.memory, str(e)
 
@@ -90,7 +88,7 @@ def test_megatron_regions(world, partial_exit):
 
     def run(m):
         model = build_hf("llama")
-        return explain(model, megatron_plan(model, partial_exit), m, batch=B, seq=S).schedule.totals()
+        return explain(model, hpf.megatron_plan(model, partial_exit), m, batch=B, seq=S).schedule.totals()
 
     c = tiny_config("llama")
     L, act = c.num_hidden_layers, B * S * c.hidden_size * 4
@@ -141,7 +139,7 @@ def test_schedule_error_is_reported_not_raised():
 
 def test_real_gloo_ranks_measure_the_same_schedule():
     """On 2 freshly spawned gloo ranks (shard() agrees across them for real): the same totals."""
-    from hp_functional.launch import run_ranks
+    from hp_functional.cli.launch import run_ranks
 
     results = run_ranks(case_explain, 2, True)
     assert [r[0] for r in results.values()] == [closed_form(2, True)] * 2

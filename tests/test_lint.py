@@ -8,14 +8,10 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
-from hp_functional.errors import PlanWarning
-from hp_functional.lint import collapse, lint
-from hp_functional.simulate import simulate
+from hp_functional import PlanWarning, lint, simulate
+from hp_functional.compile.lint import collapse
 from tests.helpers import build_hf
-from tests.test_attention_heads import AttrAttention
-from tests.test_attention_heads import plan as attn_plan
-from tests.test_llama import sp_plan
-from tests.test_mlp import MLP, PLANS
+from tests.models import MLP, PLANS, AttrAttention, attn_plan
 
 L = "model.layers.*"
 
@@ -31,7 +27,7 @@ def correct_plans():
                                                  ("gemma", {"tie_word_embeddings": True})]]
     plans = [(name, m, hpf.ShardingPlan.from_hf(m, loss_parallel=lp)) for name, m in out for lp in (False, True)]
     llama = out[0][1]
-    plans.append(("llama sp", llama, sp_plan()))
+    plans.append(("llama sp", llama, hpf.llama_sp_plan()))
     plans += [(f"mlp {k}", MLP(), hpf.ShardingPlan(p)) for k, p in PLANS.items()]
     plans.append(("attribute heads", AttrAttention(), attn_plan()))
     return plans
@@ -44,7 +40,7 @@ def test_correct_plans_have_no_findings_and_shard_does_not_warn(world):
         for name, model, plan in correct_plans():
             with warnings.catch_warnings():
                 warnings.simplefilter("error", PlanWarning)
-                hpf.compile_plan(model, plan, m)
+                hpf.build_program(model, plan, m)
             found[name] = [str(f) for f in lint(model, plan, m)]
         return found
 
@@ -144,7 +140,7 @@ def test_shard_raises_every_error_and_warns_once_per_pattern():
 def test_replicate_entry_silences_and_collapse_merges_layers():
     def run(m):
         model = build_hf("llama")
-        explicit = hf(model, drop=("gate_proj",), **{f"{L}.mlp.gate_proj": hpf.Replicate()})
+        explicit = hf(model, drop=("gate_proj",), **{f"{L}.mlp.gate_proj": hpf.NoParallel()})
         return lint(model, explicit, m), lint(model, hf(model, drop=("gate_proj",)), m)
 
     silenced, found = simulate(run, world_size=2)

@@ -2,43 +2,12 @@
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 from torch.func import grad_and_value
 
 import hp_functional as hpf
-from hp_functional.models import megatron_plan
 from tests.helpers import assert_close, build_hf, make_hf_state, mesh
-
-
-def sp_plan() -> hpf.ShardingPlan:
-    """Megatron-SP for HF Llama: the residual stream is sequence-sharded between the norms;
-    attention and MLP are entered once (all-gather / reduce-scatter) and left by reduce-scatter."""
-    L = "model.layers.*"
-    return hpf.ShardingPlan({
-        "model.embed_tokens": hpf.VocabEmbedding(),
-        "model.layers.0": hpf.PrepareInput({"hidden_states": (Replicate(), Shard(1))}),
-        f"{L}.input_layernorm": hpf.SequenceParallel(),
-        f"{L}.self_attn": hpf.PrepareInput({"hidden_states": (Shard(1), Replicate())}),
-        f"{L}.self_attn.q_proj": "colwise",
-        f"{L}.self_attn.k_proj": "colwise",
-        f"{L}.self_attn.v_proj": "colwise",
-        f"{L}.self_attn.o_proj": hpf.Rowwise(output_layout=Shard(1)),
-        f"{L}.post_attention_layernorm": hpf.SequenceParallel(),
-        f"{L}.mlp": hpf.PrepareInput({"x": (Shard(1), Replicate())}),
-        f"{L}.mlp.gate_proj": hpf.Colwise(),
-        f"{L}.mlp.up_proj": hpf.Colwise(),
-        f"{L}.mlp.down_proj": hpf.Rowwise(output_layout=Shard(1)),
-        "model.norm": hpf.SequenceParallel(),
-        "lm_head": hpf.Colwise(input_layout=Shard(1), gather_output=True),
-    })
-
-
-def make_llama_state(**cfg):
-    return make_hf_state("llama", **cfg)
-
-
-def build_llama(state, **cfg):
-    return build_hf("llama", state, **cfg)
+from tests.models import build_llama, make_llama_state
 
 
 def case_llama(state, plan_kind: str, mesh_shape, cfg, family: str = "llama"):
@@ -48,9 +17,9 @@ def case_llama(state, plan_kind: str, mesh_shape, cfg, family: str = "llama"):
     plan = {
         "hf": lambda: hpf.ShardingPlan.from_hf(model),
         "hf_loss_parallel": lambda: hpf.ShardingPlan.from_hf(model, loss_parallel=True),
-        "sp": sp_plan,
-        "regions": lambda: megatron_plan(model, partial_exit=False),
-        "regions_partial_exit": lambda: megatron_plan(model, partial_exit=True),
+        "sp": hpf.llama_sp_plan,
+        "regions": lambda: hpf.megatron_plan(model, partial_exit=False),
+        "regions_partial_exit": lambda: hpf.megatron_plan(model, partial_exit=True),
         # a whole decoder layer as one region: residual adds and norms inside it
         "layer_regions": lambda: hpf.ShardingPlan({
             **hpf.ShardingPlan.from_hf(model).entries,
@@ -121,8 +90,8 @@ def test_hf_families_from_hf_plan(pool, family):
 def case_explain_and_dtensor(state):
     model = build_llama(state)
     m = mesh()
-    text = hpf.explain(model, sp_plan(), m)
-    apply_fn, params, info = hpf.shard(model, sp_plan(), m)
+    text = str(hpf.explain(model, hpf.llama_sp_plan(), m))
+    apply_fn, params, info = hpf.shard(model, hpf.llama_sp_plan(), m)
     dt = hpf.to_dtensor(params, info)
     for k, p in model.named_parameters():
         torch.testing.assert_close(dt[k].full_tensor(), p.detach(), msg=k)

@@ -7,7 +7,8 @@ from torch.func import grad, vmap
 
 import hp_functional as hpf
 from tests.helpers import assert_close, mesh, rank, world
-from tests.test_llama import case_llama, make_llama_state
+from tests.models import make_llama_state
+from tests.test_llama import case_llama
 
 
 def _split_sizes(vocab: int, n: int) -> list[int]:

@@ -2,45 +2,11 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import Shard
 from torch.func import grad, grad_and_value, vmap
 
 import hp_functional as hpf
 from tests.helpers import assert_close, mesh
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int = 16, h: int = 32):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.down(F.gelu(self.up(self.norm(x))))
-
-
-def make_mlp_state():
-    torch.manual_seed(0)
-    m = MLP()
-    with torch.no_grad():  # non-trivial norm parameters so their gradients are checked for real
-        m.norm.weight.uniform_(0.5, 1.5)
-        m.norm.bias.uniform_(-0.5, 0.5)
-    return m.state_dict()
-
-
-PLANS = {
-    "tp": {"up": hpf.Colwise(), "down": hpf.Rowwise()},
-    "sp": {
-        "norm": hpf.SequenceParallel(),
-        "up": hpf.Colwise(input_layout=Shard(1)),
-        "down": hpf.Rowwise(output_layout=Shard(1)),
-    },
-    "gather": {"up": hpf.Colwise(gather_output=True)},
-    "split_input": {"down": "rowwise_split_input"},
-}
+from tests.models import MLP, PLANS, make_mlp_state
 
 
 def case_mlp(state, plan_name: str, mesh_shape):

@@ -5,8 +5,8 @@ from torch.func import grad
 
 import hp_functional as hpf
 from tests.helpers import mesh
+from tests.models import build_llama, make_llama_state
 from tests.snapshot import assert_unchanged, snapshot
-from tests.test_llama import build_llama, make_llama_state, sp_plan
 
 
 def case_no_mutation(state):
@@ -17,7 +17,7 @@ def case_no_mutation(state):
     plan_entries = dict(plan.entries)
     before = snapshot(model)
     apply_fn, params, _ = hpf.shard(model, plan, mesh())
-    apply_fn2, params2, _ = hpf.shard(model, sp_plan(), mesh())
+    apply_fn2, params2, _ = hpf.shard(model, hpf.llama_sp_plan(), mesh())
     assert_unchanged(before, snapshot(model))
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     for _ in range(2):

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
-from hp_functional.styles import HF_STYLES, ModuleSpec, Style
+from hp_functional.plan.styles import HF_STYLES, ModuleSpec, Style
 from tests import property_cases as pc
 from tests.property_cases import BlockSpec, Case, MixSpec, NetSpec
 
@@ -96,7 +96,7 @@ def valid_cases(draw, world: int, split: bool = False, heads: bool = False) -> C
         mix_kind = "attn" if heads else draw(st.sampled_from(["mlp", "gated", "packed", "attn"]))
         if state == "R":
             if norm and draw(st.booleans()):
-                styles["norm"] = hpf.Replicate()
+                styles["norm"] = hpf.NoParallel()
             options = list(pc.R_KINDS)
         else:
             gathered = norm is not None and draw(st.booleans())
@@ -116,7 +116,7 @@ def valid_cases(draw, world: int, split: bool = False, heads: bool = False) -> C
         top["norm_f"] = hpf.SequenceParallel(output_layout=Replicate() if gathered else None)
         state = "R" if gathered else "S"
     elif final and draw(st.booleans()):
-        top["norm_f"] = hpf.Replicate()
+        top["norm_f"] = hpf.NoParallel()
     if state == "S":
         head_kind = draw(st.sampled_from(["absent", "sp_gather", "sp_vocab"]))
     else:
@@ -151,7 +151,7 @@ def valid_cases(draw, world: int, split: bool = False, heads: bool = False) -> C
             entries[f"blocks.*{suffix}"] = express(base)
             for i, v in enumerate(values):
                 if v != base and f"blocks.{i}{suffix}" in paths:
-                    entries[f"blocks.{i}{suffix}"] = express(v if v is not None else hpf.Replicate())
+                    entries[f"blocks.{i}{suffix}"] = express(v if v is not None else hpf.NoParallel())
         else:
             entries.update({f"blocks.{i}{suffix}": express(v) for i, v in enumerate(values) if v is not None})
     entries = {k: entries[k] for k in draw(st.permutations(list(entries)))}
@@ -264,7 +264,7 @@ def invalid_cases(draw, world: int):
                                         if p.startswith("blocks.") else "tail", "emb" if "emb" not in modules else "head_x"]))
         if any(matches(mutated, q) for q in modules):
             mutated = "nothing.here"
-        entries = _insert(draw, case.entries, mutated, _styled(case, hpf.Replicate()))
+        entries = _insert(draw, case.entries, mutated, _styled(case, hpf.NoParallel()))
         out = replace(case, entries=entries), "PlanError", (f"plan entry {mutated!r} matches no module",)
     return (*out, fault)
 
@@ -302,7 +302,7 @@ def _fault_conflict(draw, case: Case, modules: dict):
         return None
     t = draw(st.sampled_from(targets))
     p1, p2 = draw(st.lists(st.sampled_from(draw(st.sampled_from(by_target[t]))), min_size=2, max_size=2, unique=True))
-    pool = [hpf.Colwise(), hpf.Rowwise(), hpf.Colwise(gather_output=True), hpf.Replicate(), hpf.SequenceParallel()]
+    pool = [hpf.Colwise(), hpf.Rowwise(), hpf.Colwise(gather_output=True), hpf.NoParallel(), hpf.SequenceParallel()]
     s1, s2 = draw(st.lists(st.sampled_from(pool), min_size=2, max_size=2, unique_by=repr))
     entries = {k: v for k, v in case.entries.items() if not matches(k, t)}
     entries = _insert(draw, _insert(draw, entries, p1, _styled(case, s1)), p2, _styled(case, s2))

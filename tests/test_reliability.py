@@ -12,12 +12,12 @@ from torch import nn
 from torch.func import grad, vmap
 
 import hp_functional as hpf
-from hp_functional import agree as agree_module
+from hp_functional.compile import agree as agree_module
 from tests.conftest import get_pool
 from tests.helpers import assert_close, build_hf, mesh, rank, world
+from tests.models import build_llama, make_llama_state
 from tests.rank_pool import RankFailure, RankPool
 from tests.snapshot import assert_unchanged, snapshot
-from tests.test_llama import build_llama, make_llama_state, sp_plan
 
 
 # ------------------------------------------------------------------ cross-rank agreement
@@ -184,7 +184,7 @@ def case_repeated_use(state):
     m = mesh()
     model = build_llama(state)
     before = snapshot(model)
-    plans = [hpf.ShardingPlan.from_hf(model), sp_plan()]
+    plans = [hpf.ShardingPlan.from_hf(model), hpf.llama_sp_plan()]
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(4))
 
     # many shard() calls with alternating plans: no growth in live tensors, nothing kept alive

@@ -11,10 +11,12 @@ from torch.func import grad_and_value
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_functional as hpf
-from hp_functional import apply, placement, plan, redistribute, skeleton, styles
-from hp_functional.lint import lint as plan_lint
+from hp_functional.compile import build, lint
+from hp_functional.core import lowering, placement
+from hp_functional.plan import plan, styles
+from hp_functional.runtime import boundary, skeleton
 from tests.helpers import assert_close, mesh
-from tests.test_llama import build_llama, make_llama_state, sp_plan
+from tests.models import build_llama, make_llama_state
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -25,14 +27,14 @@ def _subclasses(cls: type) -> list[type]:
 PLAN_WORK = {
     "ShardingPlan.resolve": plan.ShardingPlan.resolve,
     "ShardingPlan.param_rules": plan.ShardingPlan.param_rules,
-    "compile_plan": apply.compile_plan,
-    "lint": plan_lint,
-    "lower": redistribute.lower,
+    "build_program": build.build_program,
+    "lint": lint.lint_specs,
+    "lower": lowering.lower,
     "local_layout": placement.local_layout,
     "mesh_placements": placement.mesh_placements,
     "slice_local": placement.slice_local,
     "build_skeleton": skeleton.build_skeleton,
-    "install_boundary": skeleton.install_boundary,
+    "install_boundary": boundary.install_boundary,
     **{f"{cls.__name__}.spec": cls.spec for cls in _subclasses(styles.Style) if "spec" in vars(cls)},
 }
 
@@ -59,11 +61,12 @@ class CallCounter:
 
 def case_no_plan_work_per_call(state, plan_kind: str):
     model = build_llama(state)
-    the_plan = sp_plan() if plan_kind == "sp" else hpf.ShardingPlan.from_hf(model, loss_parallel=plan_kind == "loss_parallel")
+    loss_parallel = plan_kind == "loss_parallel"
+    the_plan = hpf.llama_sp_plan() if plan_kind == "sp" else hpf.ShardingPlan.from_hf(model, loss_parallel=loss_parallel)
     with CallCounter() as during_shard:
         apply_fn, params, info = hpf.shard(model, the_plan, mesh())
     # the counter sees shard()'s work, so a zero below is not a blind spot
-    for name in ("ShardingPlan.resolve", "compile_plan", "lint", "lower", "local_layout", "mesh_placements", "Colwise.spec"):
+    for name in ("ShardingPlan.resolve", "build_program", "lint", "lower", "local_layout", "mesh_placements", "Colwise.spec"):
         assert during_shard.counts[name] > 0, (name, during_shard.counts)
 
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))

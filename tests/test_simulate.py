@@ -9,9 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hp_functional as hpf
 from hp_functional import collectives as C
-from hp_functional.explain import explain
-from hp_functional.lint import lint
-from hp_functional.simulate import simulate
+from hp_functional import explain, lint, simulate
 
 F32 = 4
 

@@ -8,11 +8,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import hp_functional as hpf
-from hp_functional.validate import PlacementMismatchError, ValidationError, validate
-from hp_functional.validate_dtensor import validate_placements
+from hp_functional import PlacementMismatchError, ValidationError, validate, validate_placements
 from tests.helpers import build_hf, make_hf_state, mesh, world
 from tests.snapshot import assert_unchanged, snapshot
-from tests.test_llama import sp_plan
 from tests.test_mlp import MLP, make_mlp_state
 
 
@@ -72,7 +70,7 @@ def setup(name: str, states: dict, labels: bool = True):
         x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
         return model, hpf.ShardingPlan(extra), m, (x,), {}
     model = build_hf("llama", states["llama"])
-    base = sp_plan().entries if kind == "llama_sp" else hpf.ShardingPlan.from_hf(model).entries
+    base = hpf.llama_sp_plan().entries if kind == "llama_sp" else hpf.ShardingPlan.from_hf(model).entries
     dp = m.size(0) if m.ndim == 2 else 1
     ids = torch.randint(0, 128, (2 * dp, 8), generator=torch.Generator().manual_seed(7))
     ids = ids.chunk(dp)[m["dp"].get_local_rank()] if dp > 1 else ids

@@ -8,7 +8,7 @@ are applied in order, each ``Shard(d)`` narrowing the current chunk further, so
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from .collectives import AxisGroup, raw_all_gather
+from .collectives import AxisGroup, raw_all_gather, raw_all_reduce
 from .errors import PlanError, ShapeError
 
 AxisPlacements = Mapping[str, Placement]
@@ -92,20 +92,45 @@ def local_layout(
     return torch.Size(shape), tuple(offset)
 
 
-def packed_dim(info: ShardInfo) -> int:
+# ---------------------------------------------------------------- packed parameters
+# A packed parameter (fused gate_up_proj / qkv_proj) is ``blocks`` sub-blocks along its one
+# sharded dim, each sharded separately: the local shard is the rank's slice of every block,
+# concatenated.  All of the block arithmetic lives here.
+def packed_dim(placements: Sequence[Placement], ndim: int, where: str) -> int:
     """The tensor dim a packed parameter is sharded on (exactly one Shard placement)."""
-    dims = [p.dim % len(info.global_shape) for p in info.placements if isinstance(p, Shard)]
+    dims = [p.dim % ndim for p in placements if isinstance(p, Shard)]
     if len(dims) != 1:
-        raise PlanError(f"packed blocks need exactly one sharded dim, got placements {info.placements}")
+        raise PlanError(f"{where}: packed blocks need exactly one sharded dim, got {fmt_placements(placements)}")
     return dims[0]
 
 
+def packed_layout(
+    name: str, global_shape: torch.Size, placements: tuple[Placement, ...], local_shape: torch.Size,
+    offset: tuple[int, ...], blocks: int | tuple[int, ...], axes: Sequence[str],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global block sizes, offset of the rank's slice of the first block) of a packed parameter;
+    a ShapeError naming the parameter and the axes when a block does not split evenly."""
+    d = packed_dim(placements, len(global_shape), f"parameter {name}")
+    sizes = (global_shape[d] // blocks,) * blocks if isinstance(blocks, int) else tuple(blocks)
+    n = global_shape[d] // local_shape[d]
+    if sum(sizes) != global_shape[d] or any(b % n for b in sizes):
+        sharding = [a for a, p in zip(axes, placements, strict=True) if isinstance(p, Shard)]
+        raise ShapeError(f"parameter {name}: packed blocks {sizes} along dim {d} (size {global_shape[d]}) do not each "
+                         f"split {n} ways over mesh axes {sharding}")
+    return sizes, (*offset[:d], offset[d] // local_shape[d] * (sizes[0] // n), *offset[d + 1 :])
+
+
+def _packed_split(info: ShardInfo) -> tuple[int, int, int]:
+    """(sharded dim, number of shards, this rank's shard index) of a packed parameter."""
+    d = packed_dim(info.placements, len(info.global_shape), "packed parameter")
+    n = info.global_shape[d] // info.local_shape[d]
+    return d, n, info.offset[d] // (info.blocks[0] // n)
+
+
 def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
-    """The local shard of ``full`` as a new tensor that owns its storage."""
+    """The local shard of ``full`` as a new tensor that owns its storage (inverse: ``unshard``)."""
     if info.blocks:
-        d = packed_dim(info)
-        n = info.global_shape[d] // info.local_shape[d]
-        r = info.offset[d] // (info.blocks[0] // n)
+        d, n, r = _packed_split(info)
         pieces = [blk.chunk(n, d)[r] for blk in full.split(list(info.blocks), d)]
         return torch.cat(pieces, d).detach().clone()
     local = full
@@ -115,8 +140,24 @@ def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
     return local.detach().clone()
 
 
+def to_full(local: Tensor, placements: Sequence[Placement], groups: Sequence[AxisGroup]) -> Tensor:
+    """The full value of a tensor placed ``placements`` (one per mesh dim, ``groups`` alike):
+    Shard all-gathered, Partial all-reduced, mesh dims last to first (DTensor's order).  Not
+    differentiable: for reading results (``unshard``, ``validate``)."""
+    t = local.detach()
+    for p, g in reversed(list(zip(placements, groups, strict=True))):
+        if g.size == 1:
+            continue
+        if isinstance(p, Shard):
+            t = raw_all_gather(t, p.dim % t.dim(), g)
+        elif isinstance(p, Partial):
+            t = raw_all_reduce(t, g) / (g.size if p.reduce_op == "avg" else 1)
+    return t
+
+
 def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, Tensor]:
-    """Gather every local shard back to its full tensor (a collective: call on every rank)."""
+    """Gather every local shard back to its full tensor (a collective: call on every rank;
+    inverse: ``slice_local``)."""
     missing = sorted(set(params) - set(shard_info))
     if missing:
         raise PlanError(f"unshard: no shard_info for {missing[:5]}")
@@ -133,14 +174,10 @@ def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -
     full = {}
     for name, local in params.items():
         info = shard_info[name]
-        t = local.detach()
-        for mdim in reversed(range(info.mesh.ndim)):
-            p = info.placements[mdim]
-            if isinstance(p, Shard):
-                t = raw_all_gather(t, p.dim, AxisGroup.from_mesh(info.mesh, info.mesh.mesh_dim_names[mdim]))
+        groups = [AxisGroup.from_mesh(info.mesh, axis) for axis in info.mesh.mesh_dim_names]
+        t = to_full(local, info.placements, groups)
         if info.blocks:  # gathered as [rank0: b0 b1 .. | rank1: b0 b1 ..] -> [b0 of all ranks | b1 ..]
-            d = packed_dim(info)
-            n = info.global_shape[d] // info.local_shape[d]
+            d, n, _ = _packed_split(info)
             per_rank = [chunk.split([b // n for b in info.blocks], d) for chunk in t.chunk(n, d)]
             t = torch.cat([per_rank[r][b] for b in range(len(info.blocks)) for r in range(n)], d)
         full[name] = t

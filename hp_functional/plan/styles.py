@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from .collectives import AxisGroup
-from .errors import PlanError
-from .placement import AxisPlacements
+from ..core.collectives import AxisGroup
+from ..core.errors import PlanError
+from ..core.placement import AxisPlacements
 
 Key = str | int  # a forward argument (name or position) or an output ("output" or tuple index)
 
@@ -145,19 +145,18 @@ class Rowwise(Style):
 
 
 @dataclass(frozen=True)
-class Replicate_(Style):
-    """Every parameter replicated.  ``reduce_grads=True`` marks the compute rank-varying (e.g. a
-    per-head norm on local heads, HF ``replicated_with_grad_allreduce``): the parameter
-    gradients are then all-reduced inside the backward."""
+class NoParallel(Style):
+    """The module is not parallelised: every parameter replicated (HF ``replicate``; named as
+    torchtitan's style, so that it cannot be confused with the ``Replicate()`` placement).
+    ``reduce_grads=True`` marks the compute rank-varying (e.g. a per-head norm on local heads,
+    HF ``replicated_with_grad_allreduce``): the parameter gradients are then all-reduced inside
+    the backward."""
 
     reduce_grads: bool = False
     axis: str | None = None
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         return ModuleSpec(varying=True if self.reduce_grads else None)
-
-    def __repr__(self) -> str:
-        return f"Replicate(reduce_grads={self.reduce_grads!r}, axis={self.axis!r})"
 
 
 @dataclass(frozen=True)
@@ -272,10 +271,6 @@ class VocabEmbedding(Style):
         return local
 
 
-# Public name per the plan language (``hpf.Replicate``); the qualified name stays ``Replicate_``
-# (it avoids shadowing the placement here) so that pickle finds the class.
-Replicate_.__name__ = "Replicate"
-
 #: HF ``tp_plan`` strings → styles (``from_hf``); other strings raise naming style and module.
 HF_STYLES: dict[str, Any] = {
     "colwise": Colwise(),
@@ -284,11 +279,11 @@ HF_STYLES: dict[str, Any] = {
     "colwise_rep": Colwise(gather_output=True),
     "rowwise_split_input": Rowwise(input_layout=Replicate()),
     "rowwise_rep": Rowwise(input_layout=Replicate()),
-    "replicated_with_grad_allreduce": Replicate_(reduce_grads=True),
+    "replicated_with_grad_allreduce": NoParallel(reduce_grads=True),
     "embedding_rowwise": VocabEmbedding(),
     "packed_colwise": Colwise(packed=2),
     "sequence_parallel": SequenceParallel(),
-    "replicate": Replicate_(),
+    "replicate": NoParallel(),
 }
 
 

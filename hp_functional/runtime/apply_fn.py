@@ -4,7 +4,7 @@ Everything here runs on every step, so it does no plan or placement work: ``shar
 all of it and hands over a ``Program``.  Binding is ``torch.func.functional_call`` with its
 per-call setup done once: ``functional_call(..., tie_weights=True)`` walks every named
 parameter and buffer of the module on each call to find tied weights and resolves every dotted
-name to its submodule; here the tied groups are known (``Program.canonical``) and the
+name to its submodule; here the tied groups are known (``Program.leaf_of``) and the
 (submodule ``_parameters`` dict, name) slots are resolved once, so a call is one dict store
 per slot, the forward, and one store per slot to put the meta placeholders back.
 """
@@ -12,29 +12,26 @@ per slot, the forward, and one store per slot to put the meta placeholders back.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from .collectives import AxisGroup
-from .errors import PlanError
-from .loss import vocab_parallel_cross_entropy
-
-if TYPE_CHECKING:
-    from .apply import Program
+from ..core.errors import PlanError
+from ..core.program import Program
+from .boundary import ConversionCache
+from .loss import causal_lm_loss
 
 
-def make_apply_fn(skeleton: nn.Module, program: Program, shared: dict | None = None) -> Callable:
+def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None) -> Callable:
     """``apply_fn(params, *args, **kwargs)``: check, convert, bind into the skeleton, forward.
-    ``shared``: the boundaries' per-call conversion cache, emptied after every call."""
+    ``cache``: the boundaries' per-call conversion cache, emptied after every call."""
     keys = tuple(program.infos)
     key_set = frozenset(keys)
     shapes = tuple(torch.Size(program.infos[k].local_shape) for k in keys)
     steps = tuple(tuple(program.param_steps.get(k, ())) for k in keys)
     index = {k: i for i, k in enumerate(keys)}
     slots = []  # (leaf index, the owning skeleton module's _parameters, attribute name, placeholder)
-    for fqn, key in program.canonical.items():
+    for fqn, key in program.leaf_of.items():
         mod, _, name = fqn.rpartition(".")
         store = skeleton.get_submodule(mod)._parameters
         slots.append((index[key], store, name, store[name]))
@@ -62,36 +59,36 @@ def make_apply_fn(skeleton: nn.Module, program: Program, shared: dict | None = N
         finally:  # the skeleton never keeps the caller's tensors alive
             for _, store, name, placeholder in slots:
                 store[name] = placeholder
-            if shared:
-                shared.clear()
+            if cache:
+                cache.clear()
         if labels is not None:
-            out["loss"] = causal_lm_loss(out.logits, labels, *loss_parallel)
+            out["loss"] = causal_lm_loss(out.logits, labels, loss_parallel.group, loss_parallel.vocab_start)
         return out
 
     apply_fn.program = program  # for explain() and tests; read-only by convention
     return apply_fn
 
 
+_PASS_PARAMS = "pass the params pytree that shard() returned (this rank's local shards), not model.state_dict()"
+
+
 def _reordered(params: Mapping[str, Tensor], keys: tuple[str, ...], key_set: frozenset[str]) -> tuple[Tensor, ...]:
     """The slow path of the key check: ``params`` in ``keys`` order, or a PlanError naming the keys."""
+    if not isinstance(params, Mapping):
+        raise PlanError(f"apply_fn: params must be a dict of tensors, got {type(params).__name__}; {_PASS_PARAMS}")
     if params.keys() != key_set:
         missing, extra = sorted(key_set - params.keys()), sorted(params.keys() - key_set)
-        raise PlanError(f"apply_fn: params pytree keys differ from shard(): missing {missing[:5]}, extra {extra[:5]}")
+        raise PlanError(f"apply_fn: params pytree keys differ from shard(): missing {missing[:5]}, extra {extra[:5]}; "
+                        f"{_PASS_PARAMS}")
     return tuple(params[k] for k in keys)
 
 
 def _raise_shape(values: tuple[Tensor, ...], keys: tuple[str, ...], shapes: tuple[torch.Size, ...]) -> None:
     key, got, want = next((k, tuple(v.shape), tuple(s)) for k, v, s in zip(keys, values, shapes, strict=True) if v.shape != s)
-    raise PlanError(f"apply_fn: params[{key!r}] has shape {got}, expected local {want}")
+    raise PlanError(f"apply_fn: params[{key!r}] has shape {got}, expected local {want}; {_PASS_PARAMS}")
 
 
 def _raise_device(values: tuple[Tensor, ...], keys: tuple[str, ...], devices: frozenset[str]) -> None:
     key, got = next((k, v.device) for k, v in zip(keys, values, strict=True) if v.device.type not in devices)
     raise PlanError(f"apply_fn: params[{key!r}] is on {got}, but the mesh's device type is "
                     f"{sorted(devices - {'meta'})[0]}: move the params to the mesh's device")
-
-
-def causal_lm_loss(local_logits: Tensor, labels: Tensor, group: AxisGroup, vocab_start: int) -> Tensor:
-    """HF's causal-LM loss (labels shifted left, -100 ignored, mean) on vocab-sharded logits."""
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    return vocab_parallel_cross_entropy(local_logits, shifted, group, vocab_start=vocab_start)

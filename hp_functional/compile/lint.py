@@ -1,20 +1,21 @@
-"""Plan lint: findings about a plan resolved against a model, before anything is placed.
+"""Plan lint: findings about a plan resolved against a model, read off the specs the compiler built.
 
-``shard()`` (through ``compile_plan``) runs ``lint`` right after resolving the plan: errors raise
-one ``PlanError`` listing them all (on every rank, before any collective); warnings go through
-``warnings.warn`` as ``PlanWarning`` (only when there is no error).  ``lint(model, plan, mesh)``
-called by itself returns every finding instead — including the errors that resolving and
-placing raise (collected, not raised); it reads the model and the plan, never mutates them,
-and communicates nothing.
+``build_program`` runs ``lint_specs`` (and ``shadowed``) right after resolving the plan: errors
+raise one ``PlanError`` listing them all (on every rank, before any collective); warnings go
+through ``warnings.warn`` as ``PlanWarning`` (only when there is no error).  The public
+``lint(model, plan, mesh)`` (``compile.build``) returns every finding instead — including the
+errors that resolving and placing raise (collected, not raised).  Nothing here builds a program,
+mutates the model or the plan, or communicates.
 
 An *error* means the plan cannot be applied or would certainly compute something else than the
 model; a *warning* means it runs but is probably not what was meant.  A Linear that is meant
-to stay replicated beside sharded siblings is marked with an explicit ``Replicate()`` entry,
+to stay replicated beside sharded siblings is marked with an explicit ``NoParallel()`` entry,
 which silences ``unreduced`` and ``replicated``.
 
 =====================  =======  ==============================================================
 code                   level    finding
 =====================  =======  ==============================================================
+``mesh``               error    the mesh is not a DeviceMesh with named dims
 ``entry``              error    a pattern matches no module, names an axis not in the mesh, or
                                 an unsupported HF style string
 ``conflict``           error    equally specific patterns give one module different styles
@@ -30,8 +31,8 @@ code                   level    finding
                                 their output width, and no Rowwise reduces their Shard(-1)
                                 outputs (q/k/v colwise, o_proj left out)
 ``placement``          error    standalone only: a dim not divisible by its axis, tied weights
-                                with conflicting layouts, bad packed blocks, bad placements
-                                (``shard()`` raises these itself)
+                                with conflicting layouts, bad packed blocks, bad placements, a
+                                rank outside the mesh (``shard()`` raises these itself)
 ``sharded-output``     warning  a Colwise output stays Shard(-1) (no gather) and no sibling
                                 Rowwise consumes it
 ``unsharded-input``    warning  a Rowwise expects a Shard(-1) input and no sibling Colwise
@@ -46,22 +47,21 @@ code                   level    finding
 
 from __future__ import annotations
 
-import copy
 import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .errors import PlanError, PlanWarning
-
-if TYPE_CHECKING:
-    from .plan import Planned, ShardingPlan
-    from .styles import ModuleSpec
+from ..core.errors import PlanError, PlanWarning
+from ..core.program import Planned
+from ..core.signature import arg_slots
+from ..plan.plan import ShardingPlan, most_specific
+from ..plan.styles import ModuleSpec, SequenceParallel
 
 
 @dataclass(frozen=True)
@@ -79,20 +79,12 @@ class Finding:
         return f"{self.level}: {self.message}" if named else f"{self.level}: {self.where}: {self.message}"
 
 
-def lint(
-    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, planned: list[Planned] | None = None
-) -> list[Finding]:
-    """Every finding about ``plan`` on ``model`` and ``mesh``.  ``planned`` (from ``compile_plan``,
-    already resolved) skips what resolving and placing check themselves."""
-    from .plan import ShardingPlan
-
-    if planned is not None:
-        return _shadowed(model, plan) + _semantic(model, plan, mesh, planned, standalone=False)
-    if not isinstance(plan, ShardingPlan):
-        try:
-            plan = ShardingPlan(plan)
-        except PlanError as exc:
-            return [Finding("error", "plan", str(exc), "entry")]
+def lint_entries(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> tuple[list[Finding], ShardingPlan | None]:
+    """The per-entry checks (unmatched patterns, unknown axes), conflicts and shadowed entries,
+    and the plan of the entries that resolve by themselves (None: the mesh is unusable)."""
+    if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names:
+        return [Finding("error", "mesh", "the mesh must be a DeviceMesh with named dims "
+                        "(init_device_mesh(device_type, shape, mesh_dim_names=(...)))", "mesh")], None
     findings, good = [], {}
     for pattern, style in plan.entries.items():  # each entry alone: unmatched pattern, unknown axis
         try:
@@ -100,26 +92,33 @@ def lint(
             good[pattern] = style
         except PlanError as exc:
             findings.append(Finding("error", pattern, str(exc), "entry"))
-    sub = copy.copy(plan)
-    sub.entries = good
-    findings += _conflicts(model, sub) + _shadowed(model, sub)
-    try:
-        sub.param_rules(model)
-        planned = sub.resolve(model, mesh)
-    except PlanError as exc:
-        if not any(f.code == "conflict" for f in findings):
-            findings.append(Finding("error", "plan", str(exc), "style"))
-        return findings
-    findings += _semantic(model, sub, mesh, planned, standalone=True)
-    if not any(f.level == "error" for f in findings):
-        from .apply import compile_plan
+    usable = ShardingPlan(good, plan.tp_axis, loss_parallel=plan.loss_parallel, special_handlers=plan.special_handlers,
+                          handlers=plan.handlers)
+    return findings + _conflicts(model, usable) + shadowed(model, usable), usable
 
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PlanWarning)
-                compile_plan(model, plan, mesh)
-        except PlanError as exc:
-            findings.append(Finding("error", "plan", str(exc), "placement"))
+
+def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: list[Planned],
+               specs: Mapping[str, ModuleSpec]) -> list[Finding]:
+    """The checks on module structure over the specs the compiler built (a planned module
+    missing from ``specs`` had a style error): siblings of sharded Linears, heads, forward
+    arguments, sequence parallelism."""
+    findings: list[Finding] = []
+    for p in planned:
+        spec = specs.get(p.fqn)
+        keys = [*dict.fromkeys([*spec.in_src, *spec.in_dst])] if spec is not None else []
+        if keys:
+            try:
+                arg_slots(p.module.forward, keys, p.fqn)
+            except PlanError as exc:
+                findings.append(Finding("error", p.fqn, str(exc), "argument"))
+    by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
+    entries = {p.fqn for p in planned}  # with an entry, even one whose style failed
+    head = plan.loss_head(model) if plan.loss_parallel else None
+    modules = dict(model.named_modules())
+    parents = {fqn.rpartition(".")[0] for fqn, m in modules.items() if isinstance(m, nn.Linear) and fqn in by_fqn}
+    for parent in sorted(parents):
+        findings += _siblings(_Family(parent, modules, by_fqn, specs, head, mesh, entries))
+    findings += _sequence_parallel(by_fqn, specs)
     return findings
 
 
@@ -143,8 +142,6 @@ def enforce(findings: list[Finding]) -> None:
 
 # ---------------------------------------------------------------- pattern checks
 def _conflicts(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
-    from .plan import most_specific
-
     findings = []
     for path, cands in plan.candidates(model).items():
         try:
@@ -154,16 +151,17 @@ def _conflicts(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
     return findings
 
 
-def _shadowed(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
+def shadowed(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
+    """Entries whose every match is taken by a more specific pattern."""
     hits: dict[str, list[bool]] = {}
     for cands in plan.candidates(model).values():
-        best = min(r for r, _, _ in cands)
-        for r, pattern, _ in cands:
-            hits.setdefault(pattern, []).append(r > best)
+        best = min(c.stars for c in cands)
+        for c in cands:
+            hits.setdefault(c.pattern, []).append(c.stars > best)
     return [
         Finding("warning", pattern, f"plan entry {pattern!r} has no effect: every module it matches is taken by a more "
                                     "specific pattern", "shadowed")
-        for pattern, shadowed in hits.items() if all(shadowed)
+        for pattern, all_shadowed in hits.items() if all(all_shadowed)
     ]
 
 
@@ -172,61 +170,51 @@ def _placement(spec_map: Mapping, key, axis: str):
     return spec_map.get(key, {}).get(axis)
 
 
-def _semantic(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: list[Planned], *, standalone: bool):
-    """The checks on module structure: siblings of sharded Linears, heads, arguments, SP."""
-    from .skeleton import _arg_slots
-    from .styles import SequenceParallel
-
-    findings: list[Finding] = []
-    specs: dict[str, ModuleSpec] = {}
-    for p in planned:
-        try:
-            specs[p.fqn] = p.style.spec(p.module, p.fqn, p.axis)
-        except PlanError as exc:  # compile_plan raises these itself right after lint
-            if standalone:
-                findings.append(Finding("error", p.fqn, str(exc), "style"))
-            continue
-        keys = [*dict.fromkeys([*specs[p.fqn].in_src, *specs[p.fqn].in_dst])]
-        if keys:
-            try:
-                _arg_slots(p.module.forward, keys, p.fqn)
-            except PlanError as exc:
-                findings.append(Finding("error", p.fqn, str(exc), "argument"))
-    by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
-    entries = {p.fqn for p in planned}  # with an entry, even one whose style failed above
-    head = plan.loss_head(model) if plan.loss_parallel else None
-    modules = dict(model.named_modules())
-    parents = {fqn.rpartition(".")[0] for fqn, m in modules.items() if isinstance(m, nn.Linear) and fqn in by_fqn}
-    for parent in sorted(parents):
-        findings += _siblings(parent, modules, by_fqn, specs, head, mesh, entries)
+def _sequence_parallel(by_fqn: Mapping[str, Planned], specs: Mapping[str, ModuleSpec]) -> list[Finding]:
+    """SequenceParallel modules need another entry that splits or gathers their sequence dim."""
+    findings = []
     for p in by_fqn.values():
-        if isinstance(p.style, SequenceParallel):
-            seq = Shard(p.style.seq_dim)
-            others = [
-                q for q in by_fqn.values() if not isinstance(q.style, SequenceParallel) and any(
-                    pl.get(p.axis) == seq for m in (specs[q.fqn].in_src, specs[q.fqn].in_dst, specs[q.fqn].out_src,
-                                                    specs[q.fqn].out_dst) for pl in m.values())
-            ]
-            if not others:
-                findings.append(Finding(
-                    "warning", p.fqn, f"{p.fqn}: SequenceParallel, but no other plan entry splits or gathers dim "
-                    f"{p.style.seq_dim} on axis {p.axis!r} (e.g. Rowwise(output_layout=Shard(1)), PrepareInput to/from "
-                    "Shard(1)); its input must arrive sequence-sharded and its output is never gathered", "sequence-parallel"))
+        if not isinstance(p.style, SequenceParallel):
+            continue
+        seq = Shard(p.style.seq_dim)
+        others = [
+            q for q in by_fqn.values() if not isinstance(q.style, SequenceParallel) and any(
+                pl.get(p.axis) == seq for m in (specs[q.fqn].in_src, specs[q.fqn].in_dst, specs[q.fqn].out_src,
+                                                specs[q.fqn].out_dst) for pl in m.values())
+        ]
+        if not others:
+            findings.append(Finding(
+                "warning", p.fqn, f"{p.fqn}: SequenceParallel, but no other plan entry splits or gathers dim "
+                f"{p.style.seq_dim} on axis {p.axis!r} (e.g. Rowwise(output_layout=Shard(1)), PrepareInput to/from "
+                "Shard(1)); its input must arrive sequence-sharded and its output is never gathered", "sequence-parallel"))
     return findings
 
 
-def _siblings(parent: str, modules, by_fqn, specs, head, mesh: DeviceMesh, entries: set[str]) -> list[Finding]:
-    """Colwise/Rowwise pairs among the direct children of ``parent``."""
+@dataclass(frozen=True)
+class _Family:
+    """What the sibling checks read about one parent module and the plan around it."""
+
+    parent: str
+    modules: Mapping[str, nn.Module]
+    by_fqn: Mapping[str, Planned]  # planned modules whose spec was built
+    specs: Mapping[str, ModuleSpec]
+    head: str | None  # the loss-parallel head (its sharded output is meant)
+    mesh: DeviceMesh
+    entries: set[str]  # modules with a plan entry
+
+
+def _siblings(f: _Family) -> list[Finding]:
+    """Colwise/Rowwise pairs among the direct children of ``f.parent``."""
     findings: list[Finding] = []
-    join = (lambda n: f"{parent}.{n}") if parent else (lambda n: n)
-    children = [join(n) for n, _ in modules[parent].named_children()]
+    modules, specs, by_fqn = f.modules, f.specs, f.by_fqn
+    join = (lambda n: f"{f.parent}.{n}") if f.parent else (lambda n: n)
+    children = [join(n) for n, _ in modules[f.parent].named_children()]
     linears = [c for c in children if isinstance(modules[c], nn.Linear)]
-    unplanned = [c for c in linears if c not in entries]
+    unplanned = [c for c in linears if c not in f.entries]
     planned = [c for c in linears if c in by_fqn]
-    axes = {by_fqn[c].axis for c in planned}
-    for axis in sorted(axes):
+    for axis in sorted({by_fqn[c].axis for c in planned}):
         mine = [c for c in planned if by_fqn[c].axis == axis]
-        producers = [c for c in mine if c != head and isinstance(_placement(specs[c].out_dst, "output", axis), Shard)
+        producers = [c for c in mine if c != f.head and isinstance(_placement(specs[c].out_dst, "output", axis), Shard)
                      and _placement(specs[c].out_dst, "output", axis).dim == -1]
         consumers = [c for c in mine if _placement(specs[c].in_src, 0, axis) == Shard(-1)]
         sharded = [c for c in mine if any(isinstance(pl.get(axis), Shard) for pl in specs[c].params.values())]
@@ -254,24 +242,24 @@ def _siblings(parent: str, modules, by_fqn, specs, head, mesh: DeviceMesh, entri
             if u not in flagged and twin is not None:
                 findings.append(Finding(
                     "warning", u, f"{u} is left replicated while its sibling {twin} of the same shape is sharded; plan it "
-                    "too, or plan it Replicate() if that is meant", "replicated"))
-        findings += _heads(parent, modules, producers, by_fqn, specs, mesh, axis)
+                    "too, or plan it NoParallel() if that is meant", "replicated"))
+        findings += _heads(f, producers, axis)
     return findings
 
 
-def _heads(parent: str, modules, producers, by_fqn, specs, mesh: DeviceMesh, axis: str) -> list[Finding]:
+def _heads(f: _Family, producers: list[str], axis: str) -> list[Finding]:
     """HF attention reshapes with ``-1`` and ``head_dim``: every rank needs whole heads."""
-    head_dim = getattr(modules[parent], "head_dim", None)
-    if not isinstance(head_dim, int) or head_dim <= 0 or (parent in specs and specs[parent].divide_attrs):
+    head_dim = getattr(f.modules[f.parent], "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0 or (f.parent in f.specs and f.specs[f.parent].divide_attrs):
         return []
-    n = mesh.size(list(mesh.mesh_dim_names).index(axis))
+    n = f.mesh.size(list(f.mesh.mesh_dim_names).index(axis))
     findings = []
     for c in producers:
-        out = modules[c].out_features
-        if getattr(by_fqn[c].style, "packed", None) or out % n:
+        out = f.modules[c].out_features
+        if getattr(f.by_fqn[c].style, "packed", None) or out % n:
             continue  # packed projections are not split by heads; indivisible dims raise ShapeError
         if (out // n) % head_dim:
             findings.append(Finding(
                 "error", c, f"{c}: {out} output features over {n} ranks of axis {axis!r} leave {out // n} per rank, not a "
-                f"multiple of head_dim={head_dim} of {parent or 'the root'} (fewer heads than ranks)", "heads"))
+                f"multiple of head_dim={head_dim} of {f.parent or 'the root'} (fewer heads than ranks)", "heads"))
     return findings

@@ -10,25 +10,24 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .errors import PlanError
+from ..core.errors import PlanError
+from ..core.program import Planned
 from .styles import HF_STYLES, Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers
 
 
-@dataclass(frozen=True)
-class Planned:
-    """One module the plan touches: its path, the module, the style and the mesh axis."""
+class Candidate(NamedTuple):
+    """A plan entry whose pattern matches a module path; fewer ``stars`` is more specific."""
 
-    fqn: str
-    module: nn.Module
-    style: Style
-    axis: str
+    stars: int
     pattern: str
+    style: Style
 
 
 def _match(pattern: str, path: str) -> bool:
@@ -48,11 +47,11 @@ def _as_style(value: object, where: str) -> Style:
     raise PlanError(f"{where}: {value!r} is not a style, a ModuleSpec or an HF style string")
 
 
-def most_specific(path: str, cands: list[tuple[int, str, Style]]) -> tuple[str, Style]:
+def most_specific(path: str, cands: list[Candidate]) -> tuple[str, Style]:
     """The (pattern, style) that plans ``path``: the fewest ``*`` win, whatever the entry order;
     equally specific patterns with different styles are a PlanError naming both."""
-    fewest = min(rank for rank, _, _ in cands)
-    best = [(pattern, style) for rank, pattern, style in cands if rank == fewest]
+    fewest = min(c.stars for c in cands)
+    best = [(c.pattern, c.style) for c in cands if c.stars == fewest]
     for pattern, style in best[1:]:
         if style != best[0][1]:
             raise PlanError(f"{path}: conflicting plan entries {best[0][0]!r} ({best[0][1]}) and {pattern!r} ({style})")
@@ -125,9 +124,13 @@ class ShardingPlan:
             else:
                 bad = {self._axis(style, names)} - set(names)
             if bad:
-                raise PlanError(f"plan entry {pattern!r}: mesh axis {sorted(bad)[0]!r} is not in the mesh (axes: {list(names)})")
+                axis = sorted(bad)[0]
+                hint = (f"; the plan acts on tp_axis={axis!r}: name the mesh's tensor-parallel axis with "
+                        f"ShardingPlan(..., tp_axis=...) or ShardingPlan.from_hf(model, tp_axis=...)"
+                        if axis == self.tp_axis else "")
+                raise PlanError(f"plan entry {pattern!r}: mesh axis {axis!r} is not in the mesh (axes: {list(names)}){hint}")
         candidates = self.candidates(model)
-        hit = {pattern for cands in candidates.values() for _, pattern, _ in cands}
+        hit = {c.pattern for cands in candidates.values() for c in cands}
         for pattern in self.entries:
             if pattern not in hit:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
@@ -144,13 +147,13 @@ class ShardingPlan:
                 out.append(Planned(path, module, style, axis, pattern))
         return out
 
-    def candidates(self, model: nn.Module) -> dict[str, list[tuple[int, str, Style]]]:
-        """Module path → every (number of ``*``, pattern, style) whose pattern matches it."""
-        out: dict[str, list[tuple[int, str, Style]]] = {}
+    def candidates(self, model: nn.Module) -> dict[str, list[Candidate]]:
+        """Module path → every entry whose pattern matches it."""
+        out: dict[str, list[Candidate]] = {}
         for path in dict(model.named_modules()):
             for pattern, style in self.entries.items():
                 if _match(pattern, path):
-                    out.setdefault(path, []).append((pattern.count("*"), pattern, style))
+                    out.setdefault(path, []).append(Candidate(pattern.count("*"), pattern, style))
         return out
 
     def _axis(self, style: Style, names) -> str:
@@ -172,8 +175,7 @@ class ShardingPlan:
             raise PlanError(f"loss_parallel: the output head {path!r} must be planned Colwise (vocab-sharded)")
         return path
 
-    def explain(self, model: nn.Module, mesh: DeviceMesh) -> str:
-        """Per planned module: its parameters' placements and the lowered collectives."""
-        from .apply import compile_plan
 
-        return compile_plan(model, self, mesh).explain()
+def as_plan(plan: ShardingPlan | Mapping) -> ShardingPlan:
+    """``plan`` itself, or a plain ``{pattern: style}`` dict as a ``ShardingPlan`` (``tp_axis="tp"``)."""
+    return plan if isinstance(plan, ShardingPlan) else ShardingPlan(plan)

@@ -45,7 +45,7 @@ def _mesh_spec(args) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 def _load_plan(spec: str | None, model, loss_parallel: bool):
     """The model's HF plan, or the plan ``module:function`` returns."""
-    from .plan import ShardingPlan
+    from ..plan.plan import ShardingPlan
 
     if spec is None:
         return ShardingPlan.from_hf(model, loss_parallel=loss_parallel)
@@ -80,10 +80,10 @@ def _simulated(args):
     """Runs inside ``simulate``: the plan, its lint findings and (without errors) its explanation."""
     import torch
 
-    from .errors import PlanWarning
-    from .explain import explain
-    from .lint import lint
-    from .models import build_model, load_config
+    from ..compile.build import lint
+    from ..core.errors import PlanWarning
+    from ..tools.explain import explain
+    from ..tools.models import build_model, load_config
 
     model = build_model(load_config(args.model), device="meta")
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -104,9 +104,9 @@ def plan_command(args) -> int:
     """Print the resolved plan, findings, schedule and memory; 1 when lint finds errors."""
     from rich.table import Table
 
-    from .explain import memory_table, params_table, schedule_table, totals_table
-    from .lint import collapse
-    from .simulate import simulate
+    from ..compile.lint import collapse
+    from ..tools.simulate import simulate
+    from ..tools.tables import memory_table, params_table, schedule_table, totals_table
 
     shape, names = _mesh_spec(args)
     model, plan, findings, exp = simulate(_simulated(args), world_size=math.prod(shape), mesh_shape=shape,
@@ -148,8 +148,8 @@ def check_rank(model_name: str, shape: tuple[int, ...], names: tuple[str, ...], 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .models import build_model, load_config
-    from .validate import validate
+    from ..tools.models import build_model, load_config
+    from ..tools.validate import validate
 
     mesh = init_device_mesh(device, shape, mesh_dim_names=names)
     config = load_config(model_name)

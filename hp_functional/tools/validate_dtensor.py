@@ -35,12 +35,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
-from .apply import Boundary, compile_plan
-from .errors import PlanError
-from .placement import mesh_placements, slice_local, to_dtensor
-from .plan import ShardingPlan
-from .skeleton import _arg_slots, build_skeleton
-from .validate import PlacementMismatchError
+from ..compile.build import build_program
+from ..core.errors import PlanError
+from ..core.placement import mesh_placements, slice_local, to_dtensor
+from ..core.program import Boundary
+from ..core.signature import arg_slots, map_arguments, map_output, output_index
+from ..plan.plan import ShardingPlan, as_plan
+from ..runtime.skeleton import build_skeleton
+from .validation_report import PlacementMismatchError
 
 
 def same_placements(a: tuple[Placement, ...], b: tuple[Placement, ...], ndim: int) -> bool:
@@ -85,17 +87,17 @@ def check_placements(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, args: tuple, kwargs: dict
 ) -> tuple[list[PlacementMismatchError], int]:
     """``validate_placements`` without raising: (mismatches in forward order, placements compared)."""
-    plan = plan if isinstance(plan, ShardingPlan) else ShardingPlan(plan)
-    program = compile_plan(model, plan, mesh)  # local: a bad plan raises here, on every rank
+    plan = as_plan(plan)
+    program = build_program(model, plan, mesh)  # local: a bad plan raises here, on every rank
     packed = sorted(k for k, i in program.infos.items() if i.blocks)
     if packed:
         raise PlanError(f"validate_placements: packed parameters {packed[:3]} have no DTensor layout; use validate()")
     if plan.loss_parallel and kwargs.get("labels") is not None:
         raise PlanError("validate_placements: the loss_parallel labels= loss is not checked by DTensor; pass no labels")
-    dmodel = build_skeleton(model, {k: i.global_shape for k, i in program.infos.items()}, program.canonical)
+    dmodel = build_skeleton(model, {k: i.global_shape for k, i in program.infos.items()}, program.leaf_of)
     local = {k: slice_local(model.get_parameter(k), i) for k, i in program.infos.items()}
     dparams = {k: nn.Parameter(v, requires_grad=False) for k, v in to_dtensor(local, program.infos).items()}
-    for name, key in program.canonical.items():
+    for name, key in program.leaf_of.items():
         owner, _, pname = name.rpartition(".")
         setattr(dmodel.get_submodule(owner), pname, dparams[key])
 
@@ -129,7 +131,7 @@ def _attach(module: nn.Module, b: Boundary, mesh: DeviceMesh, trail: _Trail) -> 
     spec, fqn = b.spec, b.planned.fqn
     in_keys = list(dict.fromkeys([*spec.in_src, *spec.in_dst]))
     out_keys = list(dict.fromkeys([*spec.out_src, *spec.out_dst]))
-    slots = _arg_slots(module.forward, in_keys, fqn) if in_keys else []
+    slots = arg_slots(module.forward, in_keys, fqn) if in_keys else []
 
     def convert(value, key, src_map, dst_map, stage: str):
         if not isinstance(value, Tensor):
@@ -150,22 +152,15 @@ def _attach(module: nn.Module, b: Boundary, mesh: DeviceMesh, trail: _Trail) -> 
 
     def pre(mod, args, kwargs):
         trail.stack.append(fqn)
-        args = list(args)
-        for key, name, pos in slots:
-            if name in kwargs:
-                kwargs[name] = convert(kwargs[name], key, spec.in_src, spec.in_dst, "in_src")
-            elif pos is not None and pos < len(args):
-                args[pos] = convert(args[pos], key, spec.in_src, spec.in_dst, "in_src")
+        args, kwargs = map_arguments(slots, args, kwargs,
+                                     lambda slot, v: convert(v, slot.key, spec.in_src, spec.in_dst, "in_src"))
         return tuple(args), kwargs
 
     def post(mod, args, out):
         trail.last = trail.stack.pop()
         for key in out_keys:
-            index = 0 if key == "output" else key
-            if isinstance(out, Tensor) and index == 0:
-                out = convert(out, key, spec.out_src, spec.out_dst, "out_src")
-            elif isinstance(out, tuple) and isinstance(index, int) and index < len(out):
-                out = (*out[:index], convert(out[index], key, spec.out_src, spec.out_dst, "out_src"), *out[index + 1:])
+            out = map_output(out, output_index(key), lambda v, key=key: convert(v, key, spec.out_src, spec.out_dst, "out_src"),
+                             fqn, strict=False)
         return out
 
     module.register_forward_pre_hook(pre, with_kwargs=True)

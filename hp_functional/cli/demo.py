@@ -25,15 +25,17 @@ def train(steps: int = 8, lr: float = 0.2, device: str = "cpu") -> list[tuple[fl
     from torch.distributed.device_mesh import init_device_mesh
     from tqdm import tqdm
 
-    import hp_functional as hpf
+    from ..core.placement import unshard
+    from ..plan.plan import ShardingPlan
+    from ..runtime.shard import shard
 
     mesh = init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("tp",))
     model = tiny_llama().to(device)
     with torch.no_grad():  # the same weights on every rank
         for p in model.parameters():
             dist.broadcast(p, src=0)
-    plan = hpf.ShardingPlan.from_hf(model)
-    apply_fn, params, shard_info = hpf.shard(model, plan, mesh)
+    plan = ShardingPlan.from_hf(model)
+    apply_fn, params, shard_info = shard(model, plan, mesh)
     params = optree.tree_map(lambda p: p.detach(), params)
     ref_params = {k: p.detach() for k, p in model.named_parameters()}
 
@@ -56,7 +58,7 @@ def train(steps: int = 8, lr: float = 0.2, device: str = "cpu") -> list[tuple[fl
         ref_params = optree.tree_map(sgd, ref_params, ref_grads)
         history.append((loss.item(), ref_loss.item()))
         bar.set_postfix(loss=f"{loss.item():.4f}", diff=f"{abs(loss.item() - ref_loss.item()):.2e}")
-    full = hpf.unshard(params, shard_info)
+    full = unshard(params, shard_info)
     max_param_diff = max((full[k] - ref_params[k]).abs().max().item() for k in full)
     if dist.get_rank() == 0:
         print(f"\n{'step':>4}  {'sharded loss':>12}  {'unsharded':>12}  {'|diff|':>9}")

@@ -59,32 +59,3 @@ def build_model(config, *, device: str | torch.device | None = None, seed: int =
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
         return AutoModelForCausalLM.from_config(config)
-
-
-def megatron_plan(model: nn.Module, partial_exit: bool = True):
-    """HF's plan for a Llama-family model (``self_attn`` with ``o_proj``, ``mlp`` with
-    ``down_proj``) plus Megatron's f/g stated explicitly: attention and the MLP are rank-varying
-    regions, so each block's input gradient is all-reduced once where it is entered.  (The plain
-    HF plan reaches the same count through shared input conversions; this form also covers blocks
-    whose projections take different tensors, and shows how regions are written.)
-
-    ``partial_exit``: o_proj/down_proj keep their partial sums and the block's output is reduced
-    where it leaves (all-reduce forward, identity backward) — one all-reduce per block each way;
-    without it the block leaves replicated and its Rowwise all-reduces in the backward too."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    from .plan import ShardingPlan
-    from .styles import ModuleSpec, PrepareInput, Rowwise
-
-    base = ShardingPlan.from_hf(model)
-    entries, axis = dict(base.entries), base.tp_axis
-    for block, arg, out_proj in (("self_attn", "hidden_states", "o_proj"), ("mlp", "x", "down_proj")):
-        if partial_exit:
-            entries[f"model.layers.*.{block}"] = ModuleSpec(
-                in_src={arg: {axis: Replicate()}}, in_dst={arg: {axis: Replicate()}},
-                out_src={"output": {axis: Partial()}}, out_dst={"output": {axis: Replicate()}},
-            )
-            entries[f"model.layers.*.{block}.{out_proj}"] = Rowwise(output_layout=Partial())
-        else:
-            entries[f"model.layers.*.{block}"] = PrepareInput({arg: (Replicate(), Replicate())})
-    return ShardingPlan(entries, tp_axis=axis)

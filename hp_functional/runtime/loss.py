@@ -9,11 +9,13 @@ works under ``.backward()``, ``torch.func.grad`` and ``vmap``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives as C
+from ..core import collectives as C
 
 
 def vocab_parallel_cross_entropy(
@@ -63,3 +65,43 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / valid.sum()
+
+
+def causal_lm_loss(local_logits: Tensor, labels: Tensor, group: C.AxisGroup, vocab_start: int) -> Tensor:
+    """HF's causal-LM loss (labels shifted left, -100 ignored, mean) on vocab-sharded logits."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    return vocab_parallel_cross_entropy(local_logits, shifted, group, vocab_start=vocab_start)
+
+
+def scalar_loss(out: object, loss_fn: Callable[[object], Tensor] | None = None, who: str = "the model") -> Tensor:
+    """The scalar to differentiate a model output by: ``loss_fn(out)``, else HF's ``out.loss``,
+    else the sum of the first output tensor (the tensor itself, element 0 of a tuple, or the
+    first value of a mapping).  Used by ``validate`` and ``explain``."""
+    if loss_fn is not None:
+        value = loss_fn(out)
+    elif isinstance(getattr(out, "loss", None), Tensor):
+        value = out.loss
+    else:
+        first = first_tensor(out)
+        if first is None:
+            raise TypeError(f"{who} returned {type(out).__name__} with no tensor; pass loss_fn=")
+        value = first.float().sum()
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        raise TypeError(f"the loss of {who} must be a scalar tensor, got {type(value).__name__}")
+    return value
+
+
+def output_items(out: object) -> list[tuple[object, object]]:
+    """A module output keyed as ``ModuleSpec`` keys outputs ("output": the tensor, or element 0)."""
+    if isinstance(out, Tensor):
+        return [("output", out)]
+    if isinstance(out, Mapping):
+        return list(out.items())
+    if isinstance(out, (tuple, list)):
+        return [("output" if i == 0 else i, v) for i, v in enumerate(out)]
+    return []
+
+
+def first_tensor(out: object) -> Tensor | None:
+    """The first tensor of ``output_items(out)``, if any."""
+    return next((v for _, v in output_items(out) if isinstance(v, Tensor)), None)

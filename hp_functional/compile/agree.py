@@ -1,10 +1,17 @@
 """Cross-rank agreement: every rank must have resolved the same plan for the same model.
 
 ``shard()`` runs its local checks first (so bad input raises on every rank before any
-collective), then hashes what it decided — library versions, the mesh, the resolved plan and
-every parameter's global shape, dtype and placements — and all-gathers the digests once.  A
+collective), then hashes what it decided — library versions, the mesh, the resolved plan,
+every parameter's global shape, dtype and placements, and (``values``) a checksum of every
+tensor it slices or replicates — and all-gathers the digests once (one small collective).  A
 difference raises ``PlanMismatchError`` on every rank, naming what differs and on which ranks,
-instead of a hang or silently wrong numbers several thousand steps later.
+instead of a hang or silently wrong numbers several thousand steps later: ranks seeded
+differently hold different weights, and each would otherwise train its own slice of a
+different model.
+
+A checksum is exact and position-sensitive: the tensor's bits as integers, summed plainly and
+weighted by position (mod 4093), in int64 on the tensor's own device, in chunks (no host copy,
+bounded extra memory).  Meta tensors have no values and are skipped.
 """
 
 from __future__ import annotations
@@ -12,19 +19,20 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import re
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from .errors import PlanMismatchError
-
-if TYPE_CHECKING:
-    from .apply import Program
+from ..core.errors import PlanMismatchError
+from ..core.program import Program
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # object addresses differ per process, not per plan
-COMPONENTS = ("library", "mesh", "plan", "parameters")
+COMPONENTS = ("library", "mesh", "plan", "parameters", "values")
+_CHUNK = 1 << 22  # elements per checksum chunk: bounds the int64 temporaries to 32 MiB
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _version(dist_name: str) -> str:
@@ -34,8 +42,29 @@ def _version(dist_name: str) -> str:
         return "unknown"
 
 
-def describe(program: Program) -> dict[str, dict[str, str]]:
-    """Per component, item → a printable description (what the fingerprint hashes)."""
+def checksum(t: Tensor) -> str:
+    """An exact, position-sensitive checksum of ``t``'s bits (see the module docstring)."""
+    flat = t.detach().contiguous().view(-1)
+    if flat.is_complex() or flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8) if flat.dtype == torch.bool else torch.view_as_real(flat).view(-1)
+    bits = flat.view(_INT_VIEW[flat.element_size()])
+    plain = weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].to(torch.int64)
+        weight = (torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64) % 4093) + 1
+        plain = plain + chunk.sum()
+        weighted = weighted + (chunk * weight).sum()
+    return f"{int(plain)}:{int(weighted)}"
+
+
+def value_checksums(tensors: Mapping[str, Tensor]) -> dict[str, str]:
+    """Name → ``checksum`` of every tensor that has values (meta tensors are skipped)."""
+    return {name: checksum(t) for name, t in tensors.items() if t.device.type != "meta"}
+
+
+def describe(program: Program, values: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """Per component, item → a printable description (what the fingerprint hashes); ``values``
+    are the tensors' checksums (empty: not verified)."""
     mesh = program.mesh
     return {
         "library": {"hp_functional": _version("hp_functional"), "torch": torch.__version__},
@@ -53,6 +82,7 @@ def describe(program: Program) -> dict[str, dict[str, str]]:
             + (f" blocks {info.blocks}" if info.blocks else "")
             for key, info in program.infos.items()
         },
+        "values": dict(values or {}),
     }
 
 
@@ -86,7 +116,7 @@ def _gather(value, mesh, timeout: timedelta | None):
     x = value.to(device)
     for group in groups:
         out = x.new_empty((dist.get_world_size(group) * x.numel(),))
-        work = dist.all_gather_into_tensor(out, x, group=group, async_op=True)
+        work = dist.all_gather_single(out, x, group=group, async_op=True)
         if timeout is None:
             work.wait()
         else:
@@ -102,11 +132,13 @@ def _gather(value, mesh, timeout: timedelta | None):
     return x.view(-1, len(COMPONENTS)).cpu(), order
 
 
-def agree(program: Program, timeout: timedelta | None = timedelta(minutes=5)) -> None:
-    """Raise ``PlanMismatchError`` on every rank unless all ranks of the mesh decided the same."""
+def agree(program: Program, timeout: timedelta | None = timedelta(minutes=5),
+          values: Mapping[str, Tensor] | None = None) -> None:
+    """Raise ``PlanMismatchError`` on every rank unless all ranks of the mesh decided the same
+    (and, given ``values``, hold the same values in those tensors)."""
     if not dist.is_initialized() or dist.get_backend() == "fake":  # nothing to agree with (simulate)
         return
-    described = describe(program)
+    described = describe(program, value_checksums(values) if values is not None else None)
     mine = torch.tensor([_digest(described[c]) for c in COMPONENTS], dtype=torch.int64)
     digests, order = _gather(mine, program.mesh, timeout)
     if bool((digests == digests[0]).all()):
@@ -121,7 +153,9 @@ def _explain_mismatch(by_rank: dict[int, dict[str, dict[str, str]]]) -> str:
     lines = ["shard(): ranks disagree on the sharding (same model, plan, mesh and library are needed on every rank):"]
     ranks = sorted(by_rank)
     for comp in COMPONENTS:
-        items = sorted(set().union(*(by_rank[r][comp] for r in ranks)))
+        items = list(dict.fromkeys(k for r in ranks for k in by_rank[r][comp]))  # the first rank's (model) order
+        if comp != "values":
+            items.sort()
         shown = 0
         for item in items:
             variants: dict[str, list[int]] = {}
@@ -130,6 +164,8 @@ def _explain_mismatch(by_rank: dict[int, dict[str, dict[str, str]]]) -> str:
             if len(variants) > 1:
                 if shown < 5:
                     seen = "; ".join(f"{v} on ranks {rs}" for v, rs in variants.items())
+                    if comp == "values":
+                        seen = f"checksums {seen} (seed every rank alike, or load the same weights on every rank)"
                     lines.append(f"  {comp} {item}: {seen}")
                 shown += 1
         if shown > 5:

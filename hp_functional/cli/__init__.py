@@ -1,0 +1,1 @@
+"""Layer 7: the ``hp-functional`` command line, the demo and the local launcher."""

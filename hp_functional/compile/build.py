@@ -1,0 +1,149 @@
+"""``build_program(model, plan, mesh) -> Program``: the compiler, a short composer of named passes.
+
+Order (each pass reads what the ones before decided; none communicates, so bad input raises on
+every rank before any collective):
+
+1. ``check_mesh`` — named dims, this rank in the mesh, parameters on the mesh's device type;
+2. ``resolve_specs`` — the plan against the model's module paths, each style to its ``ModuleSpec``;
+3. lint over those specs (errors raise together, warnings warn: ``compile.lint``);
+4. ``check_head_counts`` — head-count attributes the skeleton divides must divide;
+5. ``place_parameters`` — storage placements, tied and packed leaves (``compile.place``);
+6. ``analyse_regions`` — rank-varying compute and regions (``compile.regions``);
+7. ``lower_boundaries`` / ``lower_parameter_conversions`` — every src → dst to ``Step``s (``compile.lower``);
+8. ``set_up_loss`` — the vocab-parallel loss of ``loss_parallel`` plans.
+
+A new parallelism adds a pass here (or a transform over the result), not branches in these.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.collectives import AxisGroup
+from ..core.errors import PlanError, PlanWarning
+from ..core.program import LossParallel, Planned, Program
+from ..plan.plan import ShardingPlan, as_plan
+from ..plan.styles import ModuleSpec
+from .lint import Finding, enforce, lint_entries, lint_specs, shadowed
+from .lower import lower_boundaries, lower_parameter_conversions
+from .place import Placed, place_parameters
+from .regions import analyse_regions
+
+
+def check_mesh(model: nn.Module, mesh: object) -> dict[str, AxisGroup]:
+    """The mesh's named axes as groups; a PlanError for a missing/unnamed mesh, a rank outside
+    it, or a parameter/buffer on another device type (meta is allowed: materialised later)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise PlanError(f"the mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}: "
+                        "init_device_mesh(device_type, shape, mesh_dim_names=(...))")
+    axes = list(mesh.mesh_dim_names or ())
+    if not axes:
+        raise PlanError("the mesh needs named dims (init_device_mesh(..., mesh_dim_names=(...)))")
+    if mesh.get_coordinate() is None:
+        raise PlanError(f"this rank ({dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}; call shard() on its ranks")
+    check_devices(model, mesh.device_type)
+    return {a: AxisGroup.from_mesh(mesh, a) for a in axes}
+
+
+def check_devices(model: nn.Module, device_type: str) -> None:
+    """Parameters and buffers must live on ``device_type`` (or on meta, materialised later)."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.device.type not in (device_type, "meta"):
+            raise PlanError(
+                f"{name} is on {t.device.type} but the mesh is {device_type}: move the model to the mesh's "
+                "device type (or build it on the meta device)"
+            )
+
+
+def resolve_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> tuple[list[Planned], dict[str, ModuleSpec]]:
+    """The planned modules (``named_modules`` order) and each one's ``ModuleSpec``; a style on a
+    module it cannot handle raises naming the module."""
+    planned = plan.resolve(model, mesh)
+    return planned, {p.fqn: p.style.spec(p.module, p.fqn, p.axis) for p in planned}
+
+
+def check_head_counts(planned: list[Planned], specs: Mapping[str, ModuleSpec], groups: Mapping[str, AxisGroup]) -> None:
+    """Every attribute a spec divides (head counts) must be an int divisible by its axis size."""
+    for p in planned:
+        for attr in specs[p.fqn].divide_attrs:
+            value, n = getattr(p.module, attr, None), groups[p.axis].size
+            if not isinstance(value, int) or value % n:
+                raise PlanError(
+                    f"{p.fqn}: attribute {attr}={value!r} is not divisible by mesh axis {p.axis!r} (size {n}); "
+                    "grouped-query attention with fewer KV heads than the TP size is rejected"
+                )
+
+
+def set_up_loss(model: nn.Module, plan: ShardingPlan, planned: list[Planned], placed: Placed,
+                groups: Mapping[str, AxisGroup]) -> LossParallel | None:
+    """The vocab axis and this rank's vocabulary start of a ``loss_parallel`` plan's head."""
+    if not plan.loss_parallel:
+        return None
+    head = next(p for p in planned if p.fqn == plan.loss_head(model))
+    return LossParallel(groups[head.axis], placed.infos[placed.leaf_of[f"{head.fqn}.weight"]].offset[0])
+
+
+def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: bool) -> Program:
+    groups = check_mesh(model, mesh)
+    planned, specs = resolve_specs(model, plan, mesh)
+    if run_lint:
+        enforce(shadowed(model, plan) + lint_specs(model, plan, mesh, planned, specs))
+    check_head_counts(planned, specs, groups)
+    placed = place_parameters(model, plan, mesh, specs)
+    analysis = analyse_regions(planned, specs, list(groups))
+    return Program(
+        mesh=mesh,
+        boundaries=lower_boundaries(planned, specs, analysis, groups),
+        infos=placed.infos,
+        leaf_of=placed.leaf_of,
+        param_steps=lower_parameter_conversions(placed, specs, analysis, groups),
+        groups=groups,
+        dtypes={leaf: model.get_parameter(leaf).dtype for leaf in placed.infos},
+        loss_parallel=set_up_loss(model, plan, planned, placed, groups),
+    )
+
+
+def build_program(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> Program:
+    """Compile ``plan`` for ``model`` on ``mesh`` (the passes above).  Reads ``model`` and
+    ``plan``; communicates nothing; raises ``PlanError``/``ShapeError`` naming the culprit."""
+    return _build(model, as_plan(plan), mesh, run_lint=True)
+
+
+def lint(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> list[Finding]:
+    """Every finding about ``plan`` on ``model`` and ``mesh`` (see ``compile.lint``), collected
+    rather than raised — also the errors that resolving and placing would raise.  Reads the model
+    and the plan, never mutates them, and communicates nothing."""
+    try:
+        plan = as_plan(plan)
+    except PlanError as exc:
+        return [Finding("error", "plan", str(exc), "entry")]
+    findings, usable = lint_entries(model, plan, mesh)
+    if usable is None:
+        return findings
+    try:
+        usable.param_rules(model)
+        planned = usable.resolve(model, mesh)
+    except PlanError as exc:
+        if not any(f.code == "conflict" for f in findings):
+            findings.append(Finding("error", "plan", str(exc), "style"))
+        return findings
+    specs, style_errors = {}, []
+    for p in planned:
+        try:
+            specs[p.fqn] = p.style.spec(p.module, p.fqn, p.axis)
+        except PlanError as exc:
+            style_errors.append(Finding("error", p.fqn, str(exc), "style"))
+    findings += style_errors + lint_specs(model, usable, mesh, planned, specs)
+    if not any(f.level == "error" for f in findings):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PlanWarning)
+                _build(model, plan, mesh, run_lint=False)
+        except PlanError as exc:
+            findings.append(Finding("error", "plan", str(exc), "placement"))
+    return findings

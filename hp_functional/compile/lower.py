@@ -1,0 +1,91 @@
+"""Passes: lower boundaries and parameter conversions — every src → dst placement difference
+becomes ``Step``s through the one table (``core.lowering.lower``), once.
+
+* ``lower_boundaries``: per planned module, the steps on its forward arguments and outputs; a
+  region's undeclared output leaves with the placement its replicated input arrived in.
+* ``lower_parameter_conversions``: per leaf, the steps from its storage placement to its use
+  (replicated parameters used by rank-varying compute: identity / all-reduce; a Rowwise bias:
+  Replicate → Partial).  Tied parameters must be used alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch.distributed.tensor import Placement, Replicate
+
+from ..core.collectives import AxisGroup
+from ..core.errors import PlanError
+from ..core.lowering import Step, lower
+from ..core.program import Boundary, Planned
+from ..plan.styles import ModuleSpec
+from .place import Placed
+from .regions import Varying, consumer_axes
+
+
+def tensor_steps(src: Mapping[str, Placement], dst: Mapping[str, Placement], groups: Mapping[str, AxisGroup], *,
+                 consumer: set[str] | frozenset[str], src_varying: set[str] | frozenset[str], where: str) -> list[Step]:
+    """The steps that take one tensor from ``src`` to ``dst`` (per axis; missing: Replicate / unchanged)."""
+    steps = []
+    for axis, g in groups.items():
+        s = src.get(axis, Replicate())
+        step = lower(s, dst.get(axis, s), g, consumer_varying=axis in consumer, src_varying=axis in src_varying, where=where)
+        if step is not None:
+            steps.append(step)
+    return steps
+
+
+def _exit_placement(spec: ModuleSpec, axis: str) -> Placement:
+    """A region's undeclared output leaves with the placement its replicated input arrived in
+    (a residual-stream block: Replicate in, Replicate out; sequence-sharded in, sharded out)."""
+    return next(
+        (spec.in_src.get(k, {}).get(axis, Replicate()) for k, d in spec.in_dst.items() if isinstance(d.get(axis), Replicate)),
+        Replicate(),
+    )
+
+
+def lower_boundaries(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec], analysis: Mapping[str, Varying],
+                     groups: Mapping[str, AxisGroup]) -> list[Boundary]:
+    """One ``Boundary`` per planned module, with the steps on its arguments and outputs."""
+    boundaries = []
+    for p in planned:
+        spec, v = specs[p.fqn], analysis[p.fqn]
+        out_src = dict(spec.out_src)
+        if v.region and "output" not in {*spec.out_src, *spec.out_dst}:
+            out_src["output"] = {a: _exit_placement(spec, a) for a in v.region}  # leaves as it came in
+        b = Boundary(p, spec, varying=set(v.varying))
+        for key in {*spec.in_src, *spec.in_dst}:
+            src = spec.in_src.get(key, {})
+            steps = tensor_steps(src, {**src, **spec.in_dst.get(key, {})}, groups, consumer=v.varying,
+                                 src_varying=v.inside, where=f"{p.fqn} input {key!r}")
+            if steps:
+                b.in_steps[key] = steps
+        for key in {*out_src, *spec.out_dst}:
+            src = out_src.get(key, {})
+            steps = tensor_steps(src, {**src, **spec.out_dst.get(key, {})}, groups, consumer=v.inside,
+                                 src_varying=v.varying, where=f"{p.fqn} output {key!r}")
+            if steps:
+                b.out_steps[key] = steps
+        boundaries.append(b)
+    return boundaries
+
+
+def lower_parameter_conversions(placed: Placed, specs: Mapping[str, ModuleSpec], analysis: Mapping[str, Varying],
+                                groups: Mapping[str, AxisGroup]) -> dict[str, list[Step]]:
+    """Leaf key → the steps from its storage placement to its use in the forward (only leaves with steps)."""
+    param_steps: dict[str, list[Step]] = {}
+    for name, leaf in placed.leaf_of.items():
+        owner = placed.owners[name]
+        stored = placed.infos[leaf].axes
+        spec = specs.get(owner.module)
+        used = {**stored, **(spec.param_dst.get(owner.name, {}) if spec is not None else {})}
+        steps = tensor_steps(stored, used, groups, consumer=consumer_axes(owner.module, analysis), src_varying=set(),
+                             where=f"parameter {name}")
+        if leaf in param_steps and _signature(param_steps[leaf]) != _signature(steps):
+            raise PlanError(f"tied parameter {name} is used with different conversions by its modules")
+        param_steps[leaf] = steps
+    return {k: v for k, v in param_steps.items() if v}
+
+
+def _signature(steps: Sequence[Step]) -> list[tuple[str, str, str]]:
+    return [(s.axis, s.forward, s.backward) for s in steps]

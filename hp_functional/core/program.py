@@ -1,0 +1,66 @@
+"""The data types of a compiled plan: what ``build_program`` decides and ``apply_fn`` runs.
+
+They live in the bottom layer so that every pass, the runtime and every tool can read them
+without importing the driver that builds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .collectives import AxisGroup
+from .lowering import Step
+from .placement import ShardInfo
+
+if TYPE_CHECKING:
+    from ..plan.styles import ModuleSpec, Style
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One module the plan touches: its path, the module, the style, the mesh axis and the
+    plan pattern that chose it."""
+
+    fqn: str
+    module: nn.Module
+    style: Style
+    axis: str
+    pattern: str
+
+
+@dataclass
+class Boundary:
+    """One planned module after lowering: its spec, the steps on its inputs and outputs, and
+    the axes on which its compute differs per rank."""
+
+    planned: Planned
+    spec: ModuleSpec
+    in_steps: dict[object, list[Step]] = field(default_factory=dict)
+    out_steps: dict[object, list[Step]] = field(default_factory=dict)
+    varying: set[str] = field(default_factory=set)
+
+
+class LossParallel(NamedTuple):
+    """The vocab-parallel loss of ``loss_parallel`` plans: the vocab axis and this rank's first id."""
+
+    group: AxisGroup
+    vocab_start: int
+
+
+@dataclass
+class Program:
+    """Everything ``build_program`` decided: placements, boundaries and parameter conversions."""
+
+    mesh: DeviceMesh
+    boundaries: list[Boundary]
+    infos: dict[str, ShardInfo]  # leaf key → ShardInfo
+    leaf_of: dict[str, str]  # every parameter FQN (tied aliases too) → its leaf key in the params pytree
+    param_steps: dict[str, list[Step]]  # leaf key → conversions applied before the forward
+    groups: dict[str, AxisGroup]
+    dtypes: dict[str, torch.dtype]  # leaf key → dtype (for the cross-rank fingerprint)
+    loss_parallel: LossParallel | None = None

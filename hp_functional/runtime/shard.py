@@ -1,0 +1,66 @@
+"""``shard(model, plan, mesh)``: compile once, agree across ranks, slice, build the skeleton.
+
+Phases (hyper_parallel's ``apply_sharding_plan`` without touching the model):
+1. ``build_program`` — resolve, lint, place, analyse, lower (local: bad input raises on every
+   rank before any collective);
+2. ``agree`` — one small all-gather of a fingerprint of the program and the weights' checksums;
+3. slice the local shards into the params pytree (inverse: ``unshard``);
+4. build the private skeleton and install the local forwards on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..compile.agree import agree
+from ..compile.build import build_program
+from ..core.placement import ShardInfo, slice_local
+from ..core.program import Program
+from ..plan.plan import ShardingPlan
+from .apply_fn import make_apply_fn
+from .boundary import ConversionCache, install_boundary
+from .skeleton import build_skeleton
+
+
+def build_runtime(model: nn.Module, program: Program) -> Callable:
+    """The private skeleton of ``model`` with every boundary of ``program`` installed, as ``apply_fn``."""
+    skeleton = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of)
+    cache: ConversionCache = {}  # input conversions shared within one apply_fn call
+    for b in program.boundaries:
+        module = skeleton.get_submodule(b.planned.fqn)
+        group = program.groups[b.planned.axis]
+        for attr in b.spec.divide_attrs:
+            setattr(module, attr, getattr(module, attr) // group.size)
+        inner = b.planned.style.local_forward(module, group, module.forward)
+        install_boundary(module, b.planned.fqn, inner, b.in_steps, b.out_steps, cache)
+    return make_apply_fn(skeleton, program, cache)
+
+
+def shard(
+    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, agree_timeout: float | None = 300.0,
+    verify_values: bool = True,
+) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
+    """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
+
+    Returns ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns
+    what ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups
+    once) to this rank's local shard; ``shard_info`` says where each shard sits.  ``plan`` is a
+    ``ShardingPlan`` or a plain ``{pattern: style}`` dict.  All checks are local and raise on
+    every rank before any collective; then one small all-gather agrees on a fingerprint of the
+    result and (``verify_values``) on a checksum of every parameter and buffer, so ranks holding
+    different weights raise ``PlanMismatchError`` naming the first tensor that differs.  A rank
+    that does not arrive within ``agree_timeout`` seconds raises too (None: the process group's
+    timeout).
+    """
+    program = build_program(model, plan, mesh)
+    values = dict(model.named_parameters()) | dict(model.named_buffers()) if verify_values else None
+    agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout), values)
+    params = {
+        key: slice_local(model.get_parameter(key), info).requires_grad_(model.get_parameter(key).requires_grad)
+        for key, info in program.infos.items()
+    }
+    return build_runtime(model, program), params, program.infos

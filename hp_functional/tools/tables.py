@@ -1,0 +1,79 @@
+"""The rich tables of ``explain``'s results (the CLI prints them; ``str()`` renders them as text).
+Imported only when a result is printed, so ``import hp_functional`` does not import rich."""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from ..core.program import Program
+    from .explain import Memory, Schedule
+
+
+def human(n: int) -> str:
+    """Bytes as B/KiB/MiB/GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def to_text(renderable, width: int = 120) -> str:
+    """A rich renderable as plain text."""
+    buf = io.StringIO()
+    Console(file=buf, width=width, no_color=True, highlight=False).print(renderable)
+    return buf.getvalue()
+
+
+def _label(module: str) -> str:
+    return "(root)" if module == "" else module
+
+
+def schedule_table(schedule: Schedule) -> Table:
+    """One row per collective, in execution order."""
+    table = Table(title="communication schedule (one step)", title_justify="left")
+    for col in ("#", "module", "pass", "collective", "axis", "bytes"):
+        table.add_column(col, justify="right" if col in ("#", "bytes") else "left")
+    for i, r in enumerate(schedule.rows):
+        table.add_row(str(i), _label(r.module), r.direction, r.op, r.axis, human(r.bytes))
+    return table
+
+
+def totals_table(schedule: Schedule) -> Table:
+    """Count and bytes per (pass, collective, axis)."""
+    table = Table(title="totals per step", title_justify="left")
+    for col in ("pass", "collective", "axis", "count", "bytes"):
+        table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+    for (direction, op, axis), (n, b) in sorted(schedule.totals().items()):
+        table.add_row(direction, op, axis, str(n), human(b))
+    return table
+
+
+def memory_table(mem: Memory) -> Table:
+    """Per-rank parameter memory."""
+    table = Table(title=f"parameter memory per rank ({mem.world} ranks)", title_justify="left")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    for label, value in (("sharded (local shards)", mem.sharded), ("replicated", mem.replicated),
+                         ("per rank", mem.per_rank), ("unsharded model", mem.unsharded)):
+        table.add_row(label, human(value))
+    return table
+
+
+def params_table(program: Program) -> Table:
+    """Per parameter: global shape, placement on each mesh axis, local shape."""
+    axes = list(program.mesh.mesh_dim_names)
+    table = Table(title="parameters", title_justify="left")
+    for col in ("parameter", "global shape", *axes, "local shape"):
+        table.add_column(col)
+    for key in program.infos:
+        info = program.infos[key]
+        aliases = f" (= {', '.join(info.aliases)})" if info.aliases else ""
+        table.add_row(key + aliases, str(tuple(info.global_shape)), *(str(p) for p in info.placements),
+                      str(tuple(info.local_shape)))
+    return table

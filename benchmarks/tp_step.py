@@ -42,8 +42,7 @@ from bench_models import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_functional as hpf
-from hp_functional.launch import run_ranks, under_torchrun
-from hp_functional.models import megatron_plan
+from hp_functional.cli.launch import run_ranks, under_torchrun
 
 ORDER = ("d", "a", "a'", "a+", "b", "c", "e")
 
@@ -86,7 +85,7 @@ def measure_size(size: Size, mesh, opts: argparse.Namespace, checkpoint_dir: str
     a = apply_variant("a", "hp_functional apply_fn", apply_fn, params, ids)
     variants, compile_info = [a, dtensor_variant(model, mesh, ids)], {}
     if world > 1:  # (a'): the same model with Megatron's f/g regions, one all-reduce per block each way
-        fg_fn, fg_params, _ = hpf.shard(model, megatron_plan(model), mesh)
+        fg_fn, fg_params, _ = hpf.shard(model, hpf.megatron_plan(model), mesh)
         variants.insert(1, apply_variant("a'", "hp_functional, Megatron f/g plan", fg_fn, fg_params, ids))
     if world == 1:  # the floor, and (a) and (b) with nothing to communicate: their dispatch cost alone
         variants.insert(0, model_variant("d", "unsharded model(...)", model, ids))

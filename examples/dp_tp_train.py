@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 4 examples/dp_tp_train.py --tp 2     # dp 2 x tp 2 on CPU/gloo
 
 Each dp group steps on its own slice of the batch; TP is Megatron's f/g plan
-(``hp_functional.models.megatron_plan``); gradients are averaged over ``dp`` by hand (the
+(``hpf.megatron_plan``); gradients are averaged over ``dp`` by hand (the
 caller's job: ``shard()`` plans only what the plan names), and ``torch.optim.AdamW`` steps the
 params pytree's local shards.  Every rank also trains the unsharded model on the whole batch and
 the script exits non-zero if the losses or the gathered parameters drift apart.
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_functional as hpf
-from hp_functional.models import build_model, megatron_plan, tiny_config
+from hp_functional.tools.models import build_model, tiny_config
 
 
 def main() -> int:
@@ -35,7 +35,7 @@ def main() -> int:
     dp = mesh["dp"]
 
     model = build_model(tiny_config("llama"), device=args.device, seed=0)  # the same weights on every rank
-    apply_fn, params, shard_info = hpf.shard(model, megatron_plan(model), mesh)
+    apply_fn, params, shard_info = hpf.shard(model, hpf.megatron_plan(model), mesh)
     opt = torch.optim.AdamW(params.values(), lr=1e-2)
     ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 

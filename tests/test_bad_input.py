@@ -109,6 +109,7 @@ def test_mesh_rows(pool):
 # ------------------------------------------------------------------ apply_fn and unshard
 def case_call_rows():
     m = mesh()
+    torch.manual_seed(0)  # the same weights on every rank (shard() checks)
     model = MLP()
     before = snapshot(model)
     apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan(PLANS["tp"]), m)
@@ -123,6 +124,7 @@ def case_call_rows():
         "missing_key": _raised(apply_fn, {k: v for k, v in params.items() if k != key}, torch.randn(2, 8, 16)),
         "extra_key": _raised(apply_fn, {**params, "bogus.weight": torch.ones(1)}, torch.randn(2, 8, 16)),
         "wrong_shape": _raised(apply_fn, {**params, "up.weight": torch.ones(3, 16)}, torch.randn(2, 8, 16)),
+        "state_dict": _raised(apply_fn, model.state_dict(), torch.randn(2, 8, 16)),
     }
     # unshard with a shard_info from another mesh: tp over every rank vs a size-1 tp axis
     _, _, other_info = hpf.shard(model, hpf.ShardingPlan(PLANS["tp"]), mesh((world(), 1), ("dp", "tp")))
@@ -138,6 +140,7 @@ CALL_ROWS = {
     "missing_key": ("PlanError", "missing ['norm.weight']", "params pytree keys differ"),
     "extra_key": ("PlanError", "extra ['bogus.weight']", "params pytree keys differ"),
     "wrong_shape": ("PlanError", "params['up.weight'] has shape (3, 16)", "expected local"),
+    "state_dict": ("PlanError", "params['up.weight'] has shape (32, 16)", "pass the params pytree that shard() returned"),
     "unshard_other_mesh": ("ShapeError", "unshard: up.weight has local shape", "shard_info from another mesh"),
 }
 
@@ -195,3 +198,23 @@ def test_apply_fn_params_on_another_device_type_than_the_mesh():
     apply_fn = make_apply_fn(nn.Linear(2, 2, bias=False).to("meta"), program)
     out = apply_fn({"weight": torch.ones(2, 2, dtype=torch.float64)}, torch.ones(1, 2, dtype=torch.float64))
     assert out.dtype == torch.float64 and out.tolist() == [[2.0, 2.0]]
+
+
+def test_no_mesh_is_a_plan_error():
+    """``shard(model, plan, None)`` names what a mesh must be (before any collective)."""
+    for bad in (None, "tp", (2,)):
+        with pytest.raises(hpf.PlanError, match="the mesh must be a torch.distributed DeviceMesh"):
+            hpf.shard(MLP(), PLANS["tp"], bad)
+    findings = hpf.lint(MLP(), PLANS["tp"], None)
+    assert [f.code for f in findings] == ["mesh"], findings
+
+
+def test_a_plan_axis_the_mesh_lacks_points_to_tp_axis():
+    """A mesh whose TP axis is not called "tp" with from_hf's default: the error says how to name it."""
+    from types import SimpleNamespace
+
+    model = build_llama(make_llama_state())
+    with pytest.raises(hpf.PlanError, match=r"mesh axis 'tp' is not in the mesh \(axes: \['model'\]\).*from_hf\(model, tp_axis="):
+        hpf.ShardingPlan.from_hf(model).resolve(model, SimpleNamespace(mesh_dim_names=("model",)))
+    [first, *_] = hpf.ShardingPlan.from_hf(model, tp_axis="model").resolve(model, SimpleNamespace(mesh_dim_names=("model",)))
+    assert first.axis == "model"

@@ -15,6 +15,7 @@ B, S = 2, 8  # batch and sequence of the example inputs
 
 def case_explain(sp: bool, m=None):
     """Explain the HF (Megatron TP) or the SP plan of the tiny Llama on mesh ``m`` (default: all ranks)."""
+    torch.manual_seed(0)  # the same weights on every rank (shard() checks under a real process group)
     model = build_hf("llama")
     plan = hpf.llama_sp_plan() if sp else hpf.ShardingPlan.from_hf(model)
     e = explain(model, plan, m or mesh(), batch=B, seq=S)

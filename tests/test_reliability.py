@@ -61,6 +61,81 @@ def test_ranks_that_disagree_raise_plan_mismatch_everywhere(pool, kind):
     assert len(set(messages)) == 1, "ranks reported different messages"
 
 
+def case_values_differ(kind: str, verify: bool = True):
+    """Every rank builds the model itself; ``kind`` says what differs across ranks."""
+    last = rank() == world() - 1
+    torch.manual_seed(rank() if kind == "seed" else 0)  # "seed": each rank seeds differently (the silent bug)
+    model = build_hf("llama")
+    with torch.no_grad():
+        if kind == "norm" and last:  # one replicated parameter differs on the last rank only
+            model.model.layers[1].input_layernorm.weight.add_(1e-3)
+        if kind == "buffer" and last:
+            model.model.rotary_emb.inv_freq.mul_(1.5)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    try:
+        apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh(), verify_values=verify)
+    except hpf.PlanMismatchError as exc:
+        return str(exc)
+    sharded = apply_fn(params, input_ids=ids, labels=ids).loss.item()
+    return sharded, model(input_ids=ids, labels=ids).loss.item()
+
+
+def test_ranks_with_different_weights_raise_naming_the_first_tensor(pool):
+    """Seeding each rank differently used to give a silently wrong loss; now every rank raises
+    the same PlanMismatchError naming the first parameter (in model order) and the ranks."""
+    messages = pool.run(case_values_differ, "seed")
+    for msg in messages:
+        assert isinstance(msg, str), f"no PlanMismatchError: {msg}"
+        first = msg.splitlines()[1]
+        assert first.startswith("  values model.embed_tokens.weight: checksums") and "on ranks [0]" in first, msg
+        assert "seed every rank alike" in msg
+    assert len(set(messages)) == 1
+
+
+@pytest.mark.parametrize("kind,name", [("norm", "model.layers.1.input_layernorm.weight"),
+                                       ("buffer", "model.rotary_emb.inv_freq")])
+def test_one_replicated_tensor_differing_on_one_rank_is_named(pool, kind, name):
+    last = pool.world - 1
+    for msg in pool.run(case_values_differ, kind):
+        assert isinstance(msg, str), f"no PlanMismatchError: {msg}"
+        lines = [line for line in msg.splitlines() if line.startswith("  values")]
+        assert len(lines) == 1 and lines[0].startswith(f"  values {name}:") and f"on ranks [{last}]" in lines[0], msg
+
+
+def test_verify_values_false_skips_the_check(pool):
+    """Without the check, different weights go through and the loss matches no rank's model:
+    what the check is there to stop."""
+    results = pool.run(case_values_differ, "seed", False)
+    sharded = results[0][0]
+    assert all(abs(r[0] - sharded) < 1e-6 for r in results), "the sharded loss is one value on every rank"
+    assert all(abs(r[1] - sharded) > 1e-4 for r in results), results
+
+
+def test_checksum_is_exact_and_position_sensitive():
+    """Equal bits, equal checksum; a swap of two elements, a sign flip, -0.0 or one ulp differ."""
+    x = torch.randn(1000, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    c = agree_module.checksum
+    assert c(x) == c(x.clone())
+    swapped = x.clone()
+    swapped[[3, 7]] = swapped[[7, 3]]
+    ulp = x.clone()
+    ulp[5] = torch.nextafter(ulp[5], torch.tensor(float("inf")))
+    zeros = torch.zeros(4)
+    signed = zeros.clone()
+    signed[2] = -0.0
+    assert len({c(x), c(swapped), c(ulp), c(-x)}) == 4 and c(zeros) != c(signed)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool, torch.uint8, torch.complex64):
+        t = torch.arange(6).to(dtype)
+        assert c(t) == c(t.clone()) and c(t) != c(t.flip(0)), dtype
+    big = torch.arange(3 * 4093 + 5, dtype=torch.float32)
+    assert c(big) != c(big.roll(1))
+    d = agree_module.device_checksum  # the accelerator path, run here on CPU bytes
+    for t in (x, big, torch.arange(7, dtype=torch.uint8)):  # int32 words with a tail; plain bytes
+        b = t.view(torch.uint8)
+        assert d(b) == d(b.clone()) and d(b) != d(b.roll(4)) and d(b) != d(b.flip(0)), t.dtype
+    assert d(swapped.view(torch.uint8)) != d(x.view(torch.uint8)) and d(ulp.view(torch.uint8)) != d(x.view(torch.uint8))
+
+
 def case_submesh_agreement(state):
     """On a sub-mesh (one tp group of a dp x tp mesh) agreement runs over that sub-mesh only."""
     m = mesh((2, world() // 2), ("dp", "tp"))["tp"]

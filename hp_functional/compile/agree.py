@@ -9,9 +9,11 @@ instead of a hang or silently wrong numbers several thousand steps later: ranks 
 differently hold different weights, and each would otherwise train its own slice of a
 different model.
 
-A checksum is exact and position-sensitive: the tensor's bits as integers, summed plainly and
-weighted by position (mod 4093), in int64 on the tensor's own device, in chunks (no host copy,
-bounded extra memory).  Meta tensors have no values and are skipped.
+A checksum is exact and position-sensitive, and never copies the tensor: on the CPU the CRC-32
+of its bytes (zlib, over a zero-copy view: about 2.8 GiB/s on one core here); on an accelerator
+integer sums of its bits computed where they live (``device_checksum``).  Meta tensors have no
+values and are skipped.  ``benchmarks/agree_values.py`` measures the cost against
+``verify_values=False``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import re
+import zlib
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -31,8 +34,6 @@ from ..core.program import Program
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # object addresses differ per process, not per plan
 COMPONENTS = ("library", "mesh", "plan", "parameters", "values")
-_CHUNK = 1 << 22  # elements per checksum chunk: bounds the int64 temporaries to 32 MiB
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _version(dist_name: str) -> str:
@@ -44,17 +45,27 @@ def _version(dist_name: str) -> str:
 
 def checksum(t: Tensor) -> str:
     """An exact, position-sensitive checksum of ``t``'s bits (see the module docstring)."""
-    flat = t.detach().contiguous().view(-1)
-    if flat.is_complex() or flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8) if flat.dtype == torch.bool else torch.view_as_real(flat).view(-1)
-    bits = flat.view(_INT_VIEW[flat.element_size()])
-    plain = weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, bits.numel(), _CHUNK):
-        chunk = bits[start : start + _CHUNK].to(torch.int64)
-        weight = (torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64) % 4093) + 1
-        plain = plain + chunk.sum()
-        weighted = weighted + (chunk * weight).sum()
-    return f"{int(plain)}:{int(weighted)}"
+    data = t.detach().contiguous().view(-1)
+    data = data.view(torch.uint8) if data.numel() else data.to(torch.uint8)
+    if data.device.type == "cpu":  # zero-copy: CRC-32 over the tensor's own bytes
+        return f"crc{zlib.crc32(memoryview(data.numpy()))}"
+    return device_checksum(data)
+
+
+def device_checksum(data: Tensor) -> str:
+    """The checksum where the bytes live (an accelerator), without a host copy: the bytes as
+    int32 words (or bytes), summed plainly and weighted by position along a (rows, 4093) view —
+    row sums by row index, column sums by column index — in int64, whose wrap-around is exact."""
+    words = data.view(torch.int32) if data.numel() % 4 == 0 else data
+    k = 4093
+    n = words.numel() // k * k
+    plain = words.sum(dtype=torch.int64)
+    grid = words[:n].view(-1, k)
+    rows = torch.arange(1, grid.shape[0] + 1, device=words.device, dtype=torch.int64)
+    cols = torch.arange(1, k + 1, device=words.device, dtype=torch.int64)
+    tail = words[n:].to(torch.int64) * cols[: words.numel() - n]
+    weighted = (grid.sum(1, dtype=torch.int64) * rows).sum() + (grid.sum(0, dtype=torch.int64) * cols).sum() + tail.sum()
+    return f"sum{int(plain)}:{int(weighted)}"
 
 
 def value_checksums(tensors: Mapping[str, Tensor]) -> dict[str, str]:

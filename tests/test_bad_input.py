@@ -65,7 +65,7 @@ def case_plan_row(state, kind: str):
     plan = PLAN_ROWS[kind][0]
     model = build_llama(state, tie_word_embeddings=kind == "tied_conflict") if kind in LLAMA_ROWS else Odd()
     before = snapshot(model)
-    raised = _raised(lambda: hpf.shard(model, plan if isinstance(plan, hpf.ShardingPlan) else hpf.ShardingPlan(plan), mesh()))
+    raised = _raised(lambda: hpf.shard(model, plan, mesh()))
     assert_unchanged(before, snapshot(model))
     return raised
 

@@ -150,3 +150,9 @@ def test_training_curve_matches_unsharded(pool):
 def test_phi3_packed_gate_up(pool):
     placements = pool.run(case_llama, make_hf_state("phi3"), "phi3_packed", (pool.world,), {}, "phi3")[0]
     assert placements["model.layers.0.mlp.gate_up_proj.weight"] == "(Shard(dim=0),)"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_loss_parallel(pool, tied):
+    cfg = {"tie_word_embeddings": tied}
+    pool.run(case_llama, make_llama_state(**cfg), "hf_loss_parallel", (pool.world,), cfg)

@@ -7,8 +7,6 @@ from torch.func import grad, vmap
 
 import hp_functional as hpf
 from tests.helpers import assert_close, mesh, rank, world
-from tests.models import make_llama_state
-from tests.test_llama import case_llama
 
 
 def _split_sizes(vocab: int, n: int) -> list[int]:
@@ -58,9 +56,3 @@ def case_cross_entropy(vocab: int, smoothing: float, reduction: str):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_vocab_parallel_cross_entropy(pool, vocab, smoothing, reduction):
     pool.run(case_cross_entropy, vocab, smoothing, reduction)
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_llama_loss_parallel(pool, tied):
-    cfg = {"tie_word_embeddings": tied}
-    pool.run(case_llama, make_llama_state(**cfg), "hf_loss_parallel", (pool.world,), cfg)

@@ -10,8 +10,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import hp_functional as hpf
 from hp_functional import PlacementMismatchError, ValidationError, validate, validate_placements
 from tests.helpers import build_hf, make_hf_state, mesh, world
+from tests.models import MLP, make_mlp_state
 from tests.snapshot import assert_unchanged, snapshot
-from tests.test_mlp import MLP, make_mlp_state
 
 
 @dataclasses.dataclass(frozen=True)

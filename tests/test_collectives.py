@@ -1,4 +1,5 @@
-"""Each collective's forward, backward, jvp, vmap and vmap(grad) against the math, on gloo ranks."""
+"""Each collective's forward, backward, jvp, vmap and vmap(grad) against the math, on gloo ranks;
+the table of transpose pairs is closed (higher orders: tests/test_higher_order.py)."""
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ def _cases(dim: int):
             lambda xs, r: torch.cat([xs[j].chunk(n, dim)[r] for j in range(n)], 0),
         ),
         "partial_from": (lambda x, g: C.partial_from(x, g), lambda xs, r: xs[r] if r == 0 else torch.zeros_like(xs[r])),
+        "leave_region": (lambda x, g: C.leave_region(x, g), lambda xs, r: xs[r]),
     }
 
 
@@ -48,6 +50,8 @@ def _expected_grad(name, xs, ws, r, dim):
         return sum(ws)
     if name in ("reduce_from", "partial_from"):
         return ws[r]
+    if name == "leave_region":  # the gradient stays on rank 0
+        return ws[r] if r == 0 else torch.zeros_like(ws[r])
     if name == "copy_to":
         return sum(ws)
     if name == "all_gather":
@@ -101,7 +105,51 @@ def case_collectives(dim: int):
 @pytest.mark.parametrize("dim", [1, -1])
 def test_collectives_match_math(pool, dim):
     results = pool.run(case_collectives, dim)
-    assert all(len(r) == 9 for r in results)
+    assert all(len(r) == len(C.COLLECTIVES) for r in results)
+
+
+_DIM_OPS = {"all_gather", "reduce_scatter", "gather_from", "split_to"}
+
+
+def _sample_args(name: str) -> tuple:
+    return (1, 0, "group") if name == "all_to_all" else (1, "group") if name in _DIM_OPS else ("group",)
+
+
+def test_transpose_pairs_are_closed():
+    """The one table of conjugate pairs: for every collective C with backward B, B's backward is
+    C again, B's type is C's reversed (I→V ↔ V→I), and B's arguments map back to C's."""
+    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 10
+    for name, c in C.COLLECTIVES.items():
+        assert c.name == name and callable(getattr(C, name))
+        b = C.COLLECTIVES[c.transpose]
+        assert b.transpose == name, f"{name}'s backward is {b.name}, whose backward is {b.transpose}"
+        src, dst = c.types.split("→")
+        assert b.types == f"{dst}→{src}", f"{name} is {c.types} but its transpose {b.name} is {b.types}"
+        args = _sample_args(name)
+        assert b.transpose_args(*c.transpose_args(*args)) == args, name
+    assert C.AllToAll.transpose_args(1, 0, "group") == (0, 1, "group")  # the reverse all-to-all
+
+
+def test_docstring_table_states_the_pairs():
+    """The module docstring's table says what the table does: type, backward, its backward."""
+    lines = C.__doc__.splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("====")]
+    assert len(rules) == 3, "one table: top rule, header rule, bottom rule"
+    widths = [len(col) for col in lines[rules[0]].split()]
+    rows = {}
+    for line in lines[rules[1] + 1 : rules[2]]:
+        cols, start = [], 0
+        for width in widths:  # fixed-width columns: a cell that overflows breaks the table
+            cols.append(line[start : start + width].strip())
+            assert line[start + width : start + width + 2].strip() == "", f"cell overflows: {line!r}"
+            start += width + 2
+        rows[cols[0].strip("`")] = cols
+    assert set(rows) == set(C.COLLECTIVES)
+    for name, (_, types, _, backward, backwards_backward) in rows.items():
+        c = C.COLLECTIVES[name]
+        assert types == c.types.replace("→", " → "), name
+        assert backward.split()[0] == f"``{c.transpose}``", name
+        assert backwards_backward == f"``{name}``", name
 
 
 def case_pytorch_collectives_fail_under_grad():

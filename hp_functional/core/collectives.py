@@ -12,22 +12,37 @@ The raw communication uses ``torch.ops._c10d_functional`` so the forward is trac
 collective runs as a twin Function without the ``jvp``/``vmap`` rules (Dynamo refuses a custom
 ``jvp``), with the same forward and backward, so ``torch.compile(apply_fn)`` is one graph.
 
-Naming follows the transpose pairs of JAX/Megatron:
+Naming follows the transpose pairs of JAX/Megatron.  Read the types as JAX's: a value is
+rank-invariant (I: one value, replicated, its cotangent the same on every rank) or
+rank-varying (V: one value per rank — a shard, a partial sum, or a replicated value consumed
+by per-rank compute, whose cotangent arrives as per-rank partial sums).  A collective's backward
+is its transpose, and that transpose is itself a collective of this table (``TRANSPOSE``, the
+one place the pairs are stated): I → V transposes to V → I and back, and the transpose of the
+transpose is the collective again, so ``grad`` of ``grad``, ``jacrev``/``jacfwd`` of ``jacrev``
+and ``hessian`` are exact at every order, not only the first:
 
-=========================  ==================  ==================
-function                   forward             backward
-=========================  ==================  ==================
-``all_reduce``             all-reduce          all-reduce
-``all_gather``             all-gather          reduce-scatter
-``reduce_scatter``         reduce-scatter      all-gather
-``all_to_all``             all-to-all          all-to-all (reverse)
-``copy_to``                identity            all-reduce
-``reduce_from``            all-reduce          identity
-``gather_from``            all-gather          split (local chunk)
-``split_to``               split (local chunk) all-gather
-``partial_from``           keep on rank 0      identity
-``leave_region``           identity            keep on rank 0
-=========================  ==================  ==================
+==================  =====  ===================  =================================  ==================
+function            type   forward              backward = transpose               its backward
+==================  =====  ===================  =================================  ==================
+``all_reduce``      V → V  all-reduce           ``all_reduce`` (all-reduce)        ``all_reduce``
+``all_gather``      V → V  all-gather           ``reduce_scatter`` (RS)            ``all_gather``
+``reduce_scatter``  V → V  reduce-scatter       ``all_gather`` (AG)                ``reduce_scatter``
+``all_to_all``      V → V  all-to-all           ``all_to_all`` (reverse)           ``all_to_all``
+``copy_to``         I → V  identity             ``reduce_from`` (all-reduce)       ``copy_to``
+``reduce_from``     V → I  all-reduce           ``copy_to`` (identity)             ``reduce_from``
+``gather_from``     V → I  all-gather           ``split_to`` (local chunk)         ``gather_from``
+``split_to``        I → V  split (local chunk)  ``gather_from`` (all-gather)       ``split_to``
+``partial_from``    I → V  keep on rank 0       ``leave_region`` (identity)        ``partial_from``
+``leave_region``    V → I  identity             ``partial_from`` (keep on rank 0)  ``leave_region``
+==================  =====  ===================  =================================  ==================
+
+``all_to_all``'s transpose swaps its split and concat dims.  ``leave_region``'s input is a
+replicated value inside a rank-varying region (equal on every rank, hence identity forward).
+Each backward issues exactly the communication of its first-order rule above (the pairs only
+decide what the backward's *own* backward is), so first-order schedules are unchanged.
+Jacobians seed every rank at once: ``jacfwd``/``hessian`` w.r.t. a rank-varying input, and
+``jacrev`` of a rank-varying output, give the sum over ranks of the per-rank Jacobians; for
+exact Hessians differentiate rank-invariant (full) inputs, sliced inside with ``split_to``.
 """
 
 from __future__ import annotations
@@ -118,28 +133,46 @@ def _shift_dims(args: tuple) -> tuple:
     return tuple(a + 1 if isinstance(a, int) and not isinstance(a, bool) and a >= 0 else a for a in args)
 
 
+def _same_args(*args):
+    return args
+
+
+def _swap_dims(split_dim, concat_dim, group):
+    return concat_dim, split_dim, group
+
+
 class Collective(NamedTuple):
     """One collective as two ``autograd.Function`` classes with the same forward and backward:
     ``eager`` also has the forward-mode ``jvp`` and the ``vmap`` rule; ``traced`` has neither,
-    because Dynamo cannot trace a Function with a custom ``jvp`` (torch.compile would graph-break)."""
+    because Dynamo cannot trace a Function with a custom ``jvp`` (torch.compile would graph-break).
+    ``transpose`` names the collective its backward applies, with ``transpose_args(*args)``;
+    ``types`` says whether input and output are rank-invariant or rank-varying."""
 
+    name: str
     eager: type[torch.autograd.Function]
     traced: type[torch.autograd.Function]
+    types: str  # "I→V": input and output rank-invariant (I) or rank-varying (V)
+    transpose: str
+    transpose_args: Callable[..., tuple]
 
     def apply(self, x: Tensor, *args) -> Tensor:
         """Run the collective; under ``torch.compile`` the traceable twin (a constant choice at trace time)."""
         return (self.traced if torch.compiler.is_compiling() else self.eager).apply(x, *args)
 
 
-def _collective(name: str, forward: Callable, transpose: Callable[..., Tensor]) -> Collective:
-    """A collective whose forward is ``forward(x, *args)`` and whose backward is
-    ``transpose(grad, *args)`` (itself built from collectives, so it is differentiable)."""
+def _collective(
+    name: str, forward: Callable, types: str, transpose: str, transpose_args: Callable[..., tuple] = _same_args
+) -> Collective:
+    """The collective ``name`` whose forward is ``forward(x, *args)`` and whose backward is the
+    collective ``transpose`` applied as ``transpose(grad, *transpose_args(*args))`` (a Function
+    of this module again, so the backward has its own backward, jvp and vmap rule)."""
 
     def setup_context(ctx, inputs, output):
         ctx.args = inputs[1:]
 
     def backward(ctx, grad):
-        return (transpose(grad, *ctx.args), *([None] * len(ctx.args)))
+        conjugate = COLLECTIVES[transpose].apply(grad, *transpose_args(*ctx.args))
+        return (conjugate, *([None] * len(ctx.args)))
 
     def jvp(ctx, tangent, *_):
         return eager.apply(tangent, *ctx.args)
@@ -149,81 +182,104 @@ def _collective(name: str, forward: Callable, transpose: Callable[..., Tensor]) 
             return eager.apply(x, *args), None
         return eager.apply(x.movedim(in_dims[0], 0), *_shift_dims(args)), 0
 
+    cls = "".join(part.title() for part in name.split("_"))
     common = {
         # the raw op itself, not a ``*args`` wrapper: when no grad is needed Dynamo calls forward
         # with ctx first and drops it only if forward's arity matches apply's arguments
         "forward": staticmethod(forward),
         "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward),
-        "__doc__": f"Differentiable {name} (see module docstring).",
+        "__doc__": f"Differentiable {name}; backward: {transpose} (see module docstring).",
     }
-    eager = type(name, (torch.autograd.Function,), {
+    eager = type(cls, (torch.autograd.Function,), {
         **common, "generate_vmap_rule": False, "jvp": staticmethod(jvp), "vmap": staticmethod(vmap),
     })
-    traced = type(f"{name}Traced", (torch.autograd.Function,), common)
-    return Collective(eager, traced)
+    traced = type(f"{cls}Traced", (torch.autograd.Function,), common)
+    return Collective(name, eager, traced, types, transpose, transpose_args)
 
 
-# The transposes refer to the public functions below, which exist by the time backward runs.
-AllReduce = _collective("AllReduce", raw_all_reduce, lambda g, ax: all_reduce(g, ax))
-AllGather = _collective("AllGather", raw_all_gather, lambda g, d, ax: reduce_scatter(g, d, ax))
-ReduceScatter = _collective("ReduceScatter", raw_reduce_scatter, lambda g, d, ax: all_gather(g, d, ax))
-AllToAll = _collective("AllToAll", raw_all_to_all, lambda g, s, c, ax: all_to_all(g, c, s, ax))
-CopyTo = _collective("CopyTo", _identity, lambda g, ax: all_reduce(g, ax))
-ReduceFrom = _collective("ReduceFrom", raw_all_reduce, lambda g, ax: g)
-GatherFrom = _collective("GatherFrom", raw_all_gather, lambda g, d, ax: split_to(g, d, ax))
-SplitTo = _collective("SplitTo", raw_split, lambda g, d, ax: all_gather(g, d, ax))
-PartialFrom = _collective("PartialFrom", _keep_on_rank0, lambda g, ax: g)
-LeaveRegion = _collective("LeaveRegion", _identity, lambda g, ax: partial_from(g, ax))
+#: The one table of conjugate pairs.  name: (forward, its type, transpose) — the transpose is
+#: the collective its backward applies; types are "I" (rank-invariant) / "V" (rank-varying) for
+#: input → output.  The transpose's transpose is the collective itself and the transpose's type
+#: is the reverse (tests/test_collectives.py checks both; ``all_to_all`` swaps its two dims).
+_TABLE: dict[str, tuple[Callable[..., Tensor], str, str]] = {
+    "all_reduce": (raw_all_reduce, "V→V", "all_reduce"),
+    "all_gather": (raw_all_gather, "V→V", "reduce_scatter"),
+    "reduce_scatter": (raw_reduce_scatter, "V→V", "all_gather"),
+    "all_to_all": (raw_all_to_all, "V→V", "all_to_all"),
+    "copy_to": (_identity, "I→V", "reduce_from"),
+    "reduce_from": (raw_all_reduce, "V→I", "copy_to"),
+    "gather_from": (raw_all_gather, "V→I", "split_to"),
+    "split_to": (raw_split, "I→V", "gather_from"),
+    "partial_from": (_keep_on_rank0, "I→V", "leave_region"),
+    "leave_region": (_identity, "V→I", "partial_from"),
+}
+
+#: Every collective of this module by its public function's name.
+COLLECTIVES: dict[str, Collective] = {
+    name: _collective(name, forward, types, transpose, _swap_dims if name == "all_to_all" else _same_args)
+    for name, (forward, types, transpose) in _TABLE.items()
+}
+#: Each collective's transpose (the collective its backward applies), by name.
+TRANSPOSE: dict[str, str] = {name: c.transpose for name, c in COLLECTIVES.items()}
+AllReduce, AllGather, ReduceScatter, AllToAll, CopyTo, ReduceFrom, GatherFrom, SplitTo, PartialFrom, LeaveRegion = (
+    COLLECTIVES.values()
+)
 
 
 # ---------------------------------------------------------------- public functional API
 def all_reduce(x: Tensor, group: AxisGroup) -> Tensor:
-    """Sum over the axis; backward all-reduces (the transpose for per-rank losses)."""
+    """Sum over the axis; backward all-reduces (its own transpose: rank-varying in and out)."""
     return AllReduce.apply(x, group)
 
 
 def all_gather(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
-    """Concatenate every rank's ``x`` along ``dim``; backward reduce-scatters."""
+    """Concatenate every rank's ``x`` along ``dim``; backward is ``reduce_scatter``."""
     return AllGather.apply(x, dim, group)
 
 
 def reduce_scatter(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
-    """Sum over the axis and keep this rank's chunk of ``dim``; backward all-gathers."""
+    """Sum over the axis and keep this rank's chunk of ``dim``; backward is ``all_gather``."""
     return ReduceScatter.apply(x, dim, group)
 
 
 def all_to_all(x: Tensor, split_dim: int, concat_dim: int, group: AxisGroup) -> Tensor:
-    """Re-shard from ``split_dim`` to ``concat_dim``; backward is the reverse all-to-all."""
+    """Re-shard from ``split_dim`` to ``concat_dim``; backward is the reverse ``all_to_all``."""
     return AllToAll.apply(x, split_dim, concat_dim, group)
 
 
 def copy_to(x: Tensor, group: AxisGroup) -> Tensor:
-    """Identity forward, all-reduce backward: a replicated value entering rank-varying compute."""
+    """Identity forward, all-reduce backward (``reduce_from``): a replicated value entering
+    rank-varying compute."""
     return CopyTo.apply(x, group)
 
 
 def reduce_from(x: Tensor, group: AxisGroup) -> Tensor:
-    """All-reduce forward, identity backward: partial sums leaving into replicated compute."""
+    """All-reduce forward, identity backward (``copy_to``): partial sums leaving into replicated
+    compute."""
     return ReduceFrom.apply(x, group)
 
 
 def gather_from(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
-    """All-gather forward, split backward: a sharded value leaving into replicated compute."""
+    """All-gather forward, split backward (``split_to``): a sharded value leaving into replicated
+    compute."""
     return GatherFrom.apply(x, dim, group)
 
 
 def split_to(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
-    """Keep this rank's chunk of ``dim`` forward, all-gather backward."""
+    """Keep this rank's chunk of ``dim`` forward, all-gather backward (``gather_from``): a
+    replicated value entering sharded compute."""
     return SplitTo.apply(x, dim, group)
 
 
 def partial_from(x: Tensor, group: AxisGroup) -> Tensor:
-    """Replicate → Partial: rank 0 keeps ``x``, the others contribute zeros; identity backward."""
+    """Replicate → Partial: rank 0 keeps ``x``, the others contribute zeros; identity backward
+    (``leave_region``)."""
     return PartialFrom.apply(x, group)
 
 
 def leave_region(x: Tensor, group: AxisGroup) -> Tensor:
-    """Identity forward; backward keeps the (replicated) gradient on rank 0 only.  A replicated
-    value leaving a rank-varying region, whose gradients inside are per-rank partial sums."""
+    """Identity forward; backward keeps the (replicated) gradient on rank 0 only (``partial_from``).
+    A replicated value leaving a rank-varying region, whose gradients inside are per-rank partial
+    sums."""
     return LeaveRegion.apply(x, group)

@@ -21,6 +21,9 @@ S(i) → S(j)    all_to_all                      all_to_all
 R → P          partial_from (rank 0 / id)      partial_from (rank 0 / id)
 =============  ==============================  ===================================
 
+Each backward above is the collective's transpose (``collectives.TRANSPOSE``), itself a
+collective whose backward is the forward again, so every lowering is exact at higher orders too.
+
 Inside a varying region (``src_varying``) gradients of replicated values are per-rank partial
 sums: R → R into more varying compute is nothing (the region's entry reduces them once), R → R
 out of the region into invariant compute is ``leave_region`` (its replicated gradient is kept on

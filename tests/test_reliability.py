@@ -34,8 +34,9 @@ def case_mismatch(state, kind: str):
     elif odd and kind == "version":
         original = agree_module._version
         agree_module._version = lambda name: "9.9.9" if name == "hp_functional" else original(name)
+    checkpoint = ["model.layers.*"] if odd and kind == "checkpoint" else None  # only some ranks would recompute
     try:
-        hpf.shard(model, plan, m)
+        hpf.shard(model, plan, m, checkpoint=checkpoint)
     except hpf.PlanMismatchError as exc:
         return str(exc)
     finally:
@@ -48,6 +49,7 @@ MISMATCH = {
     "config": "parameters model.layers.0.mlp.down_proj.weight: (64, 128)",
     "plan": "plan model.layers.0.mlp.down_proj",
     "version": "library hp_functional",
+    "checkpoint": "plan checkpoint: None on ranks",
 }
 
 

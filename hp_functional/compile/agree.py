@@ -73,9 +73,11 @@ def value_checksums(tensors: Mapping[str, Tensor]) -> dict[str, str]:
     return {name: checksum(t) for name, t in tensors.items() if t.device.type != "meta"}
 
 
-def describe(program: Program, values: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+def describe(program: Program, values: Mapping[str, str] | None = None,
+             runtime: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
     """Per component, item → a printable description (what the fingerprint hashes); ``values``
-    are the tensors' checksums (empty: not verified)."""
+    are the tensors' checksums (empty: not verified); ``runtime`` what ``shard()`` decided
+    beyond the program (activation checkpointing), hashed with the plan."""
     mesh = program.mesh
     return {
         "library": {"hp_functional": _version("hp_functional"), "torch": torch.__version__},
@@ -87,7 +89,7 @@ def describe(program: Program, values: Mapping[str, str] | None = None) -> dict[
         "plan": {
             b.planned.fqn: _ADDRESS.sub("", f"{b.planned.style!r} on {b.planned.axis!r}") for b in program.boundaries
         }
-        | {"loss_parallel": repr(program.loss_parallel is not None)},
+        | {"loss_parallel": repr(program.loss_parallel is not None)} | dict(runtime or {}),
         "parameters": {
             key: f"{tuple(info.global_shape)} {program.dtypes[key]} {tuple(map(str, info.placements))}"
             + (f" blocks {info.blocks}" if info.blocks else "")
@@ -144,12 +146,12 @@ def _gather(value, mesh, timeout: timedelta | None):
 
 
 def agree(program: Program, timeout: timedelta | None = timedelta(minutes=5),
-          values: Mapping[str, Tensor] | None = None) -> None:
+          values: Mapping[str, Tensor] | None = None, runtime: Mapping[str, str] | None = None) -> None:
     """Raise ``PlanMismatchError`` on every rank unless all ranks of the mesh decided the same
     (and, given ``values``, hold the same values in those tensors)."""
     if not dist.is_initialized() or dist.get_backend() == "fake":  # nothing to agree with (simulate)
         return
-    described = describe(program, value_checksums(values) if values is not None else None)
+    described = describe(program, value_checksums(values) if values is not None else None, runtime)
     mine = torch.tensor([_digest(described[c]) for c in COMPONENTS], dtype=torch.int64)
     digests, order = _gather(mine, program.mesh, timeout)
     if bool((digests == digests[0]).all()):

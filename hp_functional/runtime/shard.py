@@ -5,12 +5,13 @@ Phases (hyper_parallel's ``apply_sharding_plan`` without touching the model):
    rank before any collective);
 2. ``agree`` — one small all-gather of a fingerprint of the program and the weights' checksums;
 3. slice the local shards into the params pytree (inverse: ``unshard``);
-4. build the private skeleton and install the local forwards on it.
+4. build the private skeleton and install the local forwards on it, then the checkpointed
+   blocks (``runtime.checkpoint``) around them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 from torch import Tensor, nn
@@ -23,12 +24,16 @@ from ..core.program import Program
 from ..plan.plan import ShardingPlan
 from .apply_fn import make_apply_fn
 from .boundary import ConversionCache, install_boundary
+from .checkpoint import Checkpoint, CheckpointPlan, install_checkpoints, neutralise_hf_checkpointing, resolve_checkpoint
 from .skeleton import build_skeleton
 
 
-def build_runtime(model: nn.Module, program: Program) -> Callable:
-    """The private skeleton of ``model`` with every boundary of ``program`` installed, as ``apply_fn``."""
+def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan | None = None) -> Callable:
+    """The private skeleton of ``model`` with every boundary of ``program`` installed, and the
+    blocks of ``checkpoint`` checkpointed, as ``apply_fn``.  Hugging Face's own checkpointing is
+    turned off on the skeleton (``neutralise_hf_checkpointing``): ``shard()`` decided what replaces it."""
     skeleton = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of)
+    neutralise_hf_checkpointing(skeleton)
     cache: ConversionCache = {}  # input conversions shared within one apply_fn call
     for b in program.boundaries:
         module = skeleton.get_submodule(b.planned.fqn)
@@ -37,12 +42,15 @@ def build_runtime(model: nn.Module, program: Program) -> Callable:
             setattr(module, attr, getattr(module, attr) // group.size)
         inner = b.planned.style.local_forward(module, group, module.forward)
         install_boundary(module, b.planned.fqn, inner, b.in_steps, b.out_steps, cache)
-    return make_apply_fn(skeleton, program, cache)
+    blocks = install_checkpoints(skeleton, checkpoint, program.leaf_of, cache, program.mesh.device_type) if checkpoint else {}
+    apply_fn = make_apply_fn(skeleton, program, cache)
+    apply_fn.checkpointed = blocks  # block path -> its CheckpointedForward, for explain() and tests; read-only
+    return apply_fn
 
 
 def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, agree_timeout: float | None = 300.0,
-    verify_values: bool = True,
+    verify_values: bool = True, checkpoint: bool | Sequence[str] | Checkpoint | None = None,
 ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
@@ -55,12 +63,21 @@ def shard(
     different weights raise ``PlanMismatchError`` naming the first tensor that differs.  A rank
     that does not arrive within ``agree_timeout`` seconds raises too (None: the process group's
     timeout).
+
+    ``checkpoint`` (activation checkpointing: a block keeps no activations in the forward and
+    is recomputed in the backward; works under ``.backward()`` and ``torch.func`` transforms):
+    None — follow the model: the decoder layers on which Hugging Face's
+    ``gradient_checkpointing_enable()`` was called, else none; False — none; True — every Hugging
+    Face decoder layer; module-path patterns (``["model.layers.*"]``); or ``Checkpoint(blocks=...,
+    preserve_rng=...)``.  A pattern that matches no module raises ``PlanError``.
     """
     program = build_program(model, plan, mesh)
+    blocks = resolve_checkpoint(model, checkpoint)
     values = dict(model.named_parameters()) | dict(model.named_buffers()) if verify_values else None
-    agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout), values)
+    checkpointed = {"checkpoint": repr(blocks)}  # ranks that recompute different blocks would hang
+    agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout), values, checkpointed)
     params = {
         key: slice_local(model.get_parameter(key), info).requires_grad_(model.get_parameter(key).requires_grad)
         for key, info in program.infos.items()
     }
-    return build_runtime(model, program), params, program.infos
+    return build_runtime(model, program, blocks), params, program.infos

@@ -30,7 +30,8 @@ class Candidate(NamedTuple):
     style: Style
 
 
-def _match(pattern: str, path: str) -> bool:
+def path_matches(pattern: str, path: str) -> bool:
+    """Whether a dot-path ``pattern`` (``*``: exactly one segment) matches module/parameter ``path``."""
     if not path or not pattern:  # the root module is addressed by the empty path only
         return pattern == path
     p, q = pattern.split("."), path.split(".")
@@ -85,7 +86,7 @@ class ShardingPlan:
         """Parameter FQN -> the rule its special handler decides (patterns must match something)."""
         rules = {}
         for pattern, name in self.special_handlers.items():
-            hits = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if _match(pattern, n)]
+            hits = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if path_matches(pattern, n)]
             if not hits:
                 raise PlanError(f"special handler pattern {pattern!r} matches no parameter")
             for n, p in hits:
@@ -152,7 +153,7 @@ class ShardingPlan:
         out: dict[str, list[Candidate]] = {}
         for path in dict(model.named_modules()):
             for pattern, style in self.entries.items():
-                if _match(pattern, path):
+                if path_matches(pattern, path):
                     out.setdefault(path, []).append(Candidate(pattern.count("*"), pattern, style))
         return out
 
@@ -170,7 +171,7 @@ class ShardingPlan:
         path = next((n for n, m in model.named_modules() if head is not None and m is head), None)
         if path is None:
             raise PlanError(f"loss_parallel: {type(model).__name__} has no output head (get_output_embeddings())")
-        matched = [p for p, s in self.entries.items() if _match(p, path)]
+        matched = [p for p, s in self.entries.items() if path_matches(p, path)]
         if not matched or not isinstance(self.entries[matched[0]], Colwise):
             raise PlanError(f"loss_parallel: the output head {path!r} must be planned Colwise (vocab-sharded)")
         return path

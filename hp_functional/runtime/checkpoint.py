@@ -49,12 +49,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
 # torch's pytree, not optree: Hugging Face registers its output and cache types with it, so a
 # block's arguments and outputs flatten into tensors here as they do inside transformers
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core.errors import PlanError
-from ..plan.plan import _match
+from ..plan.plan import path_matches
 from .boundary import ConversionCache
 
 _HF_LAYER = "transformers.modeling_layers.GradientCheckpointingLayer"
@@ -160,7 +161,7 @@ def resolve_checkpoint(model: nn.Module, checkpoint: object) -> CheckpointPlan |
     else:
         blocks = []
         for pattern in policy.blocks:
-            hits = [p for p in modules if _match(pattern, p)]
+            hits = [p for p in modules if path_matches(pattern, p)]
             if not hits:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
                 raise PlanError(f"checkpoint pattern {pattern!r} matches no module; closest paths: {close}")

@@ -72,12 +72,17 @@ def _compare(got, want, what: str) -> None:
 
 
 # ------------------------------------------------------------------ HF Llama vs unsharded and vs no checkpointing
-def case_llama_checkpoint(state, plan_kind: str):
+def _reference(state, ids):
+    """The unsharded model's (loss, gradients)."""
     model = build_llama(state)
-    ids = _ids()
     ref = model(input_ids=ids, labels=ids)
     ref.loss.backward()
-    reference = (ref.loss.detach(), {k: p.grad for k, p in model.named_parameters()})
+    return ref.loss.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+
+def case_llama_checkpoint(state, plan_kind: str):
+    ids = _ids()
+    reference = _reference(state, ids)
 
     fresh = build_llama(state)
     before = snapshot(fresh)
@@ -135,11 +140,8 @@ def test_dropout_masks_are_replayed(pool):
 
 # ------------------------------------------------------------------ Hugging Face's gradient_checkpointing_enable()
 def case_hf_gradient_checkpointing(state):
-    model = build_llama(state)
     ids = _ids()
-    ref = model(input_ids=ids, labels=ids)
-    ref.loss.backward()
-    reference = (ref.loss.detach(), {k: p.grad for k, p in model.named_parameters()})
+    reference = _reference(state, ids)
 
     hf = build_llama(state)
     with warnings.catch_warnings():

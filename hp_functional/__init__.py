@@ -6,40 +6,100 @@ collectives that compose with ``torch.func`` (grad, vmap, jvp/vjp).
 
 The package is layered (each imports only from those before it): ``core`` → ``plan`` →
 ``compile`` → ``runtime`` → ``tools`` → ``cli``; ``docs/architecture.md`` has the diagram.
+
+The public names are imported lazily (PEP 562): ``import hp_functional`` imports neither torch
+nor anything else until a name is first used, so the ``hp-functional`` command line (whose
+module lives under this package) starts fast.  ``_LAZY`` is the one place that says which
+submodule defines each name; the ``TYPE_CHECKING`` block repeats it for static tools.
 """
 
-from .compile.build import build_program, lint
-from .compile.lint import Finding
-from .core import collectives
-from .core.errors import PlanError, PlanMismatchError, PlanWarning, ShapeError
-from .core.placement import ShardInfo, slice_local, to_dtensor, unshard
-from .core.program import Program
-from .plan.plan import ShardingPlan
-from .plan.recipes import llama_sp_plan, megatron_plan
-from .plan.styles import (
-    Colwise,
-    Heads,
-    ModuleSpec,
-    NoParallel,
-    ParamRule,
-    PrepareInput,
-    PrepareOutput,
-    Rowwise,
-    SequenceParallel,
-    Style,
-    VocabEmbedding,
-    default_handlers,
-)
-from .runtime.loss import vocab_parallel_cross_entropy
-from .runtime.shard import shard
-from .tools.explain import Explanation, Memory, Schedule, explain
-from .tools.record import ScheduleRow
-from .tools.simulate import simulate
-from .tools.validate import validate
-from .tools.validate_dtensor import validate_placements
-from .tools.validation_report import PlacementMismatchError, ValidationError, ValidationReport
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .compile.build import build_program, lint
+    from .compile.lint import Finding
+    from .core import collectives
+    from .core.errors import PlanError, PlanMismatchError, PlanWarning, ShapeError
+    from .core.placement import ShardInfo, slice_local, to_dtensor, unshard
+    from .core.program import Program
+    from .plan.plan import ShardingPlan
+    from .plan.recipes import llama_sp_plan, megatron_plan
+    from .plan.styles import (
+        Colwise,
+        Heads,
+        ModuleSpec,
+        NoParallel,
+        ParamRule,
+        PrepareInput,
+        PrepareOutput,
+        Rowwise,
+        SequenceParallel,
+        Style,
+        VocabEmbedding,
+        default_handlers,
+    )
+    from .runtime.checkpoint import Checkpoint
+    from .runtime.loss import vocab_parallel_cross_entropy
+    from .runtime.shard import shard
+    from .tools.explain import Explanation, Memory, Schedule, explain
+    from .tools.record import ScheduleRow
+    from .tools.simulate import simulate
+    from .tools.validate import validate
+    from .tools.validate_dtensor import validate_placements
+    from .tools.validation_report import PlacementMismatchError, ValidationError, ValidationReport
+
+#: public name -> the submodule (relative to this package) that defines it.
+_LAZY: dict[str, str] = {
+    "build_program": ".compile.build",
+    "lint": ".compile.build",
+    "Finding": ".compile.lint",
+    "PlanError": ".core.errors",
+    "PlanMismatchError": ".core.errors",
+    "PlanWarning": ".core.errors",
+    "ShapeError": ".core.errors",
+    "ShardInfo": ".core.placement",
+    "slice_local": ".core.placement",
+    "to_dtensor": ".core.placement",
+    "unshard": ".core.placement",
+    "Program": ".core.program",
+    "ShardingPlan": ".plan.plan",
+    "llama_sp_plan": ".plan.recipes",
+    "megatron_plan": ".plan.recipes",
+    "Colwise": ".plan.styles",
+    "Heads": ".plan.styles",
+    "ModuleSpec": ".plan.styles",
+    "NoParallel": ".plan.styles",
+    "ParamRule": ".plan.styles",
+    "PrepareInput": ".plan.styles",
+    "PrepareOutput": ".plan.styles",
+    "Rowwise": ".plan.styles",
+    "SequenceParallel": ".plan.styles",
+    "Style": ".plan.styles",
+    "VocabEmbedding": ".plan.styles",
+    "default_handlers": ".plan.styles",
+    "Checkpoint": ".runtime.checkpoint",
+    "vocab_parallel_cross_entropy": ".runtime.loss",
+    "shard": ".runtime.shard",
+    "Explanation": ".tools.explain",
+    "Memory": ".tools.explain",
+    "Schedule": ".tools.explain",
+    "explain": ".tools.explain",
+    "ScheduleRow": ".tools.record",
+    "simulate": ".tools.simulate",
+    "validate": ".tools.validate",
+    "validate_placements": ".tools.validate_dtensor",
+    "PlacementMismatchError": ".tools.validation_report",
+    "ValidationError": ".tools.validation_report",
+    "ValidationReport": ".tools.validation_report",
+}
+#: public names that are submodules themselves.
+_SUBMODULES: dict[str, str] = {"collectives": ".core.collectives"}
 
 __all__ = [
+    "Checkpoint",
     "Colwise",
     "Explanation",
     "Finding",
@@ -82,3 +142,19 @@ __all__ = [
     "validate_placements",
     "vocab_parallel_cross_entropy",
 ]
+
+
+def __getattr__(name: str):
+    """Import the submodule that defines ``name`` on first use and cache the name here."""
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name], __name__)
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,18 +1,32 @@
-"""The hp-functional command line: ``plan`` and ``check`` as subprocesses (the console script),
-option variants in process."""
+"""The hp-functional command line through the installed console script (subprocesses), a few
+option variants in process, the package's lazy import, and the Makefile's set-up."""
 
+import ast
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+import hp_functional
+from hp_functional.cli import main as cli_main
 from hp_functional.cli.main import main
 from hp_functional.tools.models import tiny_config
 
+ROOT = Path(__file__).resolve().parents[1]
 C = tiny_config("llama")
+
+# a Llama-3-8B-shaped config (built on the meta device by ``plan``: nothing is allocated)
+LLAMA_8B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+}
 
 
 def _row(text: str, *cells: str) -> bool:
@@ -21,18 +35,94 @@ def _row(text: str, *cells: str) -> bool:
 
 
 def _script() -> list[str]:
-    exe = shutil.which("hp-functional")
-    return [exe] if exe else [sys.executable, "-m", "hp_functional.cli"]
+    """The installed console script (``pip install -e .`` puts it beside the interpreter)."""
+    exe = shutil.which("hp-functional", path=str(Path(sys.executable).parent)) or shutil.which("hp-functional")
+    assert exe, "the hp-functional console script is not installed (pip install -e .)"
+    return [exe]
 
 
+def _run(*args: str, timeout: int = 180, cwd: Path | None = None, env: dict | None = None):
+    return subprocess.run([*_script(), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, **(env or {})})
+
+
+def _clean_error(res, code: int) -> str:
+    """The process exited ``code`` with exactly one ``hp-functional: error: ...`` line and no traceback."""
+    assert res.returncode == code, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and "[rank" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hp-functional: error: "), res.stderr
+    return lines[0]
+
+
+# ---------------------------------------------------------------- start-up: lazy package, fast --help
+def test_help_is_fast_plain_text_and_explains_batch_and_seq():
+    _run("--help")  # warm the file cache
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        res = _run("--help")
+        times.append(time.perf_counter() - t0)
+        assert res.returncode == 0, res.stderr
+    assert min(times) < 1.5, f"hp-functional --help took {min(times):.2f} s"
+    assert "demo" in res.stdout and "plan" in res.stdout and "check" in res.stdout
+    for sub in ([], ["demo"], ["plan"], ["check"]):
+        out = _run(*sub, "--help").stdout
+        assert "``" not in out, out  # plain text, not RST
+    plan_help = " ".join(_run("plan", "--help").stdout.split())
+    assert "--batch B sequences in this rank's example input_ids (default: 1)" in plan_help
+    assert "--seq S tokens per sequence in this rank's example input_ids (default: 128)" in plan_help
+
+
+def test_cli_module_imports_no_torch():
+    code = "import sys, hp_functional.cli.main; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
+           "('torch', 'transformers', 'rich', 'tqdm')))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_import_hp_functional_adds_nothing_heavy_beyond_torch():
+    """``import hp_functional`` is lazy: after ``import torch`` (which imports tqdm through torch.hub
+    on its own) it imports no rich, tqdm or transformers module that torch did not."""
+    code = ("import sys, torch; before = set(sys.modules); import hp_functional; "
+            "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('rich', 'tqdm', 'transformers', "
+            "'torch')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_lazy_package_exports_every_name():
+    import types
+
+    from hp_functional import collectives, shard  # noqa: F401 - the from-import form works
+
+    init = ast.parse((ROOT / "hp_functional" / "__init__.py").read_text())
+    typed = {a.asname or a.name for node in ast.walk(init) if isinstance(node, ast.If)
+             for stmt in node.body if isinstance(stmt, ast.ImportFrom) for a in stmt.names}
+    names = set(hp_functional.__all__)
+    assert len(hp_functional.__all__) == len(names)  # no duplicates
+    assert typed == names == set(hp_functional._LAZY) | set(hp_functional._SUBMODULES)  # one list, said thrice
+    assert names <= set(dir(hp_functional))
+    for name in sorted(names):
+        value = getattr(hp_functional, name)
+        assert isinstance(value, types.ModuleType) == (name == "collectives"), name  # shard is the function
+    assert collectives is hp_functional.collectives and collectives.__name__ == "hp_functional.core.collectives"
+    assert hp_functional.llama_sp_plan is cli_main.importlib.import_module("hp_functional.plan.recipes").llama_sp_plan
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        hp_functional.nope  # noqa: B018
+
+
+# ---------------------------------------------------------------- plan
 def test_plan_subprocess_prints_placements_schedule_and_memory():
     seq = 16
-    res = subprocess.run([*_script(), "plan", "llama", "--tp", "2", "--seq", str(seq)], capture_output=True, text=True,
-                         timeout=120)
+    res = _run("plan", "llama", "--tp", "2", "--seq", str(seq))
     assert res.returncode == 0, res.stderr
+    assert "FutureWarning" not in res.stderr and "[rank" not in res.stderr, res.stderr
     out = res.stdout
     h, v, L = C.hidden_size, C.vocab_size, C.num_hidden_layers
     assert "mesh {'tp': 2}" in out
+    assert f"batch 1 x seq {seq}" in out and "parameters in float32" in out
+    assert "note:" not in out  # no dp axis: nothing left out of the totals
     assert _row(out, "model.layers.*.self_attn.o_proj", "Rowwise()", "tp", str(L))
     assert _row(out, "model.layers.0.self_attn.q_proj.weight", f"({h}, {h})", "S(0)", f"({h // 2}, {h})")
     assert _row(out, "model.layers.1.mlp.down_proj.weight", f"({h}, {C.intermediate_size})", "S(1)",
@@ -45,11 +135,30 @@ def test_plan_subprocess_prints_placements_schedule_and_memory():
     assert _row(out, "replicated", f"{replicated / 1024:.2f} KiB")
 
 
-def test_check_subprocess_validates_on_gloo_ranks():
-    res = subprocess.run([*_script(), "check", "llama", "--tp", "2"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert "validate (numeric): ok" in res.stdout
-    assert _row(res.stdout, "ok", "grad", "model.layers.1.self_attn.o_proj.weight")
+def test_plan_with_the_packaged_sp_plan_from_the_console_script():
+    res = _run("plan", "llama", "--tp", "2", "--plan", "hp_functional:llama_sp_plan", "--brief", "--seq", "16")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and "[rank" not in res.stderr, res.stderr
+    assert _row(res.stdout, "model.layers.*.mlp.down_proj", "Rowwise(output_layout=Shard(dim=1))", "tp", "2")
+    assert _row(res.stdout, "fwd", "reduce_scatter", "tp", str(2 * C.num_hidden_layers))
+
+
+def test_brief_merges_layers_states_the_step_and_the_dp_reduction_left_out(tmp_path):
+    """An 8B Llama: 291 parameters, printed as one row per layer-index pattern."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    res = _run("plan", str(tmp_path), "--tp", "8", "--dp", "2", "--brief", "--dtype", "bfloat16", "--seq", "64")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "mesh {'dp': 2, 'tp': 8}" in out and "batch 1 x seq 64" in out and "parameters in bfloat16" in out
+    assert _row(out, "model.layers.*.mlp.down_proj.weight", "32", "(4096, 14336)", "R", "S(1)", "(4096, 1792)")
+    assert _row(out, "model.layers.*.self_attn.k_proj.weight", "32", "(1024, 4096)", "R", "S(0)", "(128, 4096)")
+    assert _row(out, "model.embed_tokens.weight", "1", "(128256, 4096)", "R", "S(0)", "(16032, 4096)")
+    assert "model.layers.0." not in out and "model.layers.31." not in out
+    assert len(out.splitlines()) < 80, out  # tens of rows, not 291
+    assert "communication schedule" not in out  # totals only
+    note = " ".join(out[out.index("note:"):].split())
+    assert "data-parallel gradient reduction over dp=2" in note and "not in these totals" in note
+    assert "acts only on its own axes (tp)" in note
 
 
 def test_plan_from_config_json_on_a_2d_mesh(tmp_path, capsys):
@@ -57,22 +166,177 @@ def test_plan_from_config_json_on_a_2d_mesh(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["plan", str(tmp_path), "--tp", "2", "--dp", "2", "--brief", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert "Qwen3ForCausalLM" in out and "mesh {'dp': 2, 'tp': 2}" in out
-    assert _row(out, "model.layers.0.self_attn.q_norm.weight", "(8,)", "R", "R", "(8,)")  # per-head norm: replicated
-    assert _row(out, "model.layers.0.self_attn.k_proj.weight", "(32, 64)", "R", "S(0)", "(16, 64)")
+    assert "Qwen3ForCausalLM" in out and "mesh {'dp': 2, 'tp': 2}" in out and "parameters in bfloat16" in out
+    assert _row(out, "model.layers.*.self_attn.q_norm.weight", "2", "(8,)", "R", "R", "(8,)")  # per-head norm
+    assert _row(out, "model.layers.*.self_attn.k_proj.weight", "2", "(32, 64)", "R", "S(0)", "(16, 64)")
     assert "communication schedule" not in out  # --brief: totals only
     assert _row(out, "bwd", "all_reduce", "tp")  # q_norm/k_norm grads are all-reduced too
+    assert "gradient reduction over dp=2" in " ".join(out.split())
 
 
-def test_plan_with_a_custom_plan_and_lint_errors(capsys):
-    assert main(["plan", "llama", "--tp", "2", "--plan", "hp_functional:llama_sp_plan", "--brief"]) == 0
+def test_plan_with_the_megatron_recipe_and_lint_errors(capsys):
+    assert main(["plan", "llama", "--tp", "2", "--plan", "hp_functional:megatron_plan", "--brief", "--seq", "16"]) == 0
     out = capsys.readouterr().out
-    assert _row(out, "fwd", "reduce_scatter", "tp", str(2 * C.num_hidden_layers))
+    L = C.num_hidden_layers
+    assert _row(out, "fwd", "all_reduce", "tp", str(2 * L + 1)) and _row(out, "bwd", "all_reduce", "tp", str(2 * L + 1))
     assert main(["plan", "llama", "--tp", "8"]) == 1  # 4 KV heads of 8 cannot split 8 ways
     out = capsys.readouterr().out
-    assert "error: model.layers.*.self_attn.k_proj" in out and "head_dim=8" in out and "parameters" not in out
+    assert "error: model.layers.*.self_attn.k_proj" in out and "head_dim=8" in out and "global shape" not in out
 
 
-def test_unknown_model_is_refused():
-    with pytest.raises(ValueError, match="neither a built-in tiny model"):
-        main(["plan", "gpt-9", "--tp", "2"])
+def test_collapsed_params_keeps_differently_placed_layers_apart():
+    from types import SimpleNamespace
+
+    def info(shape, placement):
+        return SimpleNamespace(aliases=(), global_shape=shape, local_shape=shape, placements=(placement,))
+
+    program = SimpleNamespace(infos={
+        "model.layers.0.mlp.w": info((4, 4), "S(0)"), "model.layers.1.mlp.w": info((4, 4), "S(0)"),
+        "model.layers.2.mlp.w": info((4, 4), "R"), "model.norm.weight": info((4,), "R"),
+    })
+    assert cli_main.collapsed_params(program) == [
+        ("model.layers.*.mlp.w", 2, ("(4, 4)", "S(0)", "(4, 4)")),
+        ("model.layers.*.mlp.w", 1, ("(4, 4)", "R", "(4, 4)")),
+        ("model.norm.weight", 1, ("(4,)", "R", "(4,)")),
+    ]
+
+
+# ---------------------------------------------------------------- errors: one line, no traceback
+def test_bad_plan_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "myplans.py").write_text("answer = 42\n")
+    line = _clean_error(_run("plan", "llama", "--plan", "no_such_module_xyz:plan"), 2)
+    assert "no module named 'no_such_module_xyz'" in line
+    line = _clean_error(_run("plan", "llama", "--plan", "hp_functional:no_such_plan"), 2)
+    assert "'hp_functional' has no attribute 'no_such_plan'" in line
+    line = _clean_error(_run("plan", "llama", "--plan", "myplans:answer", cwd=tmp_path), 2)  # a module in the cwd
+    assert "is 42 (int), not a ShardingPlan" in line
+    line = _clean_error(_run("check", "llama", "--plan", "hp_functional"), 2)  # checked before any rank is spawned
+    assert "expected module:name" in line
+
+
+def test_unknown_model_and_dtype_are_one_line():
+    assert "neither a built-in tiny model" in _clean_error(_run("plan", "gpt-9", "--tp", "2"), 2)
+    assert "not a torch dtype" in _clean_error(_run("plan", "llama", "--dtype", "float33"), 2)
+
+
+def test_plan_functions_that_fail_or_return_no_plan(tmp_path, capsys, monkeypatch):
+    (tmp_path / "badplans.py").write_text(
+        "def boom(model):\n    raise RuntimeError('kaput')\n"
+        "def bogus():\n    return {'model.layers.*.mlp.up_proj': 'bogus'}\n"
+        "def number():\n    return 7\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "llama", "--plan", "badplans:boom"]) == 2
+    assert re.fullmatch(r"hp-functional: error: --plan 'badplans:boom': boom\(model\) raised RuntimeError: kaput "
+                        r"\(.*badplans.py:2\)\n", capsys.readouterr().err)
+    assert main(["plan", "llama", "--plan", "badplans:bogus"]) == 1  # a PlanError from the plan itself
+    assert capsys.readouterr().err.startswith("hp-functional: error: plan entry 'model.layers.*.mlp.up_proj': style "
+                                              "'bogus' is not supported")
+    assert main(["plan", "llama", "--plan", "badplans:number"]) == 2
+    assert "returned 7 (int)" in capsys.readouterr().err
+
+
+def test_a_plan_error_under_the_fake_process_group_is_one_line(monkeypatch, capsys):
+    """init_process_group (the fake one included) installs a sys.excepthook that prefixes every
+    traceback line with "[rank0]:" and destroy_process_group leaves it: main() catches PlanError
+    and puts the hook back."""
+    import hp_functional.tools.explain as explain_mod
+    from hp_functional.core.errors import ShapeError
+
+    def fail(*a, **k):
+        raise ShapeError("model.layers.0.mlp: dim 1 of (1, 15, 64) is not divisible by 2")
+
+    monkeypatch.setattr(explain_mod, "explain", fail)
+    hook = sys.excepthook
+    assert main(["plan", "llama", "--tp", "2"]) == 1
+    assert capsys.readouterr().err == "hp-functional: error: model.layers.0.mlp: dim 1 of (1, 15, 64) is not divisible by 2\n"
+    assert sys.excepthook is hook
+
+
+def test_an_unexpected_error_after_simulate_has_no_rank_prefix():
+    code = ("import sys, hp_functional.tools.tables as t\n"
+            "def broken(*a, **k):\n    raise RuntimeError('table broke')\n"
+            "t.memory_table = broken\n"
+            "from hp_functional.cli.main import main\nsys.exit(main(['plan', 'llama', '--seq', '16']))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 1 and "RuntimeError: table broke" in res.stderr, res.stderr
+    assert "[rank0]" not in res.stderr, res.stderr
+
+
+# ---------------------------------------------------------------- multi-rank: check and demo
+def test_check_subprocess_validates_on_gloo_ranks():
+    res = _run("check", "llama", "--tp", "2", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "validate (numeric): ok" in res.stdout
+    assert _row(res.stdout, "ok", "grad", "model.layers.1.self_attn.o_proj.weight")
+    assert "FutureWarning" not in res.stderr, res.stderr  # all_gather_into_tensor's deprecation is gone
+
+
+def test_check_reports_a_plan_error_from_the_ranks_as_one_line(tmp_path):
+    (tmp_path / "myplans.py").write_text("def nomatch():\n    return {'model.nothing.*': 'colwise'}\n")
+    res = _run("check", "llama", "--tp", "2", "--plan", "myplans:nomatch", cwd=tmp_path, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr[-3000:]
+    assert "hp-functional: error: plan entry 'model.nothing.*' matches no module" in res.stderr
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def test_demo_console_script_trains_and_prints_no_future_warning():
+    res = _run("demo", "--steps", "3", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "max |loss diff|" in res.stdout
+    assert "FutureWarning" not in res.stderr and "DeprecationWarning" not in res.stderr, res.stderr[-3000:]
+
+
+def test_demo_under_torchrun_through_python_m():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "hp_functional.cli", "demo", "--steps", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "max |loss diff|" in res.stdout and "FutureWarning" not in res.stderr
+
+
+# ---------------------------------------------------------------- set-up: Makefile and CI
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+
+
+def _make(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60)
+
+
+@needs_make
+def test_make_demo_and_test_set_up_then_run(tmp_path):
+    venv = tmp_path / "venv"
+    plan = _make("-n", "demo", f"VENV={venv}", "TORCH_INDEX=https://download.pytorch.org/whl/cpu").stdout
+    lines = [ln for ln in plan.splitlines() if not ln.startswith("make")]
+    assert f'test -x "{venv}/bin/python" || python3 -m venv "{venv}"' in lines
+    torch_line = next(ln for ln in lines if '"torch==2.13.0"' in ln)
+    assert "--index-url \"https://download.pytorch.org/whl/cpu\"" in torch_line
+    assert sum("--index-url" in ln for ln in lines) == 1  # the torch install only
+    assert any('-m pip install -e ".[test]"' in ln for ln in lines)
+    assert lines.index(torch_line) < next(i for i, ln in enumerate(lines) if ".[test]" in ln)
+    assert lines[-1].endswith(f'"{venv}/bin/hp-functional" demo')
+    assert "--index-url" not in _make("-n", "demo", f"VENV={venv}").stdout  # plain pip by default
+    test_plan = _make("-n", "test", f"VENV={venv}").stdout
+    assert f'"{venv}/bin/python" -m pytest tests' in test_plan and "rc -eq 5" in test_plan
+
+
+@needs_make
+def test_make_set_up_is_a_stamp_check_once_done(tmp_path):
+    venv = tmp_path / "venv"
+    touch = next(ln for ln in _make("-n", "setup", f"VENV={venv}").stdout.splitlines() if ln.startswith("touch"))
+    stamp = Path(touch.split('"')[1])
+    assert stamp.parent == venv and stamp.name.startswith(".hpf-setup-")
+    assert _make("-q", "setup", f"VENV={venv}").returncode == 1  # not set up yet
+    venv.mkdir()
+    stamp.touch()
+    assert _make("-q", "setup", f"VENV={venv}").returncode == 0  # set up: nothing to do
+    res = _make("demo", f"VENV={venv}", "-n")
+    assert "pip install" not in res.stdout and "hp-functional\" demo" in res.stdout
+    # another torch pin (or another pyproject.toml) is another stamp: set up again
+    assert _make("-q", "setup", f"VENV={venv}", "TORCH=torch==2.99.0").returncode == 1
+
+
+def test_ci_runs_exactly_make_demo_and_make_test():
+    script = (ROOT / ".ci" / "run").read_text().splitlines()
+    commands = [ln.strip() for ln in script if ln.strip() and not ln.lstrip().startswith("#")]
+    assert commands == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "make demo", "make test"]

@@ -29,6 +29,7 @@ LocalTensorMode; numerics need real ranks (``hp-functional check``, the test poo
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -67,6 +68,7 @@ def simulate(
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # also registers the "fake" backend
 
+    hook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]:" and never undoes it
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
@@ -78,3 +80,4 @@ def simulate(
             return fn(mesh)
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook

@@ -1,0 +1,44 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv (if needed) and run `hp-functional demo` (TP=2 on two local gloo ranks)
+#   make test   the same set-up, then the test suite
+# Set-up is idempotent: it runs again only when pyproject.toml or the torch pin changes (or .venv
+# is removed); otherwise it is a stamp-file check.  `pip install torch` alone pulls the CUDA build
+# on an ordinary Linux machine; for the CPU build:
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (TORCH_INDEX is passed as --index-url to the torch install only.)
+
+ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+
+PYTHON      ?= python3
+VENV        ?= $(ROOT)/.venv
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+
+VENV  := $(abspath $(VENV))
+BIN   := $(VENV)/bin
+# the stamp's name is keyed on what the set-up installs: pyproject.toml and the torch pin
+KEY   := $(shell (cat "$(ROOT)/pyproject.toml"; echo "$(TORCH)") | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.hpf-setup-$(KEY)
+
+.PHONY: demo test setup clean-setup
+
+demo: $(STAMP)
+	cd "$(ROOT)" && "$(BIN)/hp-functional" demo
+
+# pytest exits 5 when it collects nothing: that fails here too, and `tests` is named so it cannot happen quietly
+test: $(STAMP)
+	cd "$(ROOT)" && "$(BIN)/python" -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+setup: $(STAMP)
+
+$(STAMP):
+	test -x "$(BIN)/python" || $(PYTHON) -m venv "$(VENV)"
+	"$(BIN)/python" -m pip install $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH)"
+	cd "$(ROOT)" && "$(BIN)/python" -m pip install -e ".[test]"
+	rm -f "$(VENV)"/.hpf-setup-*
+	touch "$@"
+
+clean-setup:
+	rm -f "$(VENV)"/.hpf-setup-*

@@ -3,7 +3,7 @@
 ``ModuleSpec`` is the one low-level boundary contract every style compiles to: where the
 module's own parameters are stored and used, and which placement each forward argument and
 output has on the way in and out (keyed by mesh axis name).  ``shard()`` lowers every
-src → dst difference to collectives once (see ``redistribute``); a style never communicates
+src → dst difference to collectives once (see ``core.lowering``); a style never communicates
 itself.  Styles are frozen dataclasses: pure descriptions, safe to share between plans.
 """
 

@@ -4,7 +4,7 @@
 collective "succeeds" without communicating; this process plays rank ``rank``), builds the
 mesh, calls ``fn(mesh)`` and tears the process group down again.  What that supports:
 
-* **plans, shapes and memory**: ``compile_plan``/``shard``/``lint`` run unchanged (they only
+* **plans, shapes and memory**: ``build_program``/``shard``/``lint`` run unchanged (they only
   read the mesh), on a model built on the meta device (``with torch.device("meta"):``) so a
   7B-shaped model allocates nothing;
 * **the communication schedule**: ``explain(model, plan, mesh, batch=, seq=)`` runs one forward

@@ -17,6 +17,7 @@ import hp_functional
 from hp_functional.cli import main as cli_main
 from hp_functional.cli.main import main
 from hp_functional.tools.models import tiny_config
+from hp_functional.tools.tables import collapsed_params
 
 ROOT = Path(__file__).resolve().parents[1]
 C = tiny_config("llama")
@@ -194,7 +195,7 @@ def test_collapsed_params_keeps_differently_placed_layers_apart():
         "model.layers.0.mlp.w": info((4, 4), "S(0)"), "model.layers.1.mlp.w": info((4, 4), "S(0)"),
         "model.layers.2.mlp.w": info((4, 4), "R"), "model.norm.weight": info((4,), "R"),
     })
-    assert cli_main.collapsed_params(program) == [
+    assert collapsed_params(program) == [
         ("model.layers.*.mlp.w", 2, ("(4, 4)", "S(0)", "(4, 4)")),
         ("model.layers.*.mlp.w", 1, ("(4, 4)", "R", "(4, 4)")),
         ("model.norm.weight", 1, ("(4,)", "R", "(4,)")),

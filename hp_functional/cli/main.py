@@ -26,7 +26,6 @@ import importlib
 import inspect
 import math
 import os
-import re
 import sys
 import traceback
 import warnings
@@ -182,39 +181,6 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=160, no_color=True, highlight=False)
 
 
-_LAYER_INDEX = re.compile(r"\.\d+(?=\.)")
-
-
-def layer_pattern(key: str) -> str:
-    """A parameter name with its layer indices as ``*`` (``model.layers.3.mlp.up_proj.weight`` →
-    ``model.layers.*.mlp.up_proj.weight``), the way ``compile.lint.collapse`` merges findings."""
-    return _LAYER_INDEX.sub(".*", key)
-
-
-def collapsed_params(program) -> list[tuple[str, int, tuple[str, ...]]]:
-    """The per-parameter rows (global shape, placement per mesh axis, local shape), those that
-    differ only in layer indices merged: [(pattern, count, cells)], in first-seen order.  Rows
-    whose shapes or placements differ stay apart (a layer that is sharded differently shows)."""
-    groups: dict[tuple[str, tuple[str, ...]], int] = {}
-    for key, info in program.infos.items():
-        name = key + (f" (= {', '.join(layer_pattern(a) for a in info.aliases)})" if info.aliases else "")
-        cells = (str(tuple(info.global_shape)), *(str(p) for p in info.placements), str(tuple(info.local_shape)))
-        k = (layer_pattern(name), cells)
-        groups[k] = groups.get(k, 0) + 1
-    return [(pattern, n, cells) for (pattern, cells), n in groups.items()]
-
-
-def _brief_params_table(program):
-    from rich.table import Table
-
-    table = Table(title="parameters (layers merged)", title_justify="left")
-    for col in ("parameter", "count", "global shape", *program.mesh.mesh_dim_names, "local shape"):
-        table.add_column(col, justify="right" if col == "count" else "left")
-    for pattern, n, cells in collapsed_params(program):
-        table.add_row(pattern, str(n), *cells)
-    return table
-
-
 def _plan_axes(plan) -> set[str]:
     return {getattr(style, "axis", None) or plan.tp_axis for style in plan.entries.values()} | {plan.tp_axis}
 
@@ -278,7 +244,7 @@ def plan_command(args) -> int:
         console.print(line, style="red" if line.startswith("error") else "yellow", markup=False)
     if exp is None:
         return 1
-    console.print(_brief_params_table(exp.program) if args.brief else params_table(exp.program))
+    console.print(params_table(exp.program, merge_layers=args.brief))
     if exp.schedule is None:
         console.print(f"no schedule: {exp.schedule_error}", markup=False)
     else:

@@ -122,12 +122,21 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
     return findings
 
 
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.)")
+
+
+def layer_pattern(text: str) -> str:
+    """``text`` with its layer indices as ``*`` (``model.layers.3.mlp`` → ``model.layers.*.mlp``):
+    how findings and the CLI's brief parameter table merge what differs only by layer."""
+    return _LAYER_INDEX.sub(".*", text)
+
+
 def collapse(findings: list[Finding]) -> list[str]:
     """The findings as lines, those that differ only in layer indices merged into one
     (``model.layers.*.mlp``, with a count)."""
     groups: dict[str, list[str]] = {}
     for f in findings:
-        groups.setdefault(re.sub(r"\.\d+(?=\.)", ".*", str(f)), []).append(str(f))
+        groups.setdefault(layer_pattern(str(f)), []).append(str(f))
     return [f"{line} ({len(lines)} modules)" if len(lines) > 1 else lines[0] for line, lines in groups.items()]
 
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from ..compile.lint import layer_pattern
+
 if TYPE_CHECKING:
     from ..core.program import Program
     from .explain import Memory, Schedule
@@ -65,15 +67,34 @@ def memory_table(mem: Memory) -> Table:
     return table
 
 
-def params_table(program: Program) -> Table:
-    """Per parameter: global shape, placement on each mesh axis, local shape."""
+def _param_cells(info) -> tuple[str, ...]:
+    return (str(tuple(info.global_shape)), *(str(p) for p in info.placements), str(tuple(info.local_shape)))
+
+
+def collapsed_params(program: Program) -> list[tuple[str, int, tuple[str, ...]]]:
+    """The per-parameter rows (global shape, placement per mesh axis, local shape), those that
+    differ only in layer indices merged: [(pattern, count, cells)], in first-seen order.  Rows
+    whose shapes or placements differ stay apart (a layer that is sharded differently shows)."""
+    groups: dict[tuple[str, tuple[str, ...]], int] = {}
+    for key, info in program.infos.items():
+        name = key + (f" (= {', '.join(info.aliases)})" if info.aliases else "")
+        k = (layer_pattern(name), _param_cells(info))
+        groups[k] = groups.get(k, 0) + 1
+    return [(pattern, n, cells) for (pattern, cells), n in groups.items()]
+
+
+def params_table(program: Program, merge_layers: bool = False) -> Table:
+    """Per parameter: global shape, placement on each mesh axis, local shape; ``merge_layers``:
+    one row per layer pattern, with a count (``collapsed_params``)."""
     axes = list(program.mesh.mesh_dim_names)
-    table = Table(title="parameters", title_justify="left")
-    for col in ("parameter", "global shape", *axes, "local shape"):
-        table.add_column(col)
-    for key in program.infos:
-        info = program.infos[key]
+    table = Table(title="parameters (layers merged)" if merge_layers else "parameters", title_justify="left")
+    for col in ("parameter", *(("count",) if merge_layers else ()), "global shape", *axes, "local shape"):
+        table.add_column(col, justify="right" if col == "count" else "left")
+    if merge_layers:
+        for pattern, n, cells in collapsed_params(program):
+            table.add_row(pattern, str(n), *cells)
+        return table
+    for key, info in program.infos.items():
         aliases = f" (= {', '.join(info.aliases)})" if info.aliases else ""
-        table.add_row(key + aliases, str(tuple(info.global_shape)), *(str(p) for p in info.placements),
-                      str(tuple(info.local_shape)))
+        table.add_row(key + aliases, *_param_cells(info))
     return table

@@ -35,6 +35,7 @@ class ShardInfo:
     blocks: tuple[int, ...] | None = None  # packed: global sizes of the sub-blocks along the sharded dim,
     # each sharded separately (the local shard is the rank's slice of every block, concatenated;
     # ``offset`` then locates the slice of the first block)
+    split: RowSplit | None = None  # functional FSDP: dim 0 of ``split.inner``'s local shard chunked over an axis
 
     @property
     def axes(self) -> dict[str, Placement]:
@@ -44,6 +45,30 @@ class ShardInfo:
     @property
     def is_sharded(self) -> bool:
         return any(isinstance(p, Shard) for p in self.placements)
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Dim 0 of a layout's local shard chunked further over one mesh axis (``hpf.fsdp``), with
+    ``torch.chunk``'s sizes: ``ceil(rows / n)`` rows per rank, the last ranks fewer or none.
+    ``inner`` is the layout before the split (its local shard holds ``rows`` rows)."""
+
+    axis: str
+    inner: ShardInfo
+
+    @property
+    def rows(self) -> int:
+        return self.inner.local_shape[0]
+
+    def chunk(self, size: int) -> int:
+        """Rows per rank before the last ones (the padded size every rank gathers)."""
+        return -(-self.rows // size)
+
+    def span(self, size: int, index: int) -> tuple[int, int]:
+        """(first row, row count) of rank ``index`` of ``size``."""
+        c = self.chunk(size)
+        start = min(index * c, self.rows)
+        return start, min(c, self.rows - start)
 
 
 def fmt_placements(placements) -> str:
@@ -129,6 +154,10 @@ def _packed_split(info: ShardInfo) -> tuple[int, int, int]:
 
 def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
     """The local shard of ``full`` as a new tensor that owns its storage (inverse: ``unshard``)."""
+    if info.split:
+        g = AxisGroup.from_mesh(info.mesh, info.split.axis)
+        start, rows = info.split.span(g.size, g.rank)
+        return slice_local(full, info.split.inner).narrow(0, start, rows).clone()
     if info.blocks:
         d, n, r = _packed_split(info)
         pieces = [blk.chunk(n, d)[r] for blk in full.split(list(info.blocks), d)]
@@ -171,22 +200,28 @@ def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -
                 f"unshard: {name} has local shape {tuple(local.shape)} but its shard_info (mesh {dims}, "
                 f"{tuple(map(str, info.placements))}) expects {tuple(info.local_shape)}: shard_info from another mesh or plan?"
             )
-    full = {}
-    for name, local in params.items():
-        info = shard_info[name]
-        groups = [AxisGroup.from_mesh(info.mesh, axis) for axis in info.mesh.mesh_dim_names]
-        t = to_full(local, info.placements, groups)
-        if info.blocks:  # gathered as [rank0: b0 b1 .. | rank1: b0 b1 ..] -> [b0 of all ranks | b1 ..]
-            d, n, _ = _packed_split(info)
-            per_rank = [chunk.split([b // n for b in info.blocks], d) for chunk in t.chunk(n, d)]
-            t = torch.cat([per_rank[r][b] for b in range(len(info.blocks)) for r in range(n)], d)
-        full[name] = t
-    return full
+    return {name: _unshard_one(local, shard_info[name]) for name, local in params.items()}
+
+
+def _unshard_one(local: Tensor, info: ShardInfo) -> Tensor:
+    """One leaf's full tensor (see ``unshard``)."""
+    if info.split:  # undo the row split first: every rank pads to the chunk size, gather, trim
+        g = AxisGroup.from_mesh(info.mesh, info.split.axis)
+        chunk, rows = info.split.chunk(g.size), info.split.rows
+        padded = torch.cat([local.detach(), local.new_zeros(chunk - local.shape[0], *local.shape[1:])])
+        return _unshard_one(raw_all_gather(padded, 0, g)[:rows], info.split.inner)
+    groups = [AxisGroup.from_mesh(info.mesh, axis) for axis in info.mesh.mesh_dim_names]
+    t = to_full(local, info.placements, groups)
+    if info.blocks:  # gathered as [rank0: b0 b1 .. | rank1: b0 b1 ..] -> [b0 of all ranks | b1 ..]
+        d, n, _ = _packed_split(info)
+        per_rank = [chunk.split([b // n for b in info.blocks], d) for chunk in t.chunk(n, d)]
+        t = torch.cat([per_rank[r][b] for b in range(len(info.blocks)) for r in range(n)], d)
+    return t
 
 
 def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, DTensor]:
     """Wrap the local shards as DTensors (no copy, no communication)."""
-    packed = [k for k in params if shard_info[k].blocks]
+    packed = [k for k in params if is_packed(shard_info[k])]
     if packed:
         raise PlanError(f"to_dtensor: packed parameters {packed[:3]} have no DTensor layout; use unshard()")
     return {
@@ -196,6 +231,11 @@ def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]
         )
         for name, local in params.items()
     }
+
+
+def is_packed(info: ShardInfo) -> bool:
+    """Whether ``info`` (or the layout it splits further) is a packed parameter."""
+    return bool(info.blocks) or (info.split is not None and is_packed(info.split.inner))
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

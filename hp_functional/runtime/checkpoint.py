@@ -232,6 +232,7 @@ class _Call:
         for i, t in zip(self.where, leaves[n:], strict=True):
             flat[i] = t
         args, kwargs = tree_unflatten(flat, self.spec)
+        bound = block.bind(leaves[:n])
         slots, cache = block.slots, block.cache
         before = [store[name] for store, name, _ in slots]
         aside = None
@@ -240,7 +241,7 @@ class _Call:
             cache.clear()
         try:
             for store, name, j in slots:
-                store[name] = leaves[j]
+                store[name] = bound[j]
             out = block.inner(*args, **kwargs)
         finally:
             for (store, name, _), value in zip(slots, before, strict=True):
@@ -344,9 +345,22 @@ class CheckpointedForward:
         self.keeps_cache = bool(getattr(type(module), "_can_checkpoint_with_cache", False))
         self.what = type(module).__name__
 
+    def leaves(self) -> list[Tensor]:
+        """The block's leaves for this call, one per key: what its slots hold (a transform such as
+        ``hpf.fsdp`` supplies others, from which ``bind`` makes what the slots get)."""
+        return [store[name] for store, name in self.first]
+
+    def bind(self, leaves: Sequence[Tensor]) -> Sequence[Tensor]:
+        """What the block's slots hold while it runs on ``leaves`` (here: the leaves themselves)."""
+        return leaves
+
+    def forward_without_grad(self, *args, **kwargs):
+        """The block when nothing is differentiated: nothing to save, nothing to recompute."""
+        return self.inner(*args, **kwargs)
+
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.inner(*args, **kwargs)
+            return self.forward_without_grad(*args, **kwargs)
         if not self.keeps_cache:
             kwargs = self._without_cache(kwargs)
         flat, spec = tree_flatten((args, kwargs))
@@ -356,8 +370,7 @@ class CheckpointedForward:
             flat[i] = None  # the tensors travel as leaves (saved once), not inside the call
         rng = _rng_state(self.device_type) if self.preserve_rng else None
         call = _Call(self, flat, spec, where, rng)
-        params = [store[name] for store, name in self.first]
-        outs = Recompute.apply(call, *params, *tensors)
+        outs = Recompute.apply(call, *self.leaves(), *tensors)
         flat_out = list(call.out_consts)
         for i, t in zip(call.out_where, outs, strict=True):
             flat_out[i] = t

@@ -12,6 +12,7 @@ Phases (hyper_parallel's ``apply_sharding_plan`` without touching the model):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 from torch import Tensor, nn
@@ -27,11 +28,32 @@ from .boundary import ConversionCache, install_boundary
 from .checkpoint import Checkpoint, CheckpointPlan, install_checkpoints, neutralise_hf_checkpointing, resolve_checkpoint
 from .skeleton import build_skeleton
 
+#: ``install(skeleton, cache)``: a transform's last word on a freshly built skeleton (see ``Runtime``).
+Installer = Callable[[nn.Module, ConversionCache], None]
 
-def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan | None = None) -> Callable:
+
+@dataclass(frozen=True)
+class Runtime:
+    """What an ``apply_fn`` is built from, kept on it as ``apply_fn.runtime`` so that transforms
+    (``hpf.fsdp``) build another ``apply_fn`` over the same program without the user's model:
+    ``template`` is a pristine skeleton (meta placeholders, owned buffers, nothing installed)."""
+
+    template: nn.Module
+    program: Program
+    checkpoint: CheckpointPlan | None
+
+    def build(self, program: Program | None = None, install: Installer | None = None) -> Callable:
+        """A new ``apply_fn`` on a fresh skeleton (``program`` replaces this one's, e.g. with
+        fewer parameter conversions); ``install`` runs after the boundaries and checkpoints."""
+        return build_runtime(self.template, program or self.program, self.checkpoint, install)
+
+
+def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan | None = None,
+                  install: Installer | None = None) -> Callable:
     """The private skeleton of ``model`` with every boundary of ``program`` installed, and the
     blocks of ``checkpoint`` checkpointed, as ``apply_fn``.  Hugging Face's own checkpointing is
-    turned off on the skeleton (``neutralise_hf_checkpointing``): ``shard()`` decided what replaces it."""
+    turned off on the skeleton (``neutralise_hf_checkpointing``): ``shard()`` decided what replaces it.
+    ``install``, if given, then adds a transform's forwards (``Runtime.build``)."""
     skeleton = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of)
     neutralise_hf_checkpointing(skeleton)
     cache: ConversionCache = {}  # input conversions shared within one apply_fn call
@@ -43,6 +65,8 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
         inner = b.planned.style.local_forward(module, group, module.forward)
         install_boundary(module, b.planned.fqn, inner, b.in_steps, b.out_steps, cache)
     blocks = install_checkpoints(skeleton, checkpoint, program.leaf_of, cache, program.mesh.device_type) if checkpoint else {}
+    if install is not None:
+        install(skeleton, cache)
     apply_fn = make_apply_fn(skeleton, program, cache)
     apply_fn.checkpointed = blocks  # block path -> its CheckpointedForward, for explain() and tests; read-only
     return apply_fn
@@ -80,4 +104,7 @@ def shard(
         key: slice_local(model.get_parameter(key), info).requires_grad_(model.get_parameter(key).requires_grad)
         for key, info in program.infos.items()
     }
-    return build_runtime(model, program, blocks), params, program.infos
+    template = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of)
+    apply_fn = build_runtime(template, program, blocks)
+    apply_fn.runtime = Runtime(template, program, blocks)  # for transforms (hpf.fsdp); read-only
+    return apply_fn, params, program.infos

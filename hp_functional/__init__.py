@@ -5,7 +5,7 @@
 collectives that compose with ``torch.func`` (grad, vmap, jvp/vjp).
 
 The package is layered (each imports only from those before it): ``core`` → ``plan`` →
-``compile`` → ``runtime`` → ``tools`` → ``cli``; ``docs/architecture.md`` has the diagram.
+``compile`` → ``runtime`` → ``train`` → ``tools`` → ``cli``; ``docs/architecture.md`` has the diagram.
 
 The public names are imported lazily (PEP 562): ``import hp_functional`` imports neither torch
 nor anything else until a name is first used, so the ``hp-functional`` command line (whose
@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from .tools.validate import validate
     from .tools.validate_dtensor import validate_placements
     from .tools.validation_report import PlacementMismatchError, ValidationError, ValidationReport
+    from .train.clip import clip_grad_norm
+    from .train.data_parallel import reduce_gradients
+    from .train.fsdp import fsdp
 
 #: public name -> the submodule (relative to this package) that defines it.
 _LAZY: dict[str, str] = {
@@ -83,6 +86,9 @@ _LAZY: dict[str, str] = {
     "Checkpoint": ".runtime.checkpoint",
     "vocab_parallel_cross_entropy": ".runtime.loss",
     "shard": ".runtime.shard",
+    "clip_grad_norm": ".train.clip",
+    "reduce_gradients": ".train.data_parallel",
+    "fsdp": ".train.fsdp",
     "Explanation": ".tools.explain",
     "Memory": ".tools.explain",
     "Schedule": ".tools.explain",
@@ -127,12 +133,15 @@ __all__ = [
     "ValidationReport",
     "VocabEmbedding",
     "build_program",
+    "clip_grad_norm",
     "collectives",
     "default_handlers",
     "explain",
+    "fsdp",
     "lint",
     "llama_sp_plan",
     "megatron_plan",
+    "reduce_gradients",
     "shard",
     "simulate",
     "slice_local",

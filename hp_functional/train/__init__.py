@@ -1,0 +1,1 @@
+"""Training over the params pytree: fsdp, data parallel, optimizers, clipping, module interop."""

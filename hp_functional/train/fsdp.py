@@ -1,0 +1,498 @@
+"""Functional FSDP (ZeRO-3) as a transform over ``shard()``'s result.
+
+``fsdp(apply_fn, params, shard_info, mesh, axis="dp")`` returns a new ``(apply_fn, params,
+shard_info)``: every leaf is chunked further along dim 0 of its tensor-parallel local shard over
+``axis`` (``torch.chunk`` sizes, so the last ranks may hold fewer rows or none; the padding that
+the gather needs never reaches the user), and ``shard_info`` records the composed layout
+(``RowSplit`` on top of the TP layout; in DTensor's terms ``Shard(0)``, or ``_StridedShard`` where
+TP also shards dim 0 on a later mesh axis, as FSDP2 × TP does).
+
+The parameters are grouped (``layout.groups``): each Hugging Face decoder layer (or each module
+matching ``blocks`` patterns) is a *block*; the parameters outside blocks form one group per run
+of modules between blocks (the embeddings before the first layer; the final norm and the head
+after the last one), as torchtitan wraps them.  A group's local leaves are flattened into one
+bucket and gathered by **one all-gather** (``GatherParams``), whose backward is one
+reduce-scatter of the bucket's gradients, averaged over ``axis``: per step each group costs one
+all-gather forward and one reduce-scatter backward, however many parameters it holds.
+
+``reshard_after_forward=True`` (the default) frees a block's gathered parameters once it has run
+and re-gathers them for its backward.  Autograd cannot drop tensors it saved (FSDP2 frees their
+storage behind its back; ``torch.func`` has no saved-tensor hooks to do it functionally), so the
+block runs as a recomputed block (``runtime.checkpoint.Recompute``) whose leaves are the *sharded*
+parameters and whose recompute re-gathers them: one more all-gather per block in the backward,
+and the block's forward computed twice — activation checkpointing comes with it, as in
+torchtitan's SimpleFSDP, whose all-gathers are recomputed by selective checkpointing.  The
+groups outside blocks stay gathered for the call (the backward needs them first).
+``reshard_after_forward=False`` keeps every gathered group until its backward (no recompute).
+
+Mixed precision as FSDP2's ``MixedPrecisionPolicy``: the leaves (master weights) keep their
+dtype; ``param_dtype`` is what the bucket is cast to before the all-gather (so the compute and
+the gather run in it), ``reduce_dtype`` what gradients are reduce-scattered in (default: the
+leaves' dtype, i.e. fp32 reduction for fp32 master weights), the result cast back to the leaves'
+dtype.  bf16 needs no loss scaling (its exponent range is fp32's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..compile.agree import agree
+from ..core.collectives import COLLECTIVES, AxisGroup, raw_all_gather
+from ..core.errors import PlanError
+from ..core.lowering import Step
+from ..core.placement import RowSplit, ShardInfo, fmt_placements
+from ..core.program import Program
+from ..runtime.checkpoint import Checkpoint, CheckpointedForward, resolve_checkpoint
+
+# ---------------------------------------------------------------- the bucket collective
+
+
+class GatherParams(torch.autograd.Function):
+    """All-gather of a group's flat local bucket (cast to ``param_dtype`` first); backward: the
+    gradients cast to ``reduce_dtype``, reduce-scattered (the differentiable ``reduce_scatter``,
+    so a double backward works), averaged over the axis and cast back to the bucket's dtype."""
+
+    @staticmethod
+    def forward(local: Tensor, group: AxisGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> Tensor:
+        return raw_all_gather(local.to(param_dtype), 0, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        local, ctx.group, _, ctx.reduce_dtype = inputs
+        ctx.dtype = local.dtype
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        summed = COLLECTIVES["reduce_scatter"].apply(grad.to(ctx.reduce_dtype), 0, ctx.group)
+        return (summed / ctx.group.size).to(ctx.dtype), None, None, None
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One leaf in a bucket: its TP-local (gathered) shape, rows per rank, where its padded piece
+    starts in a rank's segment, and the parameter conversions ``shard()`` lowered for it."""
+
+    key: str
+    shape: torch.Size
+    chunk: int
+    start: int
+    steps: tuple[Step, ...]
+
+    @property
+    def size(self) -> int:
+        return self.chunk * math.prod(self.shape[1:])
+
+
+class Bucket:
+    """A group's leaves as one flat buffer per rank: ``gather`` turns the local leaves into the
+    TP-local parameters with one all-gather (see ``GatherParams``)."""
+
+    def __init__(self, name: str, pieces: Sequence[_Piece], group: AxisGroup, param_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype | None):
+        self.name, self.pieces, self.group = name, tuple(pieces), group
+        self.keys = tuple(p.key for p in self.pieces)
+        self.segment = sum(p.size for p in self.pieces)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    def unsharded_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the gathered parameters (what a rank holds while the group is gathered)."""
+        size = (self.param_dtype or dtype).itemsize
+        return sum(math.prod(p.shape) for p in self.pieces) * size
+
+    def gather(self, values: Sequence[Tensor]) -> list[Tensor]:
+        """The TP-local parameters of this group from this rank's local leaves ``values``."""
+        flat = []
+        for piece, v in zip(self.pieces, values, strict=True):
+            f = v.reshape(-1)
+            flat.append(f if f.numel() == piece.size else torch.cat([f, f.new_zeros(piece.size - f.numel())]))
+        local = torch.cat(flat) if len(flat) > 1 else flat[0]
+        dtype = local.dtype
+        full = GatherParams.apply(local, self.group, self.param_dtype or dtype, self.reduce_dtype or dtype)
+        full = full.view(self.group.size, self.segment)
+        out = []
+        for piece in self.pieces:
+            t = full[:, piece.start:piece.start + piece.size].reshape(-1, *piece.shape[1:])[:piece.shape[0]]
+            for step in piece.steps:
+                t = step(t)
+            out.append(t)
+        return out
+
+
+# ---------------------------------------------------------------- the forwards on the skeleton
+
+
+class _CallState:
+    """This call's local leaves (by key) and the groups gathered so far; empty between calls."""
+
+    __slots__ = ("values", "gathered")
+
+    def __init__(self):
+        self.values: dict[str, Tensor] | None = None
+        self.gathered: dict[str, list[Tensor]] = {}
+
+
+Slots = tuple[tuple[dict, str, int], ...]  # (owner module's _parameters, attribute, index in the group)
+
+
+def _swap_in(slots: Slots, values: Sequence[Tensor]) -> list:
+    before = [store[name] for store, name, _ in slots]
+    for store, name, j in slots:
+        store[name] = values[j]
+    return before
+
+
+def _swap_back(slots: Slots, before: Sequence) -> None:
+    for (store, name, _), value in zip(slots, before, strict=True):
+        store[name] = value
+
+
+class GatherOnUse:
+    """The forward of a module of a group gathered when it runs: gather the group (once per call
+    when ``shared`` by several modules, kept until the call ends), bind its parameters, run.
+    Autograd keeps what the backward needs of the gathered tensors, the rest is freed."""
+
+    def __init__(self, inner: Callable, bucket: Bucket, slots: Slots, state: _CallState, shared: bool):
+        self.inner, self.bucket, self.slots, self.state, self.shared = inner, bucket, slots, state, shared
+
+    def __call__(self, *args, **kwargs):
+        state, bucket = self.state, self.bucket
+        full = state.gathered.get(bucket.name) if self.shared else None
+        if full is None:
+            if state.values is None:
+                raise PlanError(f"fsdp: {bucket.name} ran outside an apply_fn call (inside a recomputed block?)")
+            full = bucket.gather([state.values[k] for k in bucket.keys])
+            if self.shared:
+                state.gathered[bucket.name] = full
+        before = _swap_in(self.slots, full)
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            _swap_back(self.slots, before)
+
+
+class ReshardedBlock(CheckpointedForward):
+    """A block whose gathered parameters are freed after its forward: a recomputed block
+    (``Recompute``) whose leaves are the block's *local* leaves, bound by gathering them, so the
+    backward re-gathers (one all-gather) and reduce-scatters (one) the block's bucket."""
+
+    def __init__(self, fqn: str, module: nn.Module, inner: Callable, slots: Slots, bucket: Bucket, state: _CallState,
+                 cache, device_type: str, preserve_rng: bool):
+        super().__init__(fqn, module, inner, slots, bucket.keys, cache, device_type, preserve_rng)
+        self.bucket, self.state = bucket, state
+
+    def leaves(self) -> list[Tensor]:
+        return [self.state.values[k] for k in self.keys]
+
+    def bind(self, leaves: Sequence[Tensor]) -> list[Tensor]:
+        return self.bucket.gather(leaves)
+
+    def forward_without_grad(self, *args, **kwargs):
+        return self._gathered(self.leaves(), args, kwargs)
+
+    def _gathered(self, leaves: Sequence[Tensor], args, kwargs):
+        before = _swap_in(self.slots, self.bind(leaves))
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            _swap_back(self.slots, before)
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and torch.is_grad_enabled():
+            # traced: torch's checkpoint is a higher-order op that Dynamo puts in the graph (our
+            # Recompute would break it); its policy saves the compute and recomputes the gathers
+            return checkpoint(self._gathered, self.leaves(), args, kwargs, use_reentrant=False,
+                              context_fn=_recompute_gathers)
+        return super().__call__(*args, **kwargs)
+
+
+def _gather_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE if op in _GATHER_OPS else CheckpointPolicy.PREFER_SAVE
+
+
+_GATHER_OPS = {torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default}
+
+
+def _recompute_gathers():
+    return create_selective_checkpoint_contexts(_gather_policy)
+
+
+# ---------------------------------------------------------------- grouping
+
+
+@dataclass(frozen=True)
+class Group:
+    """One bucket's leaves: ``block`` (a module path) for a block, else None; ``modules``: the
+    modules owning its parameters, on which its forwards are installed."""
+
+    name: str
+    keys: tuple[str, ...]
+    block: str | None
+    modules: tuple[str, ...]
+
+
+def _owner(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _inside(path: str, block: str) -> bool:
+    return block == "" or path == block or path.startswith(block + ".")
+
+
+def group_parameters(template: nn.Module, leaf_of: Mapping[str, str], keys: Sequence[str],
+                     blocks: tuple[str, ...]) -> list[Group]:
+    """The buckets: one per block (leaves whose every alias is inside it), then one per run of
+    modules between blocks for the rest (runs tied by a shared leaf merge), in module order."""
+    fqns: dict[str, list[str]] = {}
+    for fqn, key in leaf_of.items():
+        fqns.setdefault(key, []).append(fqn)
+    run_of: dict[str, int] = {}  # module path outside every block -> its run
+    run, order = 0, {}
+    for i, (path, _) in enumerate(template.named_modules()):
+        order[path] = i
+        if path in blocks:
+            run += 1
+        elif not any(_inside(path, b) for b in blocks):
+            run_of[path] = run
+    in_block: dict[str, list[str]] = {b: [] for b in blocks}
+    parent = {r: r for r in set(run_of.values())}
+
+    def find(r: int) -> int:
+        while parent[r] != r:
+            r = parent[r]
+        return r
+
+    rest: dict[str, list[int]] = {}
+    for key in keys:
+        owners = sorted({_owner(f) for f in fqns[key]}, key=order.__getitem__)
+        home = next((b for b in blocks if all(_inside(o, b) for o in owners)), None)
+        if home is not None:
+            in_block[home].append(key)
+            continue
+        inside = [o for o in owners if o not in run_of]
+        if inside:
+            raise PlanError(f"fsdp: parameter {key} is shared by {owners}, across block {inside[0]!r} and modules "
+                            "outside it; name blocks that contain every use of it (blocks=...)")
+        runs = [find(run_of[o]) for o in owners]
+        for r in runs[1:]:
+            parent[r] = runs[0]
+        rest[key] = runs
+    groups = [Group(b, tuple(ks), b, tuple(sorted({_owner(f) for k in ks for f in fqns[k]}, key=order.__getitem__)))
+              for b, ks in in_block.items() if ks]
+    by_run: dict[int, list[str]] = {}
+    for key, runs in rest.items():
+        by_run.setdefault(find(runs[0]), []).append(key)
+    for ks in by_run.values():
+        modules = tuple(sorted({_owner(f) for k in ks for f in fqns[k]}, key=order.__getitem__))
+        groups.append(Group("+".join(m or "(root)" for m in modules), tuple(ks), None, modules))
+    return sorted(groups, key=lambda g: order[g.modules[0]])
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def split_info(info: ShardInfo, mesh: DeviceMesh, axis: str) -> ShardInfo:
+    """``info`` with dim 0 of its local shard chunked over ``axis`` of ``mesh`` (see module docstring)."""
+    names = mesh.mesh_dim_names
+    split = RowSplit(axis, info)
+    i = names.index(axis)
+    start, rows = split.span(mesh.size(i), mesh.get_local_rank(axis))
+    inner = info.axes
+    later = [n for n in names[i + 1:] if isinstance(inner.get(n), Shard) and inner[n].dim % len(info.global_shape) == 0]
+    factor = math.prod(mesh.size(names.index(n)) for n in later)
+    mine = _StridedShard(0, split_factor=factor) if later else Shard(0)
+    placements = tuple(mine if n == axis else inner.get(n, Replicate()) for n in names)
+    return ShardInfo(placements, mesh, info.global_shape, torch.Size((rows, *info.local_shape[1:])),
+                     (info.offset[0] + start, *info.offset[1:]), info.aliases, None, split)
+
+
+@dataclass(frozen=True)
+class FsdpLayout:
+    """What ``fsdp`` decided, kept on its ``apply_fn`` as ``.fsdp`` (read-only): the axis, the
+    groups in order, and whether blocks reshard after their forward."""
+
+    axis: str
+    groups: tuple[Group, ...]
+    buckets: tuple[Bucket, ...]
+    reshard_after_forward: bool
+
+    def collectives_per_step(self) -> dict[str, int]:
+        """All-gathers and reduce-scatters on ``axis`` of one forward + backward (the closed form)."""
+        blocks = sum(g.block is not None for g in self.groups)
+        resharded = blocks if self.reshard_after_forward else 0
+        return {"all_gather": len(self.groups) + resharded, "reduce_scatter": len(self.groups)}
+
+
+# ---------------------------------------------------------------- the transform
+
+
+def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh,
+         axis: str = "dp", *, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+         reduce_dtype: torch.dtype | None = None, blocks: Sequence[str] | None = None,
+         ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
+    """Shard ``shard()``'s result further over ``axis`` of ``mesh`` (ZeRO-3); mutates nothing.
+
+    Returns ``(apply_fn, params, shard_info)`` like ``shard()``: ``params`` holds this rank's
+    rows of every TP-local shard, and gradients w.r.t. them are the mean over ``axis`` (each
+    ``axis`` rank feeds its own slice of the batch).  ``blocks``: module-path patterns of the
+    blocks (default: the Hugging Face decoder layers).  ``reshard_after_forward``,
+    ``param_dtype``, ``reduce_dtype``: see the module docstring.  Bad input raises ``PlanError``
+    on every rank before any collective."""
+    runtime = _check(apply_fn, params, shard_info, mesh, axis, param_dtype, reduce_dtype)
+    program: Program = runtime.program
+    keys = tuple(program.infos)
+    block_paths = _blocks(runtime.template, blocks)
+    groups = group_parameters(runtime.template, program.leaf_of, keys, block_paths)
+    _check_nesting(groups, runtime.checkpoint.blocks if runtime.checkpoint else ())
+    infos = {k: split_info(program.infos[k], mesh, axis) for k in keys}
+    agree(dataclasses.replace(program, mesh=mesh), None, None,
+          {"fsdp": repr((axis, reshard_after_forward, str(param_dtype), str(reduce_dtype), [g.keys for g in groups]))})
+    group = AxisGroup.from_mesh(mesh, axis)
+    buckets = tuple(_bucket(g, program, infos, group, param_dtype, reduce_dtype) for g in groups)
+    layout = FsdpLayout(axis, tuple(groups), buckets, reshard_after_forward)
+    state = _CallState()
+    preserve_rng = runtime.checkpoint.preserve_rng if runtime.checkpoint else True
+
+    def install(skeleton: nn.Module, cache) -> None:
+        slots_of = {}
+        for fqn, key in program.leaf_of.items():
+            owner, _, attr = fqn.rpartition(".")
+            slots_of.setdefault(owner, []).append((skeleton.get_submodule(owner)._parameters, attr, key))
+        for g, bucket in zip(groups, buckets, strict=True):
+            index = {k: j for j, k in enumerate(g.keys)}
+            if g.block is not None and reshard_after_forward:
+                module = skeleton.get_submodule(g.block)
+                slots = tuple((s, a, index[k]) for o in slots_of if _inside(o, g.block) for s, a, k in slots_of[o])
+                inner = module.forward
+                if isinstance(inner, CheckpointedForward) and inner.fqn == g.block:
+                    inner = inner.inner  # the block is recomputed already: no second checkpoint around it
+                module.forward = ReshardedBlock(g.block, module, inner, slots, bucket, state, cache,
+                                                program.mesh.device_type, preserve_rng)
+                continue
+            members = g.modules if g.block is None else (g.block,)
+            for m in members:
+                module = skeleton.get_submodule(m)
+                owners = [m] if g.block is None else [o for o in slots_of if _inside(o, g.block)]
+                slots = tuple((s, a, index[k]) for o in owners for s, a, k in slots_of[o] if k in index)
+                module.forward = GatherOnUse(module.forward, bucket, slots, state, shared=len(members) > 1)
+
+    inner_program = dataclasses.replace(program, param_steps={})  # conversions run after each gather
+    inner = runtime.build(inner_program, install)
+    placeholders = {k: torch.empty(program.infos[k].local_shape, dtype=param_dtype or params[k].dtype, device="meta")
+                    for k in keys}
+    new_params = {k: _rows(params[k], infos[k]) for k in keys}
+    return _fsdp_apply(inner, layout, state, placeholders, infos), new_params, infos
+
+
+def _check_nesting(groups: Sequence[Group], checkpointed: Sequence[str]) -> None:
+    """A group's forwards read this call's leaves, so none may run inside a block that
+    ``shard(checkpoint=...)`` recomputes after the call (its own block may be one: it is wrapped)."""
+    for g in groups:
+        for m in g.modules if g.block is None else (g.block,):
+            outer = next((b for b in checkpointed if b != m and _inside(m, b)), None)
+            if outer is not None:
+                raise PlanError(f"fsdp: group {g.name} runs inside the checkpointed block {outer!r}, which is recomputed "
+                                f"after apply_fn returns; make {outer!r} an fsdp block (blocks=[...]) or checkpoint "
+                                "smaller blocks")
+
+
+def _rows(local: Tensor, info: ShardInfo) -> Tensor:
+    g = AxisGroup.from_mesh(info.mesh, info.split.axis)
+    start, rows = info.split.span(g.size, g.rank)
+    return local.detach().narrow(0, start, rows).clone().requires_grad_(local.requires_grad)
+
+
+def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: AxisGroup,
+            param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> Bucket:
+    pieces, start = [], 0
+    for k in g.keys:
+        shape = torch.Size(program.infos[k].local_shape)
+        piece = _Piece(k, shape, infos[k].split.chunk(group.size), start, tuple(program.param_steps.get(k, ())))
+        pieces.append(piece)
+        start += piece.size
+    dtypes = {program.dtypes[k] for k in g.keys}
+    if len(dtypes) > 1:
+        raise PlanError(f"fsdp: group {g.name} mixes parameter dtypes {sorted(map(str, dtypes))}; one bucket has one dtype")
+    return Bucket(g.name, pieces, group, param_dtype, reduce_dtype)
+
+
+def _blocks(template: nn.Module, patterns: Sequence[str] | None) -> tuple[str, ...]:
+    """The block paths: ``patterns`` resolved, or the Hugging Face decoder layers (none for other models)."""
+    if patterns is not None:
+        resolved = resolve_checkpoint(template, Checkpoint(blocks=tuple(patterns)))
+        return resolved.blocks if resolved else ()
+    try:
+        resolved = resolve_checkpoint(template, Checkpoint(blocks=True))
+    except PlanError:  # not a Hugging Face model: no blocks, one group per run of modules
+        return ()
+    return resolved.blocks if resolved else ()
+
+
+def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axis: str, param_dtype, reduce_dtype):
+    """Every local check of ``fsdp``'s input (before any collective); returns ``apply_fn.runtime``."""
+    if getattr(apply_fn, "fsdp", None) is not None:
+        raise PlanError(f"fsdp: apply_fn is already sharded by hpf.fsdp on axis {apply_fn.fsdp.axis!r}; "
+                        "apply fsdp once, to the apply_fn that hpf.shard() returned")
+    runtime = getattr(apply_fn, "runtime", None)
+    if runtime is None:
+        raise PlanError("fsdp: apply_fn is not one that hpf.shard() returned (it has no .runtime)")
+    names = mesh.mesh_dim_names or ()
+    if axis not in names:
+        raise PlanError(f"fsdp: mesh axis {axis!r} is not in the mesh (axes: {list(names)})")
+    infos = runtime.program.infos
+    if not isinstance(params, Mapping) or params.keys() != infos.keys() or set(shard_info) != set(infos):
+        theirs = set(params) if isinstance(params, Mapping) else set()
+        raise PlanError(f"fsdp: params/shard_info are not this apply_fn's (missing {sorted(set(infos) - theirs)[:3]}, "
+                        f"extra {sorted(theirs - set(infos))[:3]}): pass the three values of one hpf.shard() call")
+    for dtype, what in ((param_dtype, "param_dtype"), (reduce_dtype, "reduce_dtype")):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise PlanError(f"fsdp: {what} must be a floating torch.dtype, got {dtype!r}")
+    sizes = dict(zip(names, mesh.shape, strict=True))
+    for k, info in infos.items():
+        if shard_info[k] != info or tuple(params[k].shape) != tuple(info.local_shape):
+            raise PlanError(f"fsdp: params[{k!r}] / shard_info[{k!r}] do not come from this apply_fn's hpf.shard() call "
+                            f"(expected local shape {tuple(info.local_shape)}, {fmt_placements(info.placements)})")
+        theirs = dict(zip(info.mesh.mesh_dim_names, info.mesh.shape, strict=True))
+        if any(sizes.get(a) != n for a, n in theirs.items()):
+            raise PlanError(f"fsdp: the mesh {sizes} does not contain shard()'s mesh {theirs} (parameter {k})")
+        if isinstance(info.axes.get(axis), Shard):
+            raise PlanError(f"fsdp: parameter {k} is already sharded on mesh axis {axis!r} "
+                            f"({fmt_placements(info.placements)}); choose another axis for fsdp")
+        if len(info.local_shape) == 0:
+            raise PlanError(f"fsdp: parameter {k} is a scalar; fsdp shards dim 0 of every parameter")
+    if mesh.get_coordinate() is None:
+        raise PlanError("fsdp: this rank is not in the mesh")
+    return runtime
+
+
+def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: _CallState, placeholders: dict[str, Tensor],
+                infos: Mapping[str, ShardInfo]) -> Callable:
+    keys = tuple(infos)
+    shapes = tuple(torch.Size(infos[k].local_shape) for k in keys)
+
+    def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
+        if not isinstance(params, Mapping) or params.keys() != placeholders.keys():
+            theirs = set(params) if isinstance(params, Mapping) else set()
+            raise PlanError(f"fsdp apply_fn: params keys differ from hpf.fsdp()'s: missing {sorted(set(keys) - theirs)[:5]}, "
+                            f"extra {sorted(theirs - set(keys))[:5]}")
+        for k, s in zip(keys, shapes, strict=True):
+            if params[k].shape != s:
+                raise PlanError(f"fsdp apply_fn: params[{k!r}] has shape {tuple(params[k].shape)}, expected local "
+                                f"{tuple(s)}: pass the params that hpf.fsdp() returned")
+        state.values, state.gathered = dict(params), {}
+        try:
+            return inner(placeholders, *args, **kwargs)
+        finally:
+            state.values, state.gathered = None, {}
+
+    apply_fn.fsdp = layout
+    return apply_fn

@@ -1,0 +1,191 @@
+"""Gradient clipping by the norm of the *global* gradient, with one all-reduce for the whole pytree.
+
+Every leaf's local shard contributes its p-th-power sum (its max for ``inf``), but only on the
+ranks that *own* it: the ranks whose coordinate is 0 on every mesh axis the leaf is replicated
+on.  One all-reduce over the mesh then sums each sharded piece once and each replicated leaf once
+(not once per replica), so ``total_norm`` equals ``torch.nn.utils.clip_grad_norm_`` on the
+unsharded model.  Tied weights are already one leaf; FSDP leaves (``Shard``/``_StridedShard`` on
+``dp``, possibly uneven or empty) are pieces like any other.  Owner masking is exact (no 1/n
+weights), and replicas are assumed equal, as they are after ``reduce_gradients``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard
+from torch.utils._foreach_utils import _device_has_foreach_support
+
+from ..core.errors import PlanError, ShapeError
+from ..core.placement import ShardInfo, fmt_placements
+
+try:  # a Placement of its own (not a Shard subclass) in torch 2.13; FSDP's interleaved dp sharding
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = Shard
+
+_funcol = torch.ops._c10d_functional
+
+
+def is_shard(p: Placement) -> bool:
+    """Whether ``p`` splits the tensor over its mesh axis (``Shard`` or ``_StridedShard``)."""
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def check_grads(
+    grads: Mapping[str, Tensor | None], shard_info: Mapping[str, ShardInfo], where: str
+) -> list[tuple[str, Tensor, ShardInfo]]:
+    """(name, grad, info) of every non-None gradient, after the local checks every rank makes
+    before any collective: the same keys as ``shard_info``, local shapes that match it, this rank
+    in each leaf's mesh."""
+    missing, extra = [k for k in shard_info if k not in grads], [k for k in grads if k not in shard_info]
+    if missing or extra:
+        raise PlanError(f"{where}: grads and shard_info have different keys: missing from grads {missing[:5]}, "
+                        f"not in shard_info {extra[:5]}")
+    leaves = []
+    for name, g in grads.items():
+        if g is None:
+            continue
+        info = shard_info[name]
+        if info.mesh.get_coordinate() is None:
+            raise PlanError(f"{where}: {name}: this rank is not in its mesh {info.mesh.mesh.tolist()}")
+        if tuple(g.shape) != tuple(info.local_shape):
+            raise ShapeError(f"{where}: grads[{name!r}] has shape {tuple(g.shape)} but its shard_info "
+                             f"({fmt_placements(info.placements)}) expects the local shape {tuple(info.local_shape)}")
+        leaves.append((name, g, info))
+    return leaves
+
+
+def _common_mesh(leaves: list[tuple[str, Tensor, ShardInfo]], where: str) -> DeviceMesh | None:
+    """The one mesh every leaf lives on; a PlanError naming the first leaf on another."""
+    if not leaves:
+        return None
+    first, _, info0 = leaves[0]
+    mesh = info0.mesh
+    for name, _, info in leaves[1:]:
+        if info.mesh is not mesh and info.mesh != mesh:
+            raise PlanError(
+                f"{where}: all gradients must share one mesh, but {name} is on mesh {info.mesh.mesh.tolist()} "
+                f"{info.mesh.mesh_dim_names} and {first} on {mesh.mesh.tolist()} {mesh.mesh_dim_names}"
+            )
+    return mesh
+
+
+def _owns(info: ShardInfo, coord: list[int]) -> bool:
+    """Whether this rank counts the leaf: coordinate 0 on every axis the leaf is replicated on."""
+    return all(c == 0 for c, p in zip(coord, info.placements, strict=True) if not is_shard(p))
+
+
+def _group_by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), in first-seen order (one foreach kernel each)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
+
+
+def _use_foreach(device: torch.device, foreach: bool | None) -> bool:
+    """torch's rule: foreach by default where the device has the kernels; ``True`` where it has not is an error."""
+    supported = _device_has_foreach_support(device)
+    if foreach and not supported:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return supported if foreach is None else foreach
+
+
+def _local_norms(tensors: list[Tensor], p: float, acc: torch.dtype, foreach: bool | None) -> list[Tensor]:
+    """Each tensor's p-norm, computed in ``acc`` (empty tensors are skipped by the caller)."""
+    norms: list[Tensor | None] = [None] * len(tensors)
+    for (device, _), idx in _group_by_device_dtype(tensors).items():
+        group = [tensors[i] for i in idx]
+        if _use_foreach(device, foreach):
+            out = torch._foreach_norm(group, p, dtype=acc)
+        else:
+            out = [torch.linalg.vector_norm(t, p, dtype=acc) for t in group]
+        for i, n in zip(idx, out, strict=True):
+            norms[i] = n
+    return norms  # type: ignore[return-value]
+
+
+def _group_names(mesh: DeviceMesh) -> list[str]:
+    """Process groups whose all-reduce covers the whole mesh: the default group when the mesh spans
+    the world (one collective), else each mesh axis of size > 1 in turn."""
+    if mesh.size() == 1:
+        return []
+    if mesh.size() == dist.get_world_size():
+        return [dist.group.WORLD.group_name]
+    return [mesh.get_group(d).group_name for d in range(mesh.ndim) if mesh.size(d) > 1]
+
+
+def _mesh_all_reduce(x: Tensor, mesh: DeviceMesh, op: str) -> Tensor:
+    """``x`` reduced (``"sum"`` or ``"max"``) over every rank of ``mesh``; not differentiable."""
+    for name in _group_names(mesh):
+        x = _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), op, name))
+    return x
+
+
+def global_norm(
+    grads: Mapping[str, Tensor | None], shard_info: Mapping[str, ShardInfo], norm_type: float = 2.0,
+    *, foreach: bool | None = None,
+) -> Tensor:
+    """The ``norm_type``-norm of the global gradient (all leaves together, each counted once), the
+    same on every rank; one all-reduce of one scalar (a collective: call on every rank)."""
+    return _global_norm(check_grads(grads, shard_info, "global_norm"), norm_type, foreach, "global_norm")
+
+
+def _global_norm(leaves: list[tuple[str, Tensor, ShardInfo]], norm_type: float, foreach: bool | None, where: str) -> Tensor:
+    p = float(norm_type)
+    if not (p > 0 or p == math.inf):
+        raise ValueError(f"{where}: norm_type must be positive or inf, got {norm_type!r}")
+    mesh = _common_mesh(leaves, where)  # every local check before the collective
+    out_dtype = functools.reduce(torch.promote_types, [g.dtype for _, g, _ in leaves], torch.float32)
+    if mesh is None:
+        return torch.zeros((), dtype=out_dtype)
+    first = leaves[0][1].device
+    device = first if first.type == mesh.device_type else torch.device(mesh.device_type)
+    acc = torch.float64 if device.type == "cpu" else torch.float32  # float64 keeps equality with torch's fp32 sums
+    coord = mesh.get_coordinate()
+    owned = [g for _, g, info in leaves if g.numel() and _owns(info, coord)]  # inf has no identity on empty tensors
+    local = torch.zeros((), dtype=acc, device=device)
+    if owned:
+        norms = torch.stack([n.to(device) for n in _local_norms(owned, p, acc, foreach)])
+        local = norms.max() if p == math.inf else norms.pow(p).sum()
+    total = _mesh_all_reduce(local, mesh, "max" if p == math.inf else "sum")
+    return (total if p == math.inf else total.pow(1.0 / p)).to(out_dtype)
+
+
+def clip_grad_norm(
+    grads: Mapping[str, Tensor | None], shard_info: Mapping[str, ShardInfo], max_norm: float, norm_type: float = 2.0,
+    *, error_if_nonfinite: bool = False, foreach: bool | None = None,
+) -> tuple[dict[str, Tensor | None], Tensor]:
+    """``(clipped_grads, total_norm)``: every gradient scaled by ``min(1, max_norm / (total_norm + 1e-6))``,
+    where ``total_norm`` is the norm of the global gradient — what ``torch.nn.utils.clip_grad_norm_``
+    returns on the unsharded model.  Pure: new tensors, same keys and order, ``None`` kept as
+    ``None``.  One all-reduce of one scalar (a collective: call on every rank).
+
+    >>> grads = torch.func.grad(loss_fn)(params)
+    >>> grads, norm = hpf.clip_grad_norm(grads, shard_info, max_norm=1.0)
+    """
+    leaves = check_grads(grads, shard_info, "clip_grad_norm")
+    total = _global_norm(leaves, norm_type, foreach, "clip_grad_norm")
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # equal on every rank: all raise
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot "
+            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    tensors = [g for _, g, _ in leaves]
+    clipped: list[Tensor | None] = [None] * len(tensors)
+    for (device, _), idx in _group_by_device_dtype(tensors).items():
+        group, c = [tensors[i] for i in idx], coef.to(device)  # a 0-dim coef keeps each grad's dtype, as torch's
+        out = torch._foreach_mul(group, c) if _use_foreach(device, foreach) else [t * c for t in group]
+        for i, t in zip(idx, out, strict=True):
+            clipped[i] = t
+    by_name = {name: t for (name, _, _), t in zip(leaves, clipped, strict=True)}
+    return {k: by_name.get(k) for k in grads}, total

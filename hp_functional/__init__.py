@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .tools.validate import validate
     from .tools.validate_dtensor import validate_placements
     from .tools.validation_report import PlacementMismatchError, ValidationError, ValidationReport
+    from .train import optim
     from .train.clip import clip_grad_norm
     from .train.data_parallel import reduce_gradients
     from .train.fsdp import fsdp
@@ -102,7 +103,7 @@ _LAZY: dict[str, str] = {
     "ValidationReport": ".tools.validation_report",
 }
 #: public names that are submodules themselves.
-_SUBMODULES: dict[str, str] = {"collectives": ".core.collectives"}
+_SUBMODULES: dict[str, str] = {"collectives": ".core.collectives", "optim": ".train.optim"}
 
 __all__ = [
     "Checkpoint",
@@ -141,6 +142,7 @@ __all__ = [
     "lint",
     "llama_sp_plan",
     "megatron_plan",
+    "optim",
     "reduce_gradients",
     "shard",
     "simulate",

@@ -1,0 +1,439 @@
+"""Functional optimizers over the params pytree, in optax's shape.
+
+>>> opt = hpf.optim.adamw(hpf.optim.warmup_cosine(3e-4, 100, 10_000), weight_decay=0.1,
+...                       mask=hpf.optim.decay_mask())
+>>> state = opt.init(params)
+>>> params, state = opt.update(grads, state, params)
+
+* **Pure.**  ``update`` returns new params and a new state and never writes to its inputs, so it
+  composes with ``torch.func``: ``torch.func.grad`` differentiates through an update (meta-learning,
+  with respect to the params or to a tensor ``lr``).  Autograd records it like any torch op: params
+  that are autograd leaves with ``requires_grad`` come back with history, so a training loop
+  should hold params without ``requires_grad`` (``torch.func.grad`` needs none) or detach them.
+* **The state is a pytree** (``AdamWState(step, mu, nu)``, ``SGDState(step, momentum)``,
+  ``PartitionState(states)``): NamedTuples of tensors and of dicts keyed exactly like the params,
+  so optree and torch's pytree flatten it and a checkpoint saves it like the params.
+  ``state_info(state, shard_info)`` says where each state leaf sits: a moment shares its
+  parameter's ``ShardInfo``; ``step`` is replicated.
+* **The step convention is torch's and optax's.**  ``step`` counts the updates taken (0-dim int64,
+  on the CPU like torch's default).  The k-th update (k = 0, 1, ...) uses ``lr = schedule(k)``
+  (``LambdaLR`` before its first ``scheduler.step()`` gives lambda(0)) and Adam's bias correction
+  with t = k + 1 (torch's per-parameter ``state["step"]`` after its increment).
+* **Frozen leaves.**  A ``None`` gradient leaves its parameter and its moments as they were, as
+  torch skips a parameter without ``.grad``.  ``step`` is one count for all leaves, so a leaf
+  whose gradient is ``None`` on some steps and not on others gets the bias correction (AdamW) or
+  the first-step momentum rule (SGD, matters only with ``dampening``) of the global step, where
+  torch counts per parameter; leaves that always or never have a gradient match torch exactly.
+* **Equal to torch.**  The arithmetic is ``torch.optim.AdamW`` / ``SGD``'s, op for op, with the
+  out-of-place ``torch._foreach_*`` variants, one call per (device, dtype) group; the scalars
+  (bias corrections, step sizes) are Python floats computed from ``int(step)``, as torch's default
+  (non-capturable) path does.  A tensor ``lr`` (to differentiate with respect to it) makes the
+  lr-dependent scalars tensors instead.  Reading ``int(step)`` (a CPU tensor: no device sync)
+  means an update cannot be captured in a CUDA graph (torch's ``capturable=True``); an update
+  under ``torch.compile`` is untested.
+
+Why our own and not torchopt (optree-based, optax-like): its last release, 0.7.3, is from
+November 2023; on torch 2.13 its C++ extension no longer loads (an ABI change) and it silently
+falls back to Python, and its ``mask`` is a pytree of booleans, where ours are FQN patterns.  What
+we need (AdamW, SGD, schedules, masks and groups by FQN, state placements) is this one file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Replicate
+
+from ..core.errors import PlanError, ShapeError
+from ..core.placement import ShardInfo
+
+Params = Mapping[str, Tensor]
+Grads = Mapping[str, Tensor | None]
+#: a learning rate schedule: the step (a Python int or a 0-dim tensor) -> the learning rate
+Schedule = Callable[[Any], Any]
+#: a weight-decay mask: None (every leaf), a predicate on the FQN, or fnmatch patterns of the FQNs that decay
+Mask = Callable[[str], bool] | str | Sequence[str] | None
+
+
+class Optimizer(NamedTuple):
+    """A pair of pure functions (optax's ``GradientTransformation``, returning params rather than updates).
+
+    ``init(params) -> state``; ``update(grads, state, params) -> (new_params, new_state)``."""
+
+    init: Callable[[Params], Any]
+    update: Callable[[Grads, Any, Params], tuple[dict[str, Tensor], Any]]
+
+
+class AdamWState(NamedTuple):
+    """``step``: updates taken (0-dim int64, CPU); ``mu``/``nu``: first/second moments, keyed like the params."""
+
+    step: Tensor
+    mu: dict[str, Tensor]
+    nu: dict[str, Tensor]
+
+
+class SGDState(NamedTuple):
+    """``step``: updates taken (0-dim int64, CPU); ``momentum``: the buffers, keyed like the params
+    (empty without momentum)."""
+
+    step: Tensor
+    momentum: dict[str, Tensor]
+
+
+class PartitionState(NamedTuple):
+    """Each pattern's sub-optimizer state, over the leaves that pattern claims."""
+
+    states: dict[str, Any]
+
+
+# ---------------------------------------------------------------- schedules
+def _check_lr(value: Any, what: str) -> None:
+    """A ValueError for a negative (or NaN) Python learning rate; tensors are not inspected (no sync)."""
+    if not isinstance(value, Tensor) and not value >= 0:
+        raise ValueError(f"{what}: invalid learning rate {value!r} (must be >= 0)")
+
+
+def _ramp(step: Any, length: int) -> Any:
+    """``clamp(step, 0, length) / length`` (1 when ``length`` is 0), for a Python or a tensor step."""
+    if length == 0:
+        return 1.0
+    if isinstance(step, Tensor):
+        return step.to(torch.float64).clamp(0, length) / length
+    return min(max(step, 0), length) / length
+
+
+def constant(lr: float) -> Schedule:
+    """``lr`` at every step."""
+    _check_lr(lr, "constant")
+    return lambda step: lr
+
+
+def linear_warmup(peak_lr: float, warmup_steps: int, init_lr: float = 0.0) -> Schedule:
+    """``init_lr`` at step 0, rising linearly to ``peak_lr`` at ``warmup_steps``, then constant
+    (optax's ``linear_schedule``; torch's ``LambdaLR(lambda k: min(1, k / warmup_steps))`` with init 0)."""
+    _check_lr(peak_lr, "linear_warmup")
+    _check_lr(init_lr, "linear_warmup")
+    if warmup_steps < 0:
+        raise ValueError(f"linear_warmup: warmup_steps must be >= 0, got {warmup_steps}")
+
+    def schedule(step: Any) -> Any:
+        return init_lr + (peak_lr - init_lr) * _ramp(step, warmup_steps)
+
+    return schedule
+
+
+def warmup_cosine(peak_lr: float, warmup_steps: int, total_steps: int, end_lr: float = 0.0, init_lr: float = 0.0) -> Schedule:
+    """Linear warmup from ``init_lr`` to ``peak_lr`` over ``warmup_steps``, then a half cosine down to
+    ``end_lr`` at ``total_steps`` (warmup included), ``end_lr`` after: optax's
+    ``warmup_cosine_decay_schedule(init_lr, peak_lr, warmup_steps, total_steps, end_lr)``, and with
+    ``init_lr = end_lr = 0`` Hugging Face's ``get_cosine_schedule_with_warmup`` up to ``total_steps``."""
+    for v in (peak_lr, end_lr, init_lr):
+        _check_lr(v, "warmup_cosine")
+    if not 0 <= warmup_steps < total_steps:
+        raise ValueError(f"warmup_cosine: need 0 <= warmup_steps < total_steps, got {warmup_steps} and {total_steps}")
+    warm, decay = linear_warmup(peak_lr, warmup_steps, init_lr), total_steps - warmup_steps
+
+    def schedule(step: Any) -> Any:
+        progress = _ramp(step - warmup_steps, decay)
+        if isinstance(step, Tensor):
+            cos = end_lr + (peak_lr - end_lr) * 0.5 * (1 + torch.cos(math.pi * progress))
+            return torch.where(step < warmup_steps, warm(step), cos)
+        return warm(step) if step < warmup_steps else end_lr + (peak_lr - end_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+def _lr_at(lr: float | Tensor | Schedule, step: int, where: str) -> float | Tensor:
+    """The learning rate of update ``step`` (0-based): a schedule evaluated there, else ``lr`` itself."""
+    value = lr(step) if callable(lr) else lr
+    if isinstance(value, Tensor) and value.numel() != 1:
+        raise ValueError(f"{where}: the learning rate must be a scalar, got a tensor of shape {tuple(value.shape)}")
+    _check_lr(value, f"{where} at step {step}")
+    return value
+
+
+# ---------------------------------------------------------------- weight-decay masks
+def decay_mask(exclude: Iterable[str] = ("*bias", "*norm*")) -> Callable[[str], bool]:
+    """A ``mask`` that decays every leaf except those whose FQN matches one of ``exclude``
+    (``fnmatch`` patterns, case-sensitive, ``*`` crossing dots): by default no decay on biases and norms."""
+    patterns = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+    return lambda fqn: not any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
+
+
+def _mask_fn(mask: Mask) -> Callable[[str], bool]:
+    """``mask`` as a predicate on the FQN; memoised (the FQNs are the same every step)."""
+    if mask is None:
+        return lambda fqn: True
+    if callable(mask):
+        pred = mask
+    else:
+        patterns = (mask,) if isinstance(mask, str) else tuple(mask)
+        if not all(isinstance(p, str) for p in patterns):
+            raise TypeError(f"mask must be None, a callable fqn -> bool or fnmatch patterns, got {mask!r}")
+        pred = lambda fqn: any(fnmatch.fnmatchcase(fqn, p) for p in patterns)  # noqa: E731
+    memo: dict[str, bool] = {}
+
+    def decays(fqn: str) -> bool:
+        if fqn not in memo:
+            memo[fqn] = bool(pred(fqn))
+        return memo[fqn]
+
+    return decays
+
+
+# ---------------------------------------------------------------- checks and foreach helpers
+def _check(where: str, grads: Grads, params: Params, **state: Mapping[str, Tensor]) -> None:
+    """Grads and every per-leaf state dict keyed exactly like ``params``, with its shapes; errors name the key."""
+    if not isinstance(grads, Mapping) or not isinstance(params, Mapping):
+        raise TypeError(f"{where}: grads and params must be dicts FQN -> tensor, got {type(grads).__name__} "
+                        f"and {type(params).__name__}")
+    for what, d in (("grads", grads), *state.items()):
+        missing, extra = [k for k in params if k not in d], [k for k in d if k not in params]
+        if missing or extra:
+            raise PlanError(f"{where}: {what} and params have different keys: missing from {what} {missing[:5]}, "
+                            f"not in params {extra[:5]}")
+        for k, t in d.items():
+            if t is not None and tuple(t.shape) != tuple(params[k].shape):
+                raise ShapeError(f"{where}: {what}[{k!r}] has shape {tuple(t.shape)} but params[{k!r}] has "
+                                 f"{tuple(params[k].shape)}")
+
+
+def _state_type(state: Any, cls: type, where: str) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(f"{where}: state is a {type(state).__name__}, not the {cls.__name__} this optimizer's init returns")
+
+
+def _groups(keys: list[str], params: Params) -> list[list[str]]:
+    """``keys`` grouped by their parameter's (device, dtype), in first-seen order (one foreach call each)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
+    for k in keys:
+        groups.setdefault((params[k].device, params[k].dtype), []).append(k)
+    return list(groups.values())
+
+
+def _mul(xs: list[Tensor], s: float | Tensor) -> list[Tensor]:
+    """``[x * s for x in xs]``; one foreach call unless ``s`` is a tensor that requires grad (torch 2.13's
+    ``_foreach_mul(list, Tensor)`` has no usable backward with respect to the scalar)."""
+    if isinstance(s, Tensor):
+        if s.requires_grad:
+            return [x * s for x in xs]
+        s = s.to(xs[0].device) if xs and xs[0].device.type != "cpu" else s
+    return list(torch._foreach_mul(xs, s))
+
+
+def _step_of(state_step: Tensor) -> int:
+    """Updates taken so far, as a Python int (the step lives on the CPU: no device sync)."""
+    return int(state_step)
+
+
+def _new_step(step: int) -> Tensor:
+    return torch.tensor(step, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- AdamW
+def adamw(
+    lr: float | Tensor | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+    weight_decay: float = 1e-2, mask: Mask = None, *, maximize: bool = False,
+) -> Optimizer:
+    """AdamW (decoupled weight decay), equal to ``torch.optim.AdamW`` with the same arguments.
+
+    ``lr``: a float, a 0-dim tensor (differentiable) or a schedule ``step -> lr``, called with the
+    update's index as a Python int (see ``warmup_cosine``).
+    ``mask``: which leaves get weight decay — ``None`` (all, torch's default), a callable ``fqn -> bool``,
+    or ``fnmatch`` patterns of the FQNs that decay (``decay_mask()`` excludes biases and norms); the
+    same as two torch param groups, one with ``weight_decay=0``."""
+    b1, b2 = betas
+    if not callable(lr):
+        _check_lr(lr, "adamw")
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"adamw: invalid betas {betas!r} (each must be in [0, 1))")
+    if not eps >= 0.0:
+        raise ValueError(f"adamw: invalid eps {eps!r} (must be >= 0)")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"adamw: invalid weight_decay {weight_decay!r} (must be >= 0)")
+    decays = _mask_fn(mask)
+
+    def init(params: Params) -> AdamWState:
+        return AdamWState(_new_step(0), {k: torch.zeros_like(p) for k, p in params.items()},
+                          {k: torch.zeros_like(p) for k, p in params.items()})
+
+    def update(grads: Grads, state: AdamWState, params: Params) -> tuple[dict[str, Tensor], AdamWState]:
+        _state_type(state, AdamWState, "adamw.update")
+        _check("adamw.update", grads, params, **{"state.mu": state.mu, "state.nu": state.nu})
+        k = _step_of(state.step)
+        lr_k, t = _lr_at(lr, k, "adamw"), k + 1
+        bias_correction1, bias_correction2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
+        step_size = lr_k / bias_correction1
+        new_p, new_mu, new_nu = dict(params), dict(state.mu), dict(state.nu)
+        for keys in _groups([n for n in params if grads[n] is not None], params):
+            p, mu, nu = [params[n] for n in keys], [state.mu[n] for n in keys], [state.nu[n] for n in keys]
+            g = [grads[n] for n in keys]
+            g = list(torch._foreach_neg(g)) if maximize else g
+            if weight_decay != 0:
+                idx = [i for i, n in enumerate(keys) if decays(n)]
+                if idx:
+                    for i, q in zip(idx, _mul([p[i] for i in idx], 1 - lr_k * weight_decay), strict=True):
+                        p[i] = q
+            mu = torch._foreach_lerp(mu, g, 1 - b1)
+            nu = torch._foreach_addcmul(torch._foreach_mul(nu, b2), g, g, value=1 - b2)
+            denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), bias_correction2_sqrt), eps)
+            if isinstance(step_size, Tensor):
+                p = torch._foreach_sub(p, _mul(list(torch._foreach_div(mu, denom)), step_size))
+            else:
+                p = torch._foreach_addcdiv(p, mu, denom, value=-step_size)
+            for n, q, m, v in zip(keys, p, mu, nu, strict=True):
+                new_p[n], new_mu[n], new_nu[n] = q, m, v
+        return new_p, AdamWState(_new_step(t), new_mu, new_nu)
+
+    return Optimizer(init, update)
+
+
+# ---------------------------------------------------------------- SGD
+def sgd(
+    lr: float | Tensor | Schedule = 1e-3, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
+    dampening: float = 0.0, mask: Mask = None, *, maximize: bool = False,
+) -> Optimizer:
+    """SGD with optional (Nesterov) momentum and L2 weight decay added to the gradient, equal to
+    ``torch.optim.SGD`` with the same arguments.  The first update sets each momentum buffer to the
+    gradient, as torch does; ``lr`` and ``mask`` as in ``adamw``."""
+    if not callable(lr):
+        _check_lr(lr, "sgd")
+    if not momentum >= 0.0:
+        raise ValueError(f"sgd: invalid momentum {momentum!r} (must be >= 0)")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"sgd: invalid weight_decay {weight_decay!r} (must be >= 0)")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("sgd: Nesterov momentum requires a momentum and zero dampening")
+    decays = _mask_fn(mask)
+
+    def init(params: Params) -> SGDState:
+        bufs = {k: torch.zeros_like(p) for k, p in params.items()} if momentum else {}
+        return SGDState(_new_step(0), bufs)
+
+    def update(grads: Grads, state: SGDState, params: Params) -> tuple[dict[str, Tensor], SGDState]:
+        _state_type(state, SGDState, "sgd.update")
+        _check("sgd.update", grads, params, **({"state.momentum": state.momentum} if momentum else {}))
+        k = _step_of(state.step)
+        lr_k = _lr_at(lr, k, "sgd")
+        new_p, new_buf = dict(params), dict(state.momentum)
+        for keys in _groups([n for n in params if grads[n] is not None], params):
+            p, g = [params[n] for n in keys], [grads[n] for n in keys]
+            g = list(torch._foreach_neg(g)) if maximize else g
+            if weight_decay != 0:
+                idx = [i for i, n in enumerate(keys) if decays(n)]
+                if idx:
+                    for i, d in zip(idx, torch._foreach_add([g[i] for i in idx], [p[i] for i in idx], alpha=weight_decay),
+                                    strict=True):
+                        g[i] = d
+            if momentum:
+                if k == 0:
+                    buf = [x.clone() for x in g]
+                else:
+                    buf = torch._foreach_add(torch._foreach_mul([state.momentum[n] for n in keys], momentum), g,
+                                             alpha=1 - dampening)
+                g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+                for n, b in zip(keys, buf, strict=True):
+                    new_buf[n] = b
+            if isinstance(lr_k, Tensor):
+                p = torch._foreach_sub(p, _mul(list(g), lr_k))
+            else:
+                p = torch._foreach_add(p, g, alpha=-lr_k)
+            for n, q in zip(keys, p, strict=True):
+                new_p[n] = q
+        return new_p, SGDState(_new_step(k + 1), new_buf)
+
+    return Optimizer(init, update)
+
+
+# ---------------------------------------------------------------- per-leaf groups
+def partition(optimizers: Mapping[str, Optimizer]) -> Optimizer:
+    """One optimizer per group of leaves: ``{pattern: optimizer}``, ``fnmatch`` patterns of FQNs
+    (case-sensitive, ``*`` crossing dots), the first matching pattern in the dict's order claims a
+    leaf, and every leaf must match one (end with ``"*"`` for the rest).  The state is
+    ``PartitionState({pattern: that optimizer's state over its leaves})``; a pattern that claims no
+    leaf still has a (leafless) state.  Torch's param groups with different hyperparameters.
+
+    >>> opt = partition({"*embed_tokens*": sgd(1e-1), "*": adamw(1e-3)})"""
+    if not optimizers:
+        raise ValueError("partition: no optimizers given")
+    for pattern, opt in optimizers.items():
+        if not isinstance(pattern, str) or not isinstance(opt, Optimizer):
+            raise TypeError(f"partition: expected {{pattern: Optimizer}}, got {pattern!r}: {type(opt).__name__}")
+    patterns = list(optimizers)
+    memo: dict[str, str] = {}
+
+    def label(fqn: str) -> str:
+        if fqn not in memo:
+            hit = next((p for p in patterns if fnmatch.fnmatchcase(fqn, p)), None)
+            if hit is None:
+                raise PlanError(f"partition: parameter {fqn!r} matches none of the patterns {patterns}; "
+                                "add a catch-all '*' last")
+            memo[fqn] = hit
+        return memo[fqn]
+
+    def split(tree: Mapping[str, Any], keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {p: {} for p in patterns}
+        for k in keys:
+            out[label(k)][k] = tree[k]
+        return out
+
+    def init(params: Params) -> PartitionState:
+        parts = split(params, params)
+        return PartitionState({p: optimizers[p].init(parts[p]) for p in patterns})
+
+    def update(grads: Grads, state: PartitionState, params: Params) -> tuple[dict[str, Tensor], PartitionState]:
+        _state_type(state, PartitionState, "partition.update")
+        _check("partition.update", grads, params)
+        if list(state.states) != patterns:
+            raise PlanError(f"partition.update: the state's groups {list(state.states)} are not the patterns {patterns}")
+        ps, gs = split(params, params), split(grads, params)
+        new_params: dict[str, Tensor] = {}
+        states = {}
+        for p in patterns:
+            new_params_p, states[p] = optimizers[p].update(gs[p], state.states[p], ps[p])
+            new_params.update(new_params_p)
+        return {k: new_params[k] for k in params}, PartitionState(states)
+
+    return Optimizer(init, update)
+
+
+# ---------------------------------------------------------------- where the state sits
+def replicated_info(shape: Sequence[int], mesh) -> ShardInfo:
+    """The ``ShardInfo`` of a tensor every rank of ``mesh`` holds whole (the optimizer's step)."""
+    shape = torch.Size(shape)
+    return ShardInfo(placements=(Replicate(),) * mesh.ndim, mesh=mesh, global_shape=shape, local_shape=shape,
+                     offset=(0,) * len(shape))
+
+
+def state_info(state: Any, shard_info: Mapping[str, ShardInfo]) -> Any:
+    """A pytree shaped like ``state`` whose leaves are each state leaf's ``ShardInfo`` (for saving
+    and loading optimizer state sharded like the params).  A leaf stored under a dict key (a moment,
+    a momentum buffer: ``state.mu[fqn]``) is that parameter's local shard's twin and gets
+    ``shard_info[fqn]``; any other leaf (a NamedTuple field: ``step``) is replicated on the mesh of
+    the first parameter.  A PlanError names a key missing from ``shard_info``, a ShapeError a leaf
+    whose shape is not its parameter's local shape."""
+    paths, leaves, treespec = optree.tree_flatten_with_path(state)
+    mesh = next((i.mesh for i in shard_info.values()), None)
+    infos = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        where = "state" + "".join(f"[{e!r}]" for e in path)
+        key = path[-1] if path else None
+        if isinstance(key, str):
+            if key not in shard_info:
+                raise PlanError(f"state_info: {where}: {key!r} is not in shard_info")
+            info = shard_info[key]
+            if tuple(leaf.shape) != tuple(info.local_shape):
+                raise ShapeError(f"state_info: {where} has shape {tuple(leaf.shape)} but {key}'s local shape is "
+                                 f"{tuple(info.local_shape)}")
+            infos.append(info)
+        else:
+            if mesh is None:
+                raise PlanError(f"state_info: {where} is replicated, but shard_info is empty (no mesh to place it on)")
+            infos.append(replicated_info(leaf.shape, mesh))
+    return optree.tree_unflatten(treespec, infos)

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from .train.clip import clip_grad_norm
     from .train.data_parallel import reduce_gradients
     from .train.fsdp import fsdp
+    from .train.module import as_module
 
 #: public name -> the submodule (relative to this package) that defines it.
 _LAZY: dict[str, str] = {
@@ -90,6 +91,7 @@ _LAZY: dict[str, str] = {
     "clip_grad_norm": ".train.clip",
     "reduce_gradients": ".train.data_parallel",
     "fsdp": ".train.fsdp",
+    "as_module": ".train.module",
     "Explanation": ".tools.explain",
     "Memory": ".tools.explain",
     "Schedule": ".tools.explain",
@@ -133,6 +135,7 @@ __all__ = [
     "ValidationError",
     "ValidationReport",
     "VocabEmbedding",
+    "as_module",
     "build_program",
     "clip_grad_norm",
     "collectives",

@@ -10,20 +10,29 @@ TP also shards dim 0 on a later mesh axis, as FSDP2 × TP does).
 The parameters are grouped (``layout.groups``): each Hugging Face decoder layer (or each module
 matching ``blocks`` patterns) is a *block*; the parameters outside blocks form one group per run
 of modules between blocks (the embeddings before the first layer; the final norm and the head
-after the last one), as torchtitan wraps them.  A group's local leaves are flattened into one
-bucket and gathered by **one all-gather** (``GatherParams``), whose backward is one
-reduce-scatter of the bucket's gradients, averaged over ``axis``: per step each group costs one
-all-gather forward and one reduce-scatter backward, however many parameters it holds.
+after the last one), as torchtitan wraps them: one root group (FSDP2's default) would hold the
+head gathered through every block, the largest tensors of a big-vocabulary model.  A group's local leaves
+are flattened into one bucket and gathered by **one all-gather** (``GatherParams``), whose
+backward is one reduce-scatter of the bucket's gradients, averaged over ``axis``: per step each
+group costs one all-gather forward and one reduce-scatter backward, however many parameters it
+holds.
 
 ``reshard_after_forward=True`` (the default) frees a block's gathered parameters once it has run
-and re-gathers them for its backward.  Autograd cannot drop tensors it saved (FSDP2 frees their
-storage behind its back; ``torch.func`` has no saved-tensor hooks to do it functionally), so the
-block runs as a recomputed block (``runtime.checkpoint.Recompute``) whose leaves are the *sharded*
-parameters and whose recompute re-gathers them: one more all-gather per block in the backward,
-and the block's forward computed twice — activation checkpointing comes with it, as in
-torchtitan's SimpleFSDP, whose all-gathers are recomputed by selective checkpointing.  The
-groups outside blocks stay gathered for the call (the backward needs them first).
-``reshard_after_forward=False`` keeps every gathered group until its backward (no recompute).
+and gathers them again for its backward (one more all-gather per block).  Autograd keeps what it
+saved, so the gathered parameters must not be among it (``ReshardedBlock``): under eager
+``.backward()`` a saved-tensor hook saves a small token in their place that gathers again when
+the backward unpacks it (FSDP2 instead frees the storage of the saved tensors behind autograd's
+back); ``torch.func`` has no saved-tensor hooks, so there the block is recomputed
+(``runtime.checkpoint.Recompute`` with the *sharded* leaves as inputs: the forward runs twice,
+activation checkpointing included); ``torch.compile`` traces torch's selective checkpoint that
+recomputes only the gathers, as torchtitan's SimpleFSDP does.  The groups outside blocks are
+not resharded (the backward needs them first), but their gathered tensors live only as long as
+autograd needs them (the embedding's not at all: its backward needs the indices alone).  ``reshard_after_forward=False`` keeps
+every gathered group until its backward.
+
+Gradient accumulation: ``apply_fn.fsdp.no_sync()`` (``FsdpLayout.no_sync``) defers the
+reduce-scatters of the backward passes run inside it to the next one outside, as FSDP2's
+``set_requires_gradient_sync(False)``.
 
 Mixed precision as FSDP2's ``MixedPrecisionPolicy``: the leaves (master weights) keep their
 dtype; ``param_dtype`` is what the bucket is cast to before the all-gather (so the compute and
@@ -34,9 +43,10 @@ dtype.  bf16 needs no loss scaling (its exponent range is fp32's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,24 +67,57 @@ from ..runtime.checkpoint import Checkpoint, CheckpointedForward, resolve_checkp
 # ---------------------------------------------------------------- the bucket collective
 
 
+class Unreduced:
+    """A bucket's gradients kept unreduced across micro-batches (``FsdpLayout.no_sync``): the
+    full flat gradient, summed in ``reduce_dtype``, added to the next reduce-scatter."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad: Tensor | None = None
+
+    def keep(self, grad: Tensor) -> None:
+        self.grad = grad if self.grad is None else self.grad + grad
+
+    def take(self, grad: Tensor) -> Tensor:
+        kept, self.grad = self.grad, None
+        return grad if kept is None else grad + kept
+
+
 class GatherParams(torch.autograd.Function):
     """All-gather of a group's flat local bucket (cast to ``param_dtype`` first); backward: the
     gradients cast to ``reduce_dtype``, reduce-scattered (the differentiable ``reduce_scatter``,
-    so a double backward works), averaged over the axis and cast back to the bucket's dtype."""
+    so a double backward works), averaged over the axis and cast back to the bucket's dtype.
+    While ``sync.deferred``, the backward keeps the gradient in ``unreduced`` instead (no
+    collective; the local leaf gets no gradient), for the next reduce-scatter to include."""
 
     @staticmethod
-    def forward(local: Tensor, group: AxisGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> Tensor:
+    def forward(local: Tensor, group: AxisGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                unreduced: Unreduced, sync: _Sync) -> Tensor:
         return raw_all_gather(local.to(param_dtype), 0, group)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        local, ctx.group, _, ctx.reduce_dtype = inputs
+        local, ctx.group, _, ctx.reduce_dtype, ctx.unreduced, ctx.sync = inputs
         ctx.dtype = local.dtype
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        summed = COLLECTIVES["reduce_scatter"].apply(grad.to(ctx.reduce_dtype), 0, ctx.group)
-        return (summed / ctx.group.size).to(ctx.dtype), None, None, None
+        grad = grad.to(ctx.reduce_dtype)
+        if ctx.sync.deferred:
+            ctx.unreduced.keep(grad)
+            return None, None, None, None, None, None
+        summed = COLLECTIVES["reduce_scatter"].apply(ctx.unreduced.take(grad), 0, ctx.group)
+        return (summed / ctx.group.size).to(ctx.dtype), None, None, None, None, None
+
+
+class _Sync:
+    """Whether backward passes reduce-scatter now (the default) or defer (``FsdpLayout.no_sync``)."""
+
+    __slots__ = ("deferred",)
+
+    def __init__(self):
+        self.deferred = False
 
 
 @dataclass(frozen=True)
@@ -98,8 +141,8 @@ class Bucket:
     TP-local parameters with one all-gather (see ``GatherParams``)."""
 
     def __init__(self, name: str, pieces: Sequence[_Piece], group: AxisGroup, param_dtype: torch.dtype | None,
-                 reduce_dtype: torch.dtype | None):
-        self.name, self.pieces, self.group = name, tuple(pieces), group
+                 reduce_dtype: torch.dtype | None, sync: _Sync):
+        self.name, self.pieces, self.group, self.sync, self.unreduced = name, tuple(pieces), group, sync, Unreduced()
         self.keys = tuple(p.key for p in self.pieces)
         self.segment = sum(p.size for p in self.pieces)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -117,7 +160,8 @@ class Bucket:
             flat.append(f if f.numel() == piece.size else torch.cat([f, f.new_zeros(piece.size - f.numel())]))
         local = torch.cat(flat) if len(flat) > 1 else flat[0]
         dtype = local.dtype
-        full = GatherParams.apply(local, self.group, self.param_dtype or dtype, self.reduce_dtype or dtype)
+        full = GatherParams.apply(local, self.group, self.param_dtype or dtype, self.reduce_dtype or dtype,
+                                  self.unreduced, self.sync)
         full = full.view(self.group.size, self.segment)
         out = []
         for piece in self.pieces:
@@ -180,15 +224,46 @@ class GatherOnUse:
             _swap_back(self.slots, before)
 
 
+class _Regather:
+    """What autograd saves instead of a gathered parameter (or a view of one) of a resharded
+    block: the block's local leaves and where the tensor sat in the gathered parameter's storage.
+    ``unpack`` gathers the bucket again, once per backward however many tensors ask (``shared``)."""
+
+    __slots__ = ("shared", "index", "size", "stride", "offset")
+
+    def __init__(self, shared: list, index: int, t: Tensor):
+        self.shared, self.index = shared, index
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+    def unpack(self) -> Tensor:
+        bucket, leaves, full = self.shared
+        if full is None:
+            with torch.no_grad():
+                full = self.shared[2] = [t.detach() for t in bucket.gather(leaves)]
+        return full[self.index].as_strided(self.size, self.stride, self.offset)
+
+
+def _storage(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without a plain storage: saved as it is
+        return None
+
+
 class ReshardedBlock(CheckpointedForward):
-    """A block whose gathered parameters are freed after its forward: a recomputed block
-    (``Recompute``) whose leaves are the block's *local* leaves, bound by gathering them, so the
-    backward re-gathers (one all-gather) and reduce-scatters (one) the block's bucket."""
+    """A block whose gathered parameters are freed after its forward and gathered again for its
+    backward (one more all-gather; the reduce-scatter stays one).  Eager ``.backward()``: autograd
+    saves a ``_Regather`` token instead of each gathered parameter (``saved_tensors_hooks``, as
+    FSDP2 frees the storage of what autograd saved), so nothing is recomputed.  Under
+    ``torch.func`` (which has no saved-tensor hooks) and in a block ``shard(checkpoint=...)``
+    recomputes anyway: a recomputed block (``Recompute``) whose leaves are the block's *local*
+    leaves, bound by gathering them.  Under ``torch.compile``: torch's selective checkpoint that
+    recomputes only the gathers."""
 
     def __init__(self, fqn: str, module: nn.Module, inner: Callable, slots: Slots, bucket: Bucket, state: _CallState,
-                 cache, device_type: str, preserve_rng: bool):
+                 cache, device_type: str, preserve_rng: bool, recompute: bool):
         super().__init__(fqn, module, inner, slots, bucket.keys, cache, device_type, preserve_rng)
-        self.bucket, self.state = bucket, state
+        self.bucket, self.state, self.recompute = bucket, state, recompute
 
     def leaves(self) -> list[Tensor]:
         return [self.state.values[k] for k in self.keys]
@@ -212,7 +287,29 @@ class ReshardedBlock(CheckpointedForward):
             # Recompute would break it); its policy saves the compute and recomputes the gathers
             return checkpoint(self._gathered, self.leaves(), args, kwargs, use_reentrant=False,
                               context_fn=_recompute_gathers)
-        return super().__call__(*args, **kwargs)
+        if self.recompute or not torch.is_grad_enabled() or torch._C._functorch.maybe_current_level() is not None:
+            return super().__call__(*args, **kwargs)
+        return self._saving_tokens(args, kwargs)
+
+    def _saving_tokens(self, args, kwargs):
+        leaves = self.leaves()
+        full = self.bind(leaves)
+        shared = [self.bucket, leaves, None]
+        where = {ptr: j for j, t in enumerate(full) if (ptr := _storage(t)) is not None}
+
+        def pack(t: Tensor):
+            j = where.get(_storage(t))
+            return t if j is None else _Regather(shared, j, t)
+
+        def unpack(saved):
+            return saved.unpack() if isinstance(saved, _Regather) else saved
+
+        before = _swap_in(self.slots, full)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return self.inner(*args, **kwargs)
+        finally:
+            _swap_back(self.slots, before)
 
 
 def _gather_policy(ctx, op, *args, **kwargs):
@@ -324,6 +421,27 @@ class FsdpLayout:
     groups: tuple[Group, ...]
     buckets: tuple[Bucket, ...]
     reshard_after_forward: bool
+    sync: _Sync = dataclasses.field(default_factory=_Sync, compare=False)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation without a reduce-scatter per micro-batch, as FSDP2's
+        ``set_requires_gradient_sync(False)``: backward passes run inside keep each bucket's full
+        (TP-local) gradient, summed, and give the local leaves none; the first backward outside
+        reduce-scatters the sum once.  Costs one unsharded gradient per group while accumulating.
+        For ``.backward()`` in eager mode (the kept gradients outlive the call, which neither a
+        ``torch.func`` transform nor a compiled graph allows: there, reduce each micro-batch)::
+
+            with f_apply.fsdp.no_sync():
+                for mb in micro_batches[:-1]:
+                    (f_apply(f_params, **mb).loss / n).backward()
+            (f_apply(f_params, **micro_batches[-1]).loss / n).backward()   # one reduce-scatter per group
+        """
+        before, self.sync.deferred = self.sync.deferred, True
+        try:
+            yield
+        finally:
+            self.sync.deferred = before
 
     def collectives_per_step(self) -> dict[str, int]:
         """All-gathers and reduce-scatters on ``axis`` of one forward + backward (the closed form)."""
@@ -356,9 +474,9 @@ def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[s
     infos = {k: split_info(program.infos[k], mesh, axis) for k in keys}
     agree(dataclasses.replace(program, mesh=mesh), None, None,
           {"fsdp": repr((axis, reshard_after_forward, str(param_dtype), str(reduce_dtype), [g.keys for g in groups]))})
-    group = AxisGroup.from_mesh(mesh, axis)
-    buckets = tuple(_bucket(g, program, infos, group, param_dtype, reduce_dtype) for g in groups)
-    layout = FsdpLayout(axis, tuple(groups), buckets, reshard_after_forward)
+    group, sync = AxisGroup.from_mesh(mesh, axis), _Sync()
+    buckets = tuple(_bucket(g, program, infos, group, param_dtype, reduce_dtype, sync) for g in groups)
+    layout = FsdpLayout(axis, tuple(groups), buckets, reshard_after_forward, sync)
     state = _CallState()
     preserve_rng = runtime.checkpoint.preserve_rng if runtime.checkpoint else True
 
@@ -373,10 +491,11 @@ def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[s
                 module = skeleton.get_submodule(g.block)
                 slots = tuple((s, a, index[k]) for o in slots_of if _inside(o, g.block) for s, a, k in slots_of[o])
                 inner = module.forward
-                if isinstance(inner, CheckpointedForward) and inner.fqn == g.block:
+                recompute = isinstance(inner, CheckpointedForward) and inner.fqn == g.block
+                if recompute:
                     inner = inner.inner  # the block is recomputed already: no second checkpoint around it
                 module.forward = ReshardedBlock(g.block, module, inner, slots, bucket, state, cache,
-                                                program.mesh.device_type, preserve_rng)
+                                                program.mesh.device_type, preserve_rng, recompute)
                 continue
             members = g.modules if g.block is None else (g.block,)
             for m in members:
@@ -412,7 +531,7 @@ def _rows(local: Tensor, info: ShardInfo) -> Tensor:
 
 
 def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: AxisGroup,
-            param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> Bucket:
+            param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, sync: _Sync) -> Bucket:
     pieces, start = [], 0
     for k in g.keys:
         shape = torch.Size(program.infos[k].local_shape)
@@ -422,7 +541,7 @@ def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: A
     dtypes = {program.dtypes[k] for k in g.keys}
     if len(dtypes) > 1:
         raise PlanError(f"fsdp: group {g.name} mixes parameter dtypes {sorted(map(str, dtypes))}; one bucket has one dtype")
-    return Bucket(g.name, pieces, group, param_dtype, reduce_dtype)
+    return Bucket(g.name, pieces, group, param_dtype, reduce_dtype, sync)
 
 
 def _blocks(template: nn.Module, patterns: Sequence[str] | None) -> tuple[str, ...]:
@@ -488,6 +607,10 @@ def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: _CallState, placehol
             if params[k].shape != s:
                 raise PlanError(f"fsdp apply_fn: params[{k!r}] has shape {tuple(params[k].shape)}, expected local "
                                 f"{tuple(s)}: pass the params that hpf.fsdp() returned")
+        if layout.sync.deferred and (torch._C._functorch.maybe_current_level() is not None
+                                     or torch.compiler.is_compiling()):
+            raise PlanError("fsdp apply_fn: no_sync() keeps gradients across backward passes, which works with "
+                            ".backward() in eager mode only; under torch.func or torch.compile reduce every micro-batch")
         state.values, state.gathered = dict(params), {}
         try:
             return inner(placeholders, *args, **kwargs)

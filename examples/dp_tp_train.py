@@ -3,10 +3,11 @@
     torchrun --standalone --nproc-per-node 4 examples/dp_tp_train.py --tp 2     # dp 2 x tp 2 on CPU/gloo
 
 Each dp group steps on its own slice of the batch; TP is Megatron's f/g plan
-(``hpf.megatron_plan``); gradients are averaged over ``dp`` by hand (the
-caller's job: ``shard()`` plans only what the plan names), and ``torch.optim.AdamW`` steps the
-params pytree's local shards.  Every rank also trains the unsharded model on the whole batch and
-the script exits non-zero if the losses or the gathered parameters drift apart.
+(``hpf.megatron_plan``); gradients are averaged over ``dp`` with ``hpf.reduce_gradients``
+(bucketed; ``shard()`` plans only what the plan names, so dp is the loop's), and
+``torch.optim.AdamW`` steps the params pytree's local shards.  Every rank also trains the
+unsharded model on the whole batch and the script exits non-zero if the losses or the gathered
+parameters drift apart.  FSDP x TP with the functional optimizer: ``train_fsdp_tp.py``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def main() -> int:
         opt.zero_grad()
         loss = apply_fn(params, input_ids=local, labels=local).loss
         loss.backward()
-        for p in params.values():  # data parallel: average the gradients over dp
-            dist.all_reduce(p.grad, group=dp.get_group())
-            p.grad /= dp.size()
+        # data parallel: the dp-mean of the gradients, one all-reduce per 25 MiB bucket
+        reduced = hpf.reduce_gradients({k: p.grad for k, p in params.items()}, shard_info, mesh, "dp")
+        for k, p in params.items():
+            p.grad = reduced[k]
         opt.step()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, group=dp.get_group())

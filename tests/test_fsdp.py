@@ -302,6 +302,7 @@ def case_bad_input(state):
         "other shard": lambda: hpf.fsdp(apply_fn, other[1], other[2], m, "dp"),
         "dtype": lambda: hpf.fsdp(apply_fn, params, info, m, "dp", param_dtype=torch.int8),
         "blocks": lambda: hpf.fsdp(apply_fn, params, info, m, "dp", blocks=["model.layer.*"]),
+        "mesh": lambda: hpf.fsdp(*tp_sharded, m, "dp"),
     }
     messages = {}
     try:
@@ -323,3 +324,4 @@ def test_fsdp_bad_input_raises_before_any_collective(pool):
     assert "not this apply_fn's" in messages["other shard"]
     assert "param_dtype" in messages["dtype"]
     assert "model.layer.*" in messages["blocks"]
+    assert "does not contain shard()'s mesh" in messages["mesh"]

@@ -106,7 +106,7 @@ def test_lazy_package_exports_every_name():
     assert names <= set(dir(hp_functional))
     for name in sorted(names):
         value = getattr(hp_functional, name)
-        assert isinstance(value, types.ModuleType) == (name == "collectives"), name  # shard is the function
+        assert isinstance(value, types.ModuleType) == (name in hp_functional._SUBMODULES), name  # shard is the function
     assert collectives is hp_functional.collectives and collectives.__name__ == "hp_functional.core.collectives"
     assert hp_functional.llama_sp_plan is cli_main.importlib.import_module("hp_functional.plan.recipes").llama_sp_plan
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..core.errors import ShapeError
 from ..core.lowering import Step
-from ..core.signature import ArgSlot, arg_slots, map_arguments, map_output, output_index
+from ..core.signature import ArgSlot, arg_slots, map_output, output_index
 
 #: (id of an input tensor, conversion signature) → (the tensor, its conversion), for one
 #: ``apply_fn`` call.  Holding the tensor keeps its id from being reused while cached.  A plain
@@ -29,6 +29,8 @@ class _Input(NamedTuple):
     steps: tuple[Step, ...]
     what: str  # "argument 'x'", for errors
     signature: tuple[tuple[str, str, str], ...]  # what the steps do: equal signatures may share a conversion
+    name: str | None  # the keyword the argument may be passed by
+    position: int | None  # its position (None: keyword-only)
 
 
 class _Output(NamedTuple):
@@ -40,24 +42,28 @@ class _Output(NamedTuple):
 def run_steps(steps: Sequence[Step], x: Tensor) -> Tensor:
     """``x`` through every step in order."""
     for step in steps:
-        x = step(x)
+        x = step.fn(x)  # Step.__call__ without its frame
     return x
 
 
 class BoundaryForward:
-    """The forward installed on a planned skeleton module (see the module docstring)."""
+    """The forward installed on a planned skeleton module (see the module docstring).
+
+    Everything a call needs is laid out in ``__init__``: each planned argument's name, position
+    and steps (``inputs``, in slot order) and each planned output's steps, so a call is a loop
+    over those with a dict lookup per shared conversion."""
 
     def __init__(self, fqn: str, inner: Callable, in_steps: Mapping[object, Sequence[Step]],
                  out_steps: Mapping[object, Sequence[Step]], cache: ConversionCache | None):
         self.fqn, self.inner, self.cache = fqn, inner, cache
         self.slots: list[ArgSlot] = arg_slots(inner, list(in_steps), fqn)
-        self.inputs = {
-            slot.key: _Input(tuple(in_steps[slot.key]), f"argument {slot.name!r}",
-                             tuple((s.axis, s.forward, s.backward) for s in in_steps[slot.key]))
+        self.inputs = tuple(
+            _Input(tuple(in_steps[slot.key]), f"argument {slot.name!r}",
+                   tuple((s.axis, s.forward, s.backward) for s in in_steps[slot.key]), slot.name, slot.position)
             for slot in self.slots
-        }
-        self.outputs = [_Output(output_index(key), tuple(steps), "output" if key == "output" else f"output {key}")
-                        for key, steps in out_steps.items()]
+        )
+        self.outputs = tuple(_Output(output_index(key), tuple(steps), "output" if key == "output" else f"output {key}")
+                             for key, steps in out_steps.items())
 
     def convert(self, value, steps: Sequence[Step], what: str):
         """``value`` through ``steps``; a split the value's shape cannot take is a ShapeError
@@ -71,23 +77,34 @@ class BoundaryForward:
         except ValueError as exc:
             raise ShapeError(f"{self.fqn} {what} of shape {tuple(value.shape)} does not fit the plan: {exc}") from exc
 
-    def _convert_input(self, slot: ArgSlot, value):
-        spec = self.inputs[slot.key]
-        if self.cache is None or not isinstance(value, Tensor):
+    def _convert_input(self, spec: _Input, value):
+        cache = self.cache
+        if cache is None or not isinstance(value, Tensor):
             return self.convert(value, spec.steps, spec.what)
-        hit = self.cache.get((id(value), spec.signature))
+        key = (id(value), spec.signature)
+        hit = cache.get(key)
         if hit is not None and hit[0] is value:
             return hit[1]
         out = self.convert(value, spec.steps, spec.what)
-        self.cache[(id(value), spec.signature)] = (value, out)
+        cache[key] = (value, out)
         return out
 
     def __call__(self, *args, **kwargs):
-        if self.slots:
-            args, kwargs = map_arguments(self.slots, args, kwargs, self._convert_input)
+        # map_arguments (core.signature) over the laid-out slots: a keyword argument first, else
+        # the positional one; an argument not passed is left alone
+        if self.inputs:
+            args = list(args)
+            for spec in self.inputs:
+                if spec.name in kwargs:
+                    kwargs[spec.name] = self._convert_input(spec, kwargs[spec.name])
+                elif spec.position is not None and spec.position < len(args):
+                    args[spec.position] = self._convert_input(spec, args[spec.position])
         out = self.inner(*args, **kwargs)
         for o in self.outputs:
-            out = map_output(out, o.index, lambda t, o=o: self.convert(t, o.steps, o.what), self.fqn)
+            if o.index == 0 and isinstance(out, Tensor):  # map_output's first case, without its closure
+                out = self.convert(out, o.steps, o.what)
+            else:
+                out = map_output(out, o.index, lambda t, o=o: self.convert(t, o.steps, o.what), self.fqn)
         return out
 
 

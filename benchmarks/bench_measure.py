@@ -16,6 +16,8 @@ The profiled steps give, the same way for every variant (so the numbers compare)
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from collections import Counter
@@ -127,6 +129,18 @@ def profile_step(variant: Variant, device: str, backend: str, repeat: int = 3) -
     return replace(profiles[-1], host_ms=min(p.host_ms for p in profiles))
 
 
+def profile_interleaved(variants: Sequence[Variant], device: str, backend: str, repeat: int = 5) -> dict[str, StepProfile]:
+    """``profile_step`` of every variant (call it on every rank), the variants taking turns in
+    each of ``repeat`` rounds after a barrier each, as in ``time_interleaved``: a busy spell of
+    the machine then hits every variant's profiled steps alike, not all of one variant's."""
+    profiles: dict[str, list[StepProfile]] = {v.key: [] for v in variants}
+    for _ in range(repeat):
+        for v in variants:
+            dist.barrier()
+            profiles[v.key].append(_profile_once(v, device, backend))
+    return {k: replace(p[-1], host_ms=min(q.host_ms for q in p)) for k, p in profiles.items()}
+
+
 def _profile_once(variant: Variant, device: str, backend: str) -> StepProfile:
     reset(variant)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
@@ -147,3 +161,33 @@ def _profile_once(variant: Variant, device: str, backend: str) -> StepProfile:
             _kernel_intervals(e, busy)
     result.host_ms = result.wall_ms - _union_ms(busy)
     return result
+
+
+# ---------------------------------------------------------------- the reports
+def ratio_value(rows: dict, num: str, den: str) -> float | None:
+    """``num``'s time over ``den``'s: the median of per-step ratios when both ran in the same
+    rounds (paired, so load that changes during the run cancels), else the ratio of medians."""
+    if "ms" not in rows.get(num, {}) or "ms" not in rows.get(den, {}):
+        return None
+    a, b = rows[num]["times"], rows[den]["times"]
+    if a is not None and b is not None:
+        return statistics.median(x / y for x, y in zip(a, b, strict=True))
+    return rows[num]["ms"] / rows[den]["ms"]
+
+
+def ratio(rows: dict, num: str, den: str) -> str:
+    """``ratio_value`` as the tables print it (or why there is none)."""
+    r = ratio_value(rows, num, den)
+    if r is None:
+        return "n/a (" + (rows.get(den, {}).get("error") or rows.get(num, {}).get("error") or "not measured") + ")"
+    return f"{r:.2f}" + (f" ({1 / r:.2f}x faster)" if r < 1 else "")
+
+
+def machine() -> str:
+    """The host, its CPU, cores and load, and the torch version: the line above every table."""
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    load = "load avg " + " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
+    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {load}; torch {torch.__version__}"

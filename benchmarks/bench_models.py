@@ -7,7 +7,10 @@ Every variant computes HF ``LlamaForCausalLM``'s causal-LM loss on the same weig
 (b) DTensor: ``torch.distributed.tensor.parallel.parallelize_module`` with the same plan;
 (c) HF transformers' own TP: ``from_pretrained(dir, distributed_config=DistributedConfig(tp_plan="auto"))``;
 (d) the unsharded model (run at world size 1);
-(e) a hand-written Megatron loop: plain ops over (a)'s local shards with the same collectives.
+(e) a hand-written Megatron loop: plain ops over (a)'s local shards with the same collectives;
+(e') HF's own modules over (a)'s local shards with the same collectives patched in by hand (what
+    (a) does, written directly): (a) against (e') is ``apply_fn``'s own cost, while (a) against
+    (e) also counts HF's modelling code (module calls, cache, masks, rotary module, loss wrapper).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
@@ -101,7 +104,7 @@ def model_variant(key: str, label: str, model, ids: Tensor) -> Variant:
     """Step an ``nn.Module`` the ordinary way (unsharded, DTensor-parallelised or HF TP)."""
 
     def step() -> Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # a training step builds no KV cache
         loss.backward()
         return loss.detach()
 
@@ -112,7 +115,7 @@ def apply_variant(key: str, label: str, apply_fn: Callable, params: Mapping[str,
     """Step ``apply_fn`` (or a compiled ``apply_fn``) over the params pytree."""
 
     def step() -> Tensor:
-        loss = apply_fn(params, input_ids=ids, labels=ids).loss
+        loss = apply_fn(params, input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         return loss.detach()
 
@@ -213,3 +216,38 @@ def megatron_variant(params: Mapping[str, Tensor], ids: Tensor, config, mesh: De
         return loss.detach()
 
     return Variant("e", "Megatron loop (same shards)", step, tuple(mine.values()))
+
+
+# ---------------------------------------------------------------- (e') the loop's collectives in HF's modules
+def hf_megatron_variant(model, params: Mapping[str, Tensor], ids: Tensor, mesh: DeviceMesh) -> Variant:
+    """(e'): a deep copy of ``model`` holding (a)'s local shards, with ``megatron_loss``'s
+    collectives patched into its modules' forwards by hand: the vocab-parallel embedding
+    (all-reduce), ``copy_to`` on each norm's output (one per block input, shared by q/k/v and by
+    gate/up), ``reduce_from`` on the rowwise projections' outputs and the logits all-gathered.
+    Everything else is HF's own code, as in (a)."""
+    g = C.AxisGroup.from_mesh(mesh, "tp")
+    tp = copy.deepcopy(model)
+    names = {n for n, _ in tp.named_parameters(remove_duplicate=False)}
+    if names != set(params):  # tied or extra parameters: this hand-written copy does not cover them
+        differ = sorted(names ^ set(params))[:3]
+        return Variant("e'", "Megatron collectives in HF modules", error=f"parameters differ from (a)'s: {differ}")
+    for key, shard in params.items():
+        mod, _, name = key.rpartition(".")
+        setattr(tp.get_submodule(mod), name, nn.Parameter(shard.detach().clone()))
+    embed = tp.model.embed_tokens
+    rows, start = embed.weight.shape[0], g.rank * embed.weight.shape[0]
+
+    def vocab_parallel(ids: Tensor, f=embed.forward) -> Tensor:
+        local = ids - start
+        keep = (local >= 0) & (local < rows)
+        return C.reduce_from(f(torch.where(keep, local, 0)) * keep.unsqueeze(-1).to(embed.weight.dtype), g)
+
+    embed.forward = vocab_parallel
+    for layer in tp.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.forward = lambda x, f=norm.forward: C.copy_to(f(x), g)
+        for rowwise in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            rowwise.forward = lambda x, f=rowwise.forward: C.reduce_from(f(x), g)
+    tp.model.norm.forward = lambda x, f=tp.model.norm.forward: C.copy_to(f(x), g)
+    tp.lm_head.forward = lambda x, f=tp.lm_head.forward: C.gather_from(f(x), -1, g)
+    return model_variant("e'", "Megatron collectives in HF modules", tp, ids)

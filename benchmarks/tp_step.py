@@ -1,5 +1,6 @@
 """Forward+backward step time of a tensor-parallel HF Llama: hp_functional against DTensor,
-HF transformers' own TP, the unsharded model and a hand-written Megatron loop.
+HF transformers' own TP, the unsharded model, a hand-written Megatron loop, and HF's modules with
+the loop's collectives patched in by hand.
 
     python benchmarks/tp_step.py                 # tiny + large Llama, world sizes 1, 2, 4 on CPU/gloo
     python benchmarks/tp_step.py --quick         # fewer steps (a smoke run)
@@ -8,7 +9,7 @@ HF transformers' own TP, the unsharded model and a hand-written Megatron loop.
 Each world size is one launch of ranks by torch's elastic launcher (``hp_functional.launch``).
 Inside it every variant of a size steps the same weights and batch, the variants taking turns
 within every step; the table gives each one's median (slowest rank per step), its loss against
-the unsharded model, and from one profiled step its collectives, host overhead and peak memory
+the unsharded model, and from profiled steps (taking turns too) its collectives, host overhead and peak memory
 (see ``bench_measure``).  World size 1 runs the unsharded floor (d) beside ``apply_fn`` on a
 1-sized tp axis, whose ratio is the per-call overhead budget (<= 1.15x).
 """
@@ -17,16 +18,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-from bench_measure import StepProfile, median_ms, profile_step, reset, slowest_rank, time_interleaved
+from bench_measure import (
+    StepProfile,
+    machine,
+    median_ms,
+    profile_interleaved,
+    ratio,
+    ratio_value,
+    reset,
+    slowest_rank,
+    time_interleaved,
+)
 from bench_models import (
     SIZES,
     Size,
@@ -35,6 +44,7 @@ from bench_models import (
     batch,
     build_llama,
     dtensor_variant,
+    hf_megatron_variant,
     hf_tp_variant,
     megatron_variant,
     model_variant,
@@ -44,7 +54,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import hp_functional as hpf
 from hp_functional.cli.launch import run_ranks, under_torchrun
 
-ORDER = ("d", "a", "a'", "a+", "b", "c", "e")
+ORDER = ("d", "a", "a'", "a+", "b", "c", "e", "e'")
 
 
 def compiled_variant(apply_fn, params, ids, backend: str, eager: Variant) -> tuple[Variant, dict]:
@@ -90,7 +100,8 @@ def measure_size(size: Size, mesh, opts: argparse.Namespace, checkpoint_dir: str
     if world == 1:  # the floor, and (a) and (b) with nothing to communicate: their dispatch cost alone
         variants.insert(0, model_variant("d", "unsharded model(...)", model, ids))
     else:
-        variants += [hf_tp_variant(model, checkpoint_dir, ids), megatron_variant(params, ids, model.config, mesh)]
+        variants += [hf_tp_variant(model, checkpoint_dir, ids), megatron_variant(params, ids, model.config, mesh),
+                     hf_megatron_variant(model, params, ids, mesh)]
         if opts.compile != "none":
             compiled, compile_info = compiled_variant(apply_fn, params, ids, opts.compile, a)
             variants.insert(1, compiled)
@@ -102,7 +113,7 @@ def measure_size(size: Size, mesh, opts: argparse.Namespace, checkpoint_dir: str
     per_rank = [None] * world
     dist.all_gather_object(per_rank, time_interleaved(runnable, warmup, steps, device))
     times = slowest_rank(per_rank)
-    profiles = {v.key: profile_step(v, device, dist.get_backend()) for v in runnable}
+    profiles = profile_interleaved(runnable, device, dist.get_backend())
     rows = {}
     for v in variants:
         row = {"label": v.label, "error": v.error, "note": v.note}
@@ -127,31 +138,13 @@ def rank_main(opts: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------- the report
-def _ratio_value(rows: dict, num: str, den: str) -> float | None:
-    """``num``'s time over ``den``'s: the median of per-step ratios when both ran in the same
-    rounds (paired, so load that changes during the run cancels), else the ratio of medians."""
-    if "ms" not in rows.get(num, {}) or "ms" not in rows.get(den, {}):
-        return None
-    a, b = rows[num]["times"], rows[den]["times"]
-    if a is not None and b is not None:
-        return statistics.median(x / y for x, y in zip(a, b, strict=True))
-    return rows[num]["ms"] / rows[den]["ms"]
-
-
-def _ratio(rows: dict, num: str, den: str) -> str:
-    r = _ratio_value(rows, num, den)
-    if r is None:
-        return "n/a (" + (rows.get(den, {}).get("error") or rows.get(num, {}).get("error") or "not measured") + ")"
-    return f"{r:.2f}" + (f" ({1 / r:.2f}x faster)" if r < 1 else "")
-
-
 def _fmt_row(key: str, rows: dict) -> str:
     row = rows[key]
     head = f"({key:<2}) {row['label']:<34}"
     if row["error"]:
         return f"{head} not run: {row['error']}"
     p: StepProfile = row["profile"]
-    r = _ratio_value(rows, key, "a")
+    r = ratio_value(rows, key, "a")
     ratio = f"{r:6.2f}x" if r is not None else "      -"
     return (f"{head} {row['ms']:9.2f} {ratio} {row['loss_delta']:9.1e} {p.host_ms:8.2f} {p.peak_mib:8.1f} "
             f"{sum(p.collectives.values()):5d} {p.bytes / 2**10:9.1f}  {p.describe_collectives()} {row['note']}")
@@ -175,27 +168,20 @@ def report(results: dict[int, dict], opts: argparse.Namespace) -> None:
                 if key in rows:
                     print(_fmt_row(key, rows))
             if world == 1:
-                print(f"overhead budget: apply_fn / model(...) at a 1-sized tp axis = {_ratio(rows, 'a', 'd')} (budget <= 1.15)")
-                print(f"dispatch only (no communication): hp_functional / DTensor = {_ratio(rows, 'a', 'b')}")
+                print(f"overhead budget: apply_fn / model(...) at a 1-sized tp axis = {ratio(rows, 'a', 'd')} (budget <= 1.15)")
+                print(f"dispatch only (no communication): hp_functional / DTensor = {ratio(rows, 'a', 'b')}")
                 continue
-            print(f"hp_functional / DTensor  = {_ratio(rows, 'a', 'b')}")
-            print(f"hp_functional / HF TP    = {_ratio(rows, 'a', 'c')}")
-            print(f"hp_functional / Megatron = {_ratio(rows, 'a', 'e')}")
-            fg = _ratio(rows, "a'", "b")
+            print(f"hp_functional / DTensor  = {ratio(rows, 'a', 'b')}")
+            print(f"hp_functional / HF TP    = {ratio(rows, 'a', 'c')}")
+            print(f"hp_functional / Megatron = {ratio(rows, 'a', 'e')}")
+            by_hand = ratio(rows, "a", "e'")
+            print(f"hp_functional / Megatron collectives in HF modules = {by_hand} (apply_fn's own cost)")
+            fg = ratio(rows, "a'", "b")
             print(f"hp_functional f/g plan / DTensor = {fg}")
             c = res["compile"]
             if c:
                 print(f"torch.compile(apply_fn, backend={c['backend']!r}): {c['graphs']} graph(s), {c['breaks']} graph break(s), "
                       f"first step {c['seconds']:.1f} s; vs eager |dloss| {c['loss_diff']:.1e}, max |dgrad| {c['grad_diff']:.1e}")
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    load = "load avg " + " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
-    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {load}; torch {torch.__version__}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,14 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop lines
     os.environ.setdefault("HPF_BACKEND", dist.Backend.default_device_backend_map.get(opts.device, "gloo"))
     if os.environ.get("RANK", "0") == "0":
-        print(f"machine {_machine()}; one thread per rank (HPF_THREADS)", flush=True)
+        print(f"machine {machine()}; one thread per rank (HPF_THREADS)", flush=True)
     start = time.time()
     results = {}
     for world in worlds:
         results[world] = run_ranks(rank_main, world, opts).get(0)  # None on the other ranks under torchrun
     if results and all(r is not None for r in results.values()):
         report(results, opts)
-        print(f"\ntotal {time.time() - start:.0f} s; machine after: {_machine()}")
+        print(f"\ntotal {time.time() - start:.0f} s; machine after: {machine()}")
     return 0
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from bench_measure import StepProfile, median_ms, profile_step, slowest_rank, time_interleaved
+from bench_measure import StepProfile, machine, median_ms, profile_step, ratio, ratio_value, slowest_rank, time_interleaved
 from bench_models import SIZES, Size, Variant, build_llama, dtensor_plan
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -397,36 +396,13 @@ def rank_main(opts: argparse.Namespace) -> dict | None:
 
 # ---------------------------------------------------------------- the report
 # (_ratio_value, _ratio and _machine as in tp_step.py, kept here so that file can change freely)
-def _ratio_value(rows: dict, num: str, den: str) -> float | None:
-    """``num``'s time over ``den``'s: the median of per-step ratios (both ran in the same rounds)."""
-    if "ms" not in rows.get(num, {}) or "ms" not in rows.get(den, {}):
-        return None
-    return statistics.median(x / y for x, y in zip(rows[num]["times"], rows[den]["times"], strict=True))
-
-
-def _ratio(rows: dict, num: str, den: str) -> str:
-    r = _ratio_value(rows, num, den)
-    if r is None:
-        return "n/a (" + (rows.get(den, {}).get("error") or rows.get(num, {}).get("error") or "not measured") + ")"
-    return f"{r:.2f}" + (f" ({1 / r:.2f}x faster)" if r < 1 else "")
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    load = "load avg " + " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
-    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {load}; torch {torch.__version__}"
-
-
 def _fmt_row(key: str, rows: dict) -> str:
     row = rows[key]
     head = f"({key:<2}) {row['label']:<37}"
     if row["error"]:
         return f"{head} not run: {row['error']}"
     p: StepProfile = row["profile"]
-    r = _ratio_value(rows, key, "a")
+    r = ratio_value(rows, key, "a")
     ratio = f"{r:6.2f}x" if r is not None else "      -"
     return (f"{head} {row['ms']:9.2f} {ratio} {row['loss_delta']:9.1e} {p.host_ms:8.2f} {p.peak_mib:8.1f} "
             f"{sum(p.collectives.values()):5d} {p.bytes / 2**10:9.1f}  {describe(row['counts'], row['hidden'])}")
@@ -455,8 +431,8 @@ def report(results: dict[int, dict], opts: argparse.Namespace) -> None:
                     print(f"({key}) {rows[key]['note']}")
             peer = "FSDP2 + DTensor TP" if "tp" in res["mesh"] else "FSDP2"
             goal = " (goal <= 0.6)" if name == "tiny" and "tp" in res["mesh"] else ""  # the goal is against DTensor TP
-            print(f"hpf.fsdp / {peer} = {_ratio(rows, 'a', 'b')}{goal}")
-            keep = _ratio(rows, "a'", "b")
+            print(f"hpf.fsdp / {peer} = {ratio(rows, 'a', 'b')}{goal}")
+            keep = ratio(rows, "a'", "b")
             print(f"hpf.fsdp reshard_after_forward=False / {peer} = {keep}")
             for key in ORDER:
                 row = rows.get(key, {})
@@ -497,14 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     os.environ.setdefault("HPF_BACKEND", dist.Backend.default_device_backend_map.get(opts.device, "gloo"))
     if os.environ.get("RANK", "0") == "0":
-        print(f"machine {_machine()}; one thread per rank (HPF_THREADS)", flush=True)
+        print(f"machine {machine()}; one thread per rank (HPF_THREADS)", flush=True)
     start = time.time()
     results = {}
     for world in worlds:
         results[world] = run_ranks(rank_main, world, opts).get(0)
     if results and all(r is not None for r in results.values()):
         report(results, opts)
-        print(f"\ntotal {time.time() - start:.0f} s; machine after: {_machine()}")
+        print(f"\ntotal {time.time() - start:.0f} s; machine after: {machine()}")
     return 0
 
 

@@ -54,274 +54,15 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..compile.agree import agree
-from ..core.collectives import COLLECTIVES, AxisGroup, raw_all_gather
+from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
-from ..core.lowering import Step
 from ..core.placement import RowSplit, ShardInfo, fmt_placements
 from ..core.program import Program
 from ..runtime.checkpoint import Checkpoint, CheckpointedForward, resolve_checkpoint
-
-# ---------------------------------------------------------------- the bucket collective
-
-
-class Unreduced:
-    """A bucket's gradients kept unreduced across micro-batches (``FsdpLayout.no_sync``): the
-    full flat gradient, summed in ``reduce_dtype``, added to the next reduce-scatter."""
-
-    __slots__ = ("grad",)
-
-    def __init__(self):
-        self.grad: Tensor | None = None
-
-    def keep(self, grad: Tensor) -> None:
-        self.grad = grad if self.grad is None else self.grad + grad
-
-    def take(self, grad: Tensor) -> Tensor:
-        kept, self.grad = self.grad, None
-        return grad if kept is None else grad + kept
-
-
-class GatherParams(torch.autograd.Function):
-    """All-gather of a group's flat local bucket (cast to ``param_dtype`` first); backward: the
-    gradients cast to ``reduce_dtype``, reduce-scattered (the differentiable ``reduce_scatter``,
-    so a double backward works), averaged over the axis and cast back to the bucket's dtype.
-    While ``sync.deferred``, the backward keeps the gradient in ``unreduced`` instead (no
-    collective; the local leaf gets no gradient), for the next reduce-scatter to include."""
-
-    @staticmethod
-    def forward(local: Tensor, group: AxisGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                unreduced: Unreduced, sync: _Sync) -> Tensor:
-        return raw_all_gather(local.to(param_dtype), 0, group)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        local, ctx.group, _, ctx.reduce_dtype, ctx.unreduced, ctx.sync = inputs
-        ctx.dtype = local.dtype
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.to(ctx.reduce_dtype)
-        if ctx.sync.deferred:
-            ctx.unreduced.keep(grad)
-            return None, None, None, None, None, None
-        summed = COLLECTIVES["reduce_scatter"].apply(ctx.unreduced.take(grad), 0, ctx.group)
-        return (summed / ctx.group.size).to(ctx.dtype), None, None, None, None, None
-
-
-class _Sync:
-    """Whether backward passes reduce-scatter now (the default) or defer (``FsdpLayout.no_sync``)."""
-
-    __slots__ = ("deferred",)
-
-    def __init__(self):
-        self.deferred = False
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One leaf in a bucket: its TP-local (gathered) shape, rows per rank, where its padded piece
-    starts in a rank's segment, and the parameter conversions ``shard()`` lowered for it."""
-
-    key: str
-    shape: torch.Size
-    chunk: int
-    start: int
-    steps: tuple[Step, ...]
-
-    @property
-    def size(self) -> int:
-        return self.chunk * math.prod(self.shape[1:])
-
-
-class Bucket:
-    """A group's leaves as one flat buffer per rank: ``gather`` turns the local leaves into the
-    TP-local parameters with one all-gather (see ``GatherParams``)."""
-
-    def __init__(self, name: str, pieces: Sequence[_Piece], group: AxisGroup, param_dtype: torch.dtype | None,
-                 reduce_dtype: torch.dtype | None, sync: _Sync):
-        self.name, self.pieces, self.group, self.sync, self.unreduced = name, tuple(pieces), group, sync, Unreduced()
-        self.keys = tuple(p.key for p in self.pieces)
-        self.segment = sum(p.size for p in self.pieces)
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-
-    def unsharded_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of the gathered parameters (what a rank holds while the group is gathered)."""
-        size = (self.param_dtype or dtype).itemsize
-        return sum(math.prod(p.shape) for p in self.pieces) * size
-
-    def gather(self, values: Sequence[Tensor]) -> list[Tensor]:
-        """The TP-local parameters of this group from this rank's local leaves ``values``."""
-        flat = []
-        for piece, v in zip(self.pieces, values, strict=True):
-            f = v.reshape(-1)
-            flat.append(f if f.numel() == piece.size else torch.cat([f, f.new_zeros(piece.size - f.numel())]))
-        local = torch.cat(flat) if len(flat) > 1 else flat[0]
-        dtype = local.dtype
-        full = GatherParams.apply(local, self.group, self.param_dtype or dtype, self.reduce_dtype or dtype,
-                                  self.unreduced, self.sync)
-        full = full.view(self.group.size, self.segment)
-        out = []
-        for piece in self.pieces:
-            t = full[:, piece.start:piece.start + piece.size].reshape(-1, *piece.shape[1:])[:piece.shape[0]]
-            for step in piece.steps:
-                t = step(t)
-            out.append(t)
-        return out
-
-
-# ---------------------------------------------------------------- the forwards on the skeleton
-
-
-class _CallState:
-    """This call's local leaves (by key) and the groups gathered so far; empty between calls."""
-
-    __slots__ = ("values", "gathered")
-
-    def __init__(self):
-        self.values: dict[str, Tensor] | None = None
-        self.gathered: dict[str, list[Tensor]] = {}
-
-
-Slots = tuple[tuple[dict, str, int], ...]  # (owner module's _parameters, attribute, index in the group)
-
-
-def _swap_in(slots: Slots, values: Sequence[Tensor]) -> list:
-    before = [store[name] for store, name, _ in slots]
-    for store, name, j in slots:
-        store[name] = values[j]
-    return before
-
-
-def _swap_back(slots: Slots, before: Sequence) -> None:
-    for (store, name, _), value in zip(slots, before, strict=True):
-        store[name] = value
-
-
-class GatherOnUse:
-    """The forward of a module of a group gathered when it runs: gather the group (once per call
-    when ``shared`` by several modules, kept until the call ends), bind its parameters, run.
-    Autograd keeps what the backward needs of the gathered tensors, the rest is freed."""
-
-    def __init__(self, inner: Callable, bucket: Bucket, slots: Slots, state: _CallState, shared: bool):
-        self.inner, self.bucket, self.slots, self.state, self.shared = inner, bucket, slots, state, shared
-
-    def __call__(self, *args, **kwargs):
-        state, bucket = self.state, self.bucket
-        full = state.gathered.get(bucket.name) if self.shared else None
-        if full is None:
-            if state.values is None:
-                raise PlanError(f"fsdp: {bucket.name} ran outside an apply_fn call (inside a recomputed block?)")
-            full = bucket.gather([state.values[k] for k in bucket.keys])
-            if self.shared:
-                state.gathered[bucket.name] = full
-        before = _swap_in(self.slots, full)
-        try:
-            return self.inner(*args, **kwargs)
-        finally:
-            _swap_back(self.slots, before)
-
-
-class _Regather:
-    """What autograd saves instead of a gathered parameter (or a view of one) of a resharded
-    block: the block's local leaves and where the tensor sat in the gathered parameter's storage.
-    ``unpack`` gathers the bucket again, once per backward however many tensors ask (``shared``)."""
-
-    __slots__ = ("shared", "index", "size", "stride", "offset")
-
-    def __init__(self, shared: list, index: int, t: Tensor):
-        self.shared, self.index = shared, index
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-
-    def unpack(self) -> Tensor:
-        bucket, leaves, full = self.shared
-        if full is None:
-            with torch.no_grad():
-                full = self.shared[2] = [t.detach() for t in bucket.gather(leaves)]
-        return full[self.index].as_strided(self.size, self.stride, self.offset)
-
-
-def _storage(t: Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor without a plain storage: saved as it is
-        return None
-
-
-class ReshardedBlock(CheckpointedForward):
-    """A block whose gathered parameters are freed after its forward and gathered again for its
-    backward (one more all-gather; the reduce-scatter stays one).  Eager ``.backward()``: autograd
-    saves a ``_Regather`` token instead of each gathered parameter (``saved_tensors_hooks``, as
-    FSDP2 frees the storage of what autograd saved), so nothing is recomputed.  Under
-    ``torch.func`` (which has no saved-tensor hooks) and in a block ``shard(checkpoint=...)``
-    recomputes anyway: a recomputed block (``Recompute``) whose leaves are the block's *local*
-    leaves, bound by gathering them.  Under ``torch.compile``: torch's selective checkpoint that
-    recomputes only the gathers."""
-
-    def __init__(self, fqn: str, module: nn.Module, inner: Callable, slots: Slots, bucket: Bucket, state: _CallState,
-                 cache, device_type: str, preserve_rng: bool, recompute: bool):
-        super().__init__(fqn, module, inner, slots, bucket.keys, cache, device_type, preserve_rng)
-        self.bucket, self.state, self.recompute = bucket, state, recompute
-
-    def leaves(self) -> list[Tensor]:
-        return [self.state.values[k] for k in self.keys]
-
-    def bind(self, leaves: Sequence[Tensor]) -> list[Tensor]:
-        return self.bucket.gather(leaves)
-
-    def forward_without_grad(self, *args, **kwargs):
-        return self._gathered(self.leaves(), args, kwargs)
-
-    def _gathered(self, leaves: Sequence[Tensor], args, kwargs):
-        before = _swap_in(self.slots, self.bind(leaves))
-        try:
-            return self.inner(*args, **kwargs)
-        finally:
-            _swap_back(self.slots, before)
-
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and torch.is_grad_enabled():
-            # traced: torch's checkpoint is a higher-order op that Dynamo puts in the graph (our
-            # Recompute would break it); its policy saves the compute and recomputes the gathers
-            return checkpoint(self._gathered, self.leaves(), args, kwargs, use_reentrant=False,
-                              context_fn=_recompute_gathers)
-        if self.recompute or not torch.is_grad_enabled() or torch._C._functorch.maybe_current_level() is not None:
-            return super().__call__(*args, **kwargs)
-        return self._saving_tokens(args, kwargs)
-
-    def _saving_tokens(self, args, kwargs):
-        leaves = self.leaves()
-        full = self.bind(leaves)
-        shared = [self.bucket, leaves, None]
-        where = {ptr: j for j, t in enumerate(full) if (ptr := _storage(t)) is not None}
-
-        def pack(t: Tensor):
-            j = where.get(_storage(t))
-            return t if j is None else _Regather(shared, j, t)
-
-        def unpack(saved):
-            return saved.unpack() if isinstance(saved, _Regather) else saved
-
-        before = _swap_in(self.slots, full)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return self.inner(*args, **kwargs)
-        finally:
-            _swap_back(self.slots, before)
-
-
-def _gather_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_RECOMPUTE if op in _GATHER_OPS else CheckpointPolicy.PREFER_SAVE
-
-
-_GATHER_OPS = {torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default}
-
-
-def _recompute_gathers():
-    return create_selective_checkpoint_contexts(_gather_policy)
-
+from .fsdp_bucket import Bucket, Piece, Sync
+from .fsdp_forwards import CallState, GatherOnUse, ReshardedBlock
 
 # ---------------------------------------------------------------- grouping
 
@@ -421,7 +162,7 @@ class FsdpLayout:
     groups: tuple[Group, ...]
     buckets: tuple[Bucket, ...]
     reshard_after_forward: bool
-    sync: _Sync = dataclasses.field(default_factory=_Sync, compare=False)
+    sync: Sync = dataclasses.field(default_factory=Sync, compare=False)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -474,10 +215,10 @@ def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[s
     infos = {k: split_info(program.infos[k], mesh, axis) for k in keys}
     agree(dataclasses.replace(program, mesh=mesh), None, None,
           {"fsdp": repr((axis, reshard_after_forward, str(param_dtype), str(reduce_dtype), [g.keys for g in groups]))})
-    group, sync = AxisGroup.from_mesh(mesh, axis), _Sync()
+    group, sync = AxisGroup.from_mesh(mesh, axis), Sync()
     buckets = tuple(_bucket(g, program, infos, group, param_dtype, reduce_dtype, sync) for g in groups)
     layout = FsdpLayout(axis, tuple(groups), buckets, reshard_after_forward, sync)
-    state = _CallState()
+    state = CallState()
     preserve_rng = runtime.checkpoint.preserve_rng if runtime.checkpoint else True
 
     def install(skeleton: nn.Module, cache) -> None:
@@ -531,11 +272,11 @@ def _rows(local: Tensor, info: ShardInfo) -> Tensor:
 
 
 def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: AxisGroup,
-            param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, sync: _Sync) -> Bucket:
+            param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, sync: Sync) -> Bucket:
     pieces, start = [], 0
     for k in g.keys:
         shape = torch.Size(program.infos[k].local_shape)
-        piece = _Piece(k, shape, infos[k].split.chunk(group.size), start, tuple(program.param_steps.get(k, ())))
+        piece = Piece(k, shape, infos[k].split.chunk(group.size), start, tuple(program.param_steps.get(k, ())))
         pieces.append(piece)
         start += piece.size
     dtypes = {program.dtypes[k] for k in g.keys}
@@ -593,7 +334,7 @@ def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axis: str, param_dtyp
     return runtime
 
 
-def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: _CallState, placeholders: dict[str, Tensor],
+def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: CallState, placeholders: dict[str, Tensor],
                 infos: Mapping[str, ShardInfo]) -> Callable:
     keys = tuple(infos)
     shapes = tuple(torch.Size(infos[k].local_shape) for k in keys)

@@ -233,6 +233,28 @@ def test_fsdp_collectives_closed_form_and_peak_memory(pool, reshard, checkpoint)
           f"(local {r['local']}, full/ranks {r['full'] // pool.world}, largest group {r['largest']}), {r['collectives']}")
 
 
+def case_double_backward(state, world: int):
+    """A gradient penalty through ``.backward(create_graph=True)``: the regathered parameters of
+    resharded blocks keep their place in the graph, so the second derivative is the unsharded one."""
+    model, (apply_fn, params, info), _, dp = _setup(state, world)
+    ids, local = _batch(dp)
+    loss = apply_fn(params, input_ids=local, labels=local, use_cache=False).loss
+    grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+    sum((g**2).sum() for g in grads).backward()
+    ref = model(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()), create_graph=True)
+    sum((g**2).sum() for g in ref_grads).backward()
+    # rank r's penalty is the sum over its rows of the global gradient squared, so the penalties sum
+    # to the global one; the reduce-scatter averages what the ranks' backward passes contribute
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    for k, p in model.named_parameters():
+        assert_close(full[k], p.grad / dp.size(), f"penalty grad {k}", atol=1e-5, rtol=1e-4)
+
+
+def test_fsdp_double_backward_through_resharded_blocks(pool):
+    pool.run(case_double_backward, make_llama_state(), pool.world)
+
+
 def case_mixed_precision(state, world: int):
     model, (apply_fn, params, info), _, dp = _setup(state, world, param_dtype=torch.bfloat16,
                                                     reduce_dtype=torch.float32)

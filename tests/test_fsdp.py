@@ -1,5 +1,5 @@
 """Functional FSDP (``hpf.fsdp``) over ``shard()``: 20 AdamW steps of FSDP × TP (dp 2 × tp 2), of
-FSDP alone (dp 2) and of DP × TP / DP alone (``hpf.reduce_gradients``) equal the unsharded model
+FSDP alone (dp 2) and of DP × TP (``hpf.reduce_gradients``) equal the unsharded model
 trained on the global batch, under ``.backward()`` with gradient accumulation and under
 ``torch.func.grad`` with the functional AdamW; collectives per step equal the closed form; peak
 parameter memory is bounded; mixed precision; activation checkpointing; torch.compile; bad input."""
@@ -22,9 +22,9 @@ STEPS = 20
 LR = 1e-3
 
 
-def _setup(state, world: int, **fsdp_kw):
+def _setup(state, world: int, cfg: dict | None = None, **fsdp_kw):
     """(model, (apply_fn, params, shard_info), mesh, dp mesh): FSDP × TP at 4 ranks, FSDP alone at 2."""
-    model = build_llama(state)
+    model = build_llama(state, **(cfg or {}))
     if world == 4:
         m = mesh((2, 2), ("dp", "tp"))
         sharded = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m)
@@ -122,9 +122,11 @@ def case_train(state, world: int, kind: str, func: bool):
 
 
 @pytest.mark.parametrize("func", [False, True], ids=["backward+accumulation", "torch.func.grad+hpf.optim"])
-@pytest.mark.parametrize("kind", ["fsdp", "dp"])
+@pytest.mark.parametrize("pool,kind", [(4, "fsdp"), (4, "dp"), (2, "fsdp")], indirect=["pool"],
+                         ids=["ws4-fsdp", "ws4-dp", "ws2-fsdp"])
 def test_trains_like_the_unsharded_model(pool, kind, func):
-    """FSDP x TP / DP x TP at 4 ranks (dp 2 x tp 2), FSDP / DP alone at 2 ranks."""
+    """FSDP x TP and DP x TP at 4 ranks (dp 2 x tp 2), FSDP alone at 2 ranks (DP alone is
+    ``tests/test_clip_dp.py``'s one-step case)."""
     worst = pool.run(case_train, make_llama_state(), pool.world, kind, func)
     print(f"{kind} world {pool.world}: max |loss - unsharded| over {STEPS} steps {max(worst):.2e}")
 
@@ -278,9 +280,9 @@ def test_fsdp_mixed_precision_bf16_compute_fp32_master_and_reduction(pool):
     pool.run(case_mixed_precision, make_llama_state(), pool.world)
 
 
-def case_compile(state, world: int):
+def case_compile(state, world: int, cfg: dict):
     """``fullgraph=True``: one graph, no graph break (Dynamo raises on a break), kept and resharded."""
-    _, (apply_fn, params, _), _, dp = _setup(state, world, reshard_after_forward=False)
+    _, (apply_fn, params, _), _, dp = _setup(state, world, cfg, reshard_after_forward=False)
     _, local = _batch(dp)
 
     def kept(p):
@@ -288,7 +290,7 @@ def case_compile(state, world: int):
 
     assert_close(torch.compile(kept, backend="eager", fullgraph=True)(params).detach(), kept(params).detach(),
                  "compiled loss, kept")
-    _, (r_apply, r_params, _), _, _ = _setup(state, world)
+    _, (r_apply, r_params, _), _, _ = _setup(state, world, cfg)
 
     def resharded(p):
         return r_apply(p, input_ids=local, labels=local, use_cache=False).loss
@@ -306,7 +308,8 @@ def case_compile(state, world: int):
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_fsdp_compiles_to_one_graph(pool):
-    pool.run(case_compile, make_llama_state(), pool.world)
+    cfg = {"num_hidden_layers": 1}  # one block traces what two do, in half the time
+    pool.run(case_compile, make_llama_state(**cfg), pool.world, cfg)
 
 
 def case_bad_input(state):

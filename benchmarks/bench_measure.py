@@ -191,3 +191,20 @@ def machine() -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     load = "load avg " + " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
     return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {load}; torch {torch.__version__}"
+
+
+def run_and_report(rank_main, report, opts, worlds: Sequence[int]) -> int:
+    """Launch ``rank_main(opts)`` on each world size in turn (torch's elastic launcher, or the
+    ranks of an outer torchrun), then ``report`` rank 0's results with the machine before and after."""
+    from hp_functional.cli.launch import run_ranks
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop lines
+    os.environ.setdefault("HPF_BACKEND", dist.Backend.default_device_backend_map.get(opts.device, "gloo"))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"machine {machine()}; one thread per rank (HPF_THREADS)", flush=True)
+    start = time.time()
+    results = {world: run_ranks(rank_main, world, opts).get(0) for world in worlds}  # None on other ranks under torchrun
+    if results and all(r is not None for r in results.values()):
+        report(results, opts)
+        print(f"\ntotal {time.time() - start:.0f} s; machine after: {machine()}")
+    return 0

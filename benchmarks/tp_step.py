@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from bench_measure import (
     StepProfile,
-    machine,
     median_ms,
     profile_interleaved,
     ratio,
     ratio_value,
     reset,
+    run_and_report,
     slowest_rank,
     time_interleaved,
 )
@@ -52,7 +52,7 @@ from bench_models import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_functional as hpf
-from hp_functional.cli.launch import run_ranks, under_torchrun
+from hp_functional.cli.launch import under_torchrun
 
 ORDER = ("d", "a", "a'", "a+", "b", "c", "e", "e'")
 
@@ -196,18 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     opts.sizes = opts.sizes.split(",")
     worlds = [int(os.environ["WORLD_SIZE"])] if under_torchrun() else [int(w) for w in opts.worlds.split(",")]
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop lines
-    os.environ.setdefault("HPF_BACKEND", dist.Backend.default_device_backend_map.get(opts.device, "gloo"))
-    if os.environ.get("RANK", "0") == "0":
-        print(f"machine {machine()}; one thread per rank (HPF_THREADS)", flush=True)
-    start = time.time()
-    results = {}
-    for world in worlds:
-        results[world] = run_ranks(rank_main, world, opts).get(0)  # None on the other ranks under torchrun
-    if results and all(r is not None for r in results.values()):
-        report(results, opts)
-        print(f"\ntotal {time.time() - start:.0f} s; machine after: {machine()}")
-    return 0
+    return run_and_report(rank_main, report, opts, worlds)
 
 
 if __name__ == "__main__":

@@ -45,20 +45,28 @@ import copy
 import os
 import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from bench_measure import StepProfile, machine, median_ms, profile_step, ratio, ratio_value, slowest_rank, time_interleaved
+from bench_measure import (
+    StepProfile,
+    median_ms,
+    profile_step,
+    ratio,
+    ratio_value,
+    run_and_report,
+    slowest_rank,
+    time_interleaved,
+)
 from bench_models import SIZES, Size, Variant, build_llama, dtensor_plan
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_functional as hpf
-from hp_functional.cli.launch import run_ranks, under_torchrun
+from hp_functional.cli.launch import under_torchrun
 
 ORDER = ("a", "a'", "b")
 
@@ -470,18 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     opts.sizes = opts.sizes.split(",")
     worlds = [int(os.environ["WORLD_SIZE"])] if under_torchrun() else [int(w) for w in opts.worlds.split(",")]
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    os.environ.setdefault("HPF_BACKEND", dist.Backend.default_device_backend_map.get(opts.device, "gloo"))
-    if os.environ.get("RANK", "0") == "0":
-        print(f"machine {machine()}; one thread per rank (HPF_THREADS)", flush=True)
-    start = time.time()
-    results = {}
-    for world in worlds:
-        results[world] = run_ranks(rank_main, world, opts).get(0)
-    if results and all(r is not None for r in results.values()):
-        report(results, opts)
-        print(f"\ntotal {time.time() - start:.0f} s; machine after: {machine()}")
-    return 0
+    return run_and_report(rank_main, report, opts, worlds)
 
 
 if __name__ == "__main__":

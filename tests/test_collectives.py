@@ -37,6 +37,10 @@ def _cases(dim: int):
             lambda x, g: C.all_to_all(x, dim, 0, g),
             lambda xs, r: torch.cat([xs[j].chunk(n, dim)[r] for j in range(n)], 0),
         ),
+        "ppermute": (lambda x, g: C.ppermute(x, C.ring(n, 1), g), lambda xs, r: xs[(r - 1) % n]),
+        "ppermute(partial)": (lambda x, g: C.ppermute(x, [(0, n - 1)], g),
+                              lambda xs, r: xs[0] if r == n - 1 else torch.zeros_like(xs[r])),
+        "shift(-1)": (lambda x, g: g.shift(x, -1), lambda xs, r: xs[(r + 1) % n]),
         "partial_from": (lambda x, g: C.partial_from(x, g), lambda xs, r: xs[r] if r == 0 else torch.zeros_like(xs[r])),
         "leave_region": (lambda x, g: C.leave_region(x, g), lambda xs, r: xs[r]),
     }
@@ -62,6 +66,12 @@ def _expected_grad(name, xs, ws, r, dim):
         return torch.cat(ws, dim)
     if name == "split_to":
         return torch.cat(ws, dim)
+    if name == "ppermute":  # y_{r+1} = x_r
+        return ws[(r + 1) % n]
+    if name == "ppermute(partial)":  # only rank 0's x reaches anyone (rank n - 1)
+        return ws[n - 1] if r == 0 else torch.zeros_like(ws[r])
+    if name == "shift(-1)":
+        return ws[(r - 1) % n]
     if name == "all_to_all":  # y_j = cat_k x_k.chunk(dim)[j] on dim 0; grad flows back by the reverse
         return torch.cat([ws[j].chunk(n, 0)[r] for j in range(n)], dim)
     raise KeyError(name)
@@ -105,20 +115,22 @@ def case_collectives(dim: int):
 @pytest.mark.parametrize("dim", [1, -1])
 def test_collectives_match_math(pool, dim):
     results = pool.run(case_collectives, dim)
-    assert all(len(r) == len(C.COLLECTIVES) for r in results)
+    assert all(set(C.COLLECTIVES) <= set(r) for r in results)
 
 
 _DIM_OPS = {"all_gather", "reduce_scatter", "gather_from", "split_to"}
 
 
 def _sample_args(name: str) -> tuple:
+    if name == "ppermute":
+        return ((0, 1), (1, 2), (2, 0)), "group"
     return (1, 0, "group") if name == "all_to_all" else (1, "group") if name in _DIM_OPS else ("group",)
 
 
 def test_transpose_pairs_are_closed():
     """The one table of conjugate pairs: for every collective C with backward B, B's backward is
     C again, B's type is C's reversed (I→V ↔ V→I), and B's arguments map back to C's."""
-    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 10
+    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 11
     for name, c in C.COLLECTIVES.items():
         assert c.name == name and callable(getattr(C, name))
         b = C.COLLECTIVES[c.transpose]
@@ -128,6 +140,7 @@ def test_transpose_pairs_are_closed():
         args = _sample_args(name)
         assert b.transpose_args(*c.transpose_args(*args)) == args, name
     assert C.AllToAll.transpose_args(1, 0, "group") == (0, 1, "group")  # the reverse all-to-all
+    assert C.Ppermute.transpose_args(((0, 1), (1, 2)), "group") == (((1, 0), (2, 1)), "group")  # sent back
 
 
 def test_docstring_table_states_the_pairs():

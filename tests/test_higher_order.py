@@ -61,7 +61,8 @@ def _close_tree(actual, expected, what: str, **tol) -> None:
 
 # ---------------------------------------------------------------- vjp(vjp(C)) == C, per collective
 def _apply(name: str, x: torch.Tensor, g: C.AxisGroup) -> torch.Tensor:
-    args = {"all_gather": (1,), "reduce_scatter": (1,), "gather_from": (1,), "split_to": (1,), "all_to_all": (1, 0)}
+    args = {"all_gather": (1,), "reduce_scatter": (1,), "gather_from": (1,), "split_to": (1,), "all_to_all": (1, 0),
+            "ppermute": (C.ring(g.size, 1),)}
     return getattr(C, name)(x, *args.get(name, ()), g)
 
 

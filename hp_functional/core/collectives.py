@@ -28,6 +28,7 @@ function            type   forward              backward = transpose            
 ``all_gather``      V → V  all-gather           ``reduce_scatter`` (RS)            ``all_gather``
 ``reduce_scatter``  V → V  reduce-scatter       ``all_gather`` (AG)                ``reduce_scatter``
 ``all_to_all``      V → V  all-to-all           ``all_to_all`` (reverse)           ``all_to_all``
+``ppermute``        V → V  send to perm's dst   ``ppermute`` (inverse perm)        ``ppermute``
 ``copy_to``         I → V  identity             ``reduce_from`` (all-reduce)       ``copy_to``
 ``reduce_from``     V → I  all-reduce           ``copy_to`` (identity)             ``reduce_from``
 ``gather_from``     V → I  all-gather           ``split_to`` (local chunk)         ``gather_from``
@@ -36,7 +37,8 @@ function            type   forward              backward = transpose            
 ``leave_region``    V → I  identity             ``partial_from`` (keep on rank 0)  ``leave_region``
 ==================  =====  ===================  =================================  ==================
 
-``all_to_all``'s transpose swaps its split and concat dims.  ``leave_region``'s input is a
+``all_to_all``'s transpose swaps its split and concat dims; ``ppermute``'s sends every pair
+back (dst → src), so ``shift(+1)``'s transpose is ``shift(-1)``.  ``leave_region``'s input is a
 replicated value inside a rank-varying region (equal on every rank, hence identity forward).
 Each backward issues exactly the communication of its first-order rule above (the pairs only
 decide what the backward's *own* backward is), so first-order schedules are unchanged.
@@ -47,7 +49,7 @@ exact Hessians differentiate rank-invariant (full) inputs, sliced inside with ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -74,6 +76,32 @@ class AxisGroup:
         """The group of ``mesh`` along ``axis`` (a mesh dim name)."""
         group = mesh.get_group(axis)
         return cls(axis, group.group_name, dist.get_world_size(group), dist.get_rank(group))
+
+    # The collectives of a rank-varying region, bound to this axis (``hpf.Local``'s ``axes``): each
+    # takes and gives rank-varying values, so its transpose is again one of these (see the table).
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """``all_reduce(x, self)``: sum over the axis; backward all-reduce."""
+        return all_reduce(x, self)
+
+    def all_gather(self, x: Tensor, dim: int) -> Tensor:
+        """``all_gather(x, dim, self)``; backward reduce-scatter."""
+        return all_gather(x, dim, self)
+
+    def reduce_scatter(self, x: Tensor, dim: int) -> Tensor:
+        """``reduce_scatter(x, dim, self)``; backward all-gather."""
+        return reduce_scatter(x, dim, self)
+
+    def all_to_all(self, x: Tensor, split_dim: int, concat_dim: int) -> Tensor:
+        """``all_to_all(x, split_dim, concat_dim, self)``; backward the reverse all-to-all."""
+        return all_to_all(x, split_dim, concat_dim, self)
+
+    def ppermute(self, x: Tensor, perm: Sequence[tuple[int, int]]) -> Tensor:
+        """``ppermute(x, perm, self)``; backward the inverse permutation."""
+        return ppermute(x, perm, self)
+
+    def shift(self, x: Tensor, offset: int = 1) -> Tensor:
+        """Ring step: rank ``i``'s ``x`` goes to rank ``(i + offset) % size``; backward ``shift(-offset)``."""
+        return ppermute(x, ring(self.size, offset), self)
 
 
 # ---------------------------------------------------------------- raw (non-differentiable) ops
@@ -121,6 +149,37 @@ def raw_all_to_all(x: Tensor, split_dim: int, concat_dim: int, g: AxisGroup) -> 
     return got.flatten(concat_dim, concat_dim + 1)
 
 
+def ring(size: int, offset: int = 1) -> tuple[tuple[int, int], ...]:
+    """The permutation of a ring step: ``(i, (i + offset) % size)`` for every rank ``i``."""
+    return tuple((i, (i + offset) % size) for i in range(size))
+
+
+def check_perm(perm: Sequence[tuple[int, int]], g: AxisGroup) -> tuple[tuple[int, int], ...]:
+    """``perm`` as a tuple of (src, dst) pairs; a ValueError (before communicating) unless every
+    index is a rank of the axis and no rank sends or receives twice (JAX's ``ppermute`` rule)."""
+    pairs = tuple((int(s), int(d)) for s, d in perm)
+    ranks = [r for pair in pairs for r in pair]
+    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+    if any(not 0 <= r < g.size for r in ranks) or len(set(srcs)) < len(srcs) or len(set(dsts)) < len(dsts):
+        raise ValueError(f"ppermute on mesh axis {g.axis!r} (size {g.size}): {list(pairs)} is not a partial "
+                         "permutation of its ranks (each rank sends at most once and receives at most once)")
+    return pairs
+
+
+def raw_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: AxisGroup) -> Tensor:
+    """Send ``x`` from each pair's src to its dst; a rank that receives nothing gets zeros.  One
+    ``all_to_all_single`` with empty splits to everyone else (traceable on every backend)."""
+    send = {s: d for s, d in perm}.get(g.rank)
+    recv = {d: s for s, d in perm}.get(g.rank)
+    flat = x.contiguous().reshape(-1)
+    n = flat.numel()
+    out_splits = [n if k == recv else 0 for k in range(g.size)]
+    in_splits = [n if k == send else 0 for k in range(g.size)]
+    got = _funcol.wait_tensor(_funcol.all_to_all_single(flat if send is not None else flat[:0], out_splits,
+                                                        in_splits, g.group_name))
+    return got.reshape(x.shape) if recv is not None else torch.zeros_like(x)
+
+
 def _identity(x: Tensor, g: AxisGroup) -> Tensor:
     return x.view_as(x)
 
@@ -141,6 +200,10 @@ def _same_args(*args):
 
 def _swap_dims(split_dim, concat_dim, group):
     return concat_dim, split_dim, group
+
+
+def _invert_perm(perm, group):
+    return tuple((d, s) for s, d in perm), group
 
 
 class Collective(NamedTuple):
@@ -221,6 +284,7 @@ _TABLE: dict[str, tuple[Callable[..., Tensor], str, str]] = {
     "all_gather": (raw_all_gather, "V→V", "reduce_scatter"),
     "reduce_scatter": (raw_reduce_scatter, "V→V", "all_gather"),
     "all_to_all": (raw_all_to_all, "V→V", "all_to_all"),
+    "ppermute": (raw_ppermute, "V→V", "ppermute"),
     "copy_to": (_identity, "I→V", "reduce_from"),
     "reduce_from": (raw_all_reduce, "V→I", "copy_to"),
     "gather_from": (raw_all_gather, "V→I", "split_to"),
@@ -229,14 +293,17 @@ _TABLE: dict[str, tuple[Callable[..., Tensor], str, str]] = {
     "leave_region": (_identity, "V→I", "partial_from"),
 }
 
+#: How a collective's arguments map to its transpose's (the rest keep theirs).
+_TRANSPOSE_ARGS: dict[str, Callable[..., tuple]] = {"all_to_all": _swap_dims, "ppermute": _invert_perm}
+
 #: Every collective of this module by its public function's name.
 COLLECTIVES: dict[str, Collective] = {
-    name: _collective(name, forward, types, transpose, _swap_dims if name == "all_to_all" else _same_args)
+    name: _collective(name, forward, types, transpose, _TRANSPOSE_ARGS.get(name, _same_args))
     for name, (forward, types, transpose) in _TABLE.items()
 }
 #: Each collective's transpose (the collective its backward applies), by name.
 TRANSPOSE: dict[str, str] = {name: c.transpose for name, c in COLLECTIVES.items()}
-AllReduce, AllGather, ReduceScatter, AllToAll, CopyTo, ReduceFrom, GatherFrom, SplitTo, PartialFrom, LeaveRegion = (
+AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, CopyTo, ReduceFrom, GatherFrom, SplitTo, PartialFrom, LeaveRegion = (
     COLLECTIVES.values()
 )
 
@@ -260,6 +327,14 @@ def reduce_scatter(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
 def all_to_all(x: Tensor, split_dim: int, concat_dim: int, group: AxisGroup) -> Tensor:
     """Re-shard from ``split_dim`` to ``concat_dim``; backward is the reverse ``all_to_all``."""
     return AllToAll.apply(x, split_dim, concat_dim, group)
+
+
+def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], group: AxisGroup) -> Tensor:
+    """Point-to-point: for each ``(src, dst)`` in ``perm``, rank ``dst`` receives rank ``src``'s
+    ``x`` (ranks that receive nothing get zeros; shapes equal on every rank); backward sends the
+    cotangents back along the inverse pairs (``ppermute`` again).  ``ring(size, k)`` is the ring
+    step of ring attention (``AxisGroup.shift``)."""
+    return Ppermute.apply(x, check_perm(perm, group), group)
 
 
 def copy_to(x: Tensor, group: AxisGroup) -> Tensor:

@@ -22,9 +22,10 @@ if TYPE_CHECKING:
     from .compile.build import build_program, lint
     from .compile.lint import Finding
     from .core import collectives
-    from .core.errors import PlanError, PlanMismatchError, PlanWarning, ShapeError
+    from .core.errors import PlanError, PlanMismatchError, PlanWarning, ReplicationError, ShapeError
     from .core.placement import ShardInfo, slice_local, to_dtensor, unshard
     from .core.program import Program
+    from .plan.local import Local
     from .plan.plan import ShardingPlan
     from .plan.recipes import llama_sp_plan, megatron_plan
     from .plan.styles import (
@@ -38,11 +39,10 @@ if TYPE_CHECKING:
         Rowwise,
         SequenceParallel,
         Style,
-        VocabEmbedding,
         default_handlers,
     )
+    from .plan.vocab import VocabEmbedding, vocab_parallel_cross_entropy
     from .runtime.checkpoint import Checkpoint
-    from .runtime.loss import vocab_parallel_cross_entropy
     from .runtime.shard import shard
     from .tools.explain import Explanation, Memory, Schedule, explain
     from .tools.record import ScheduleRow
@@ -64,6 +64,7 @@ _LAZY: dict[str, str] = {
     "PlanError": ".core.errors",
     "PlanMismatchError": ".core.errors",
     "PlanWarning": ".core.errors",
+    "ReplicationError": ".core.errors",
     "ShapeError": ".core.errors",
     "ShardInfo": ".core.placement",
     "slice_local": ".core.placement",
@@ -83,10 +84,11 @@ _LAZY: dict[str, str] = {
     "Rowwise": ".plan.styles",
     "SequenceParallel": ".plan.styles",
     "Style": ".plan.styles",
-    "VocabEmbedding": ".plan.styles",
+    "Local": ".plan.local",
+    "VocabEmbedding": ".plan.vocab",
     "default_handlers": ".plan.styles",
     "Checkpoint": ".runtime.checkpoint",
-    "vocab_parallel_cross_entropy": ".runtime.loss",
+    "vocab_parallel_cross_entropy": ".plan.vocab",
     "shard": ".runtime.shard",
     "clip_grad_norm": ".train.clip",
     "reduce_gradients": ".train.data_parallel",
@@ -113,6 +115,7 @@ __all__ = [
     "Explanation",
     "Finding",
     "Heads",
+    "Local",
     "Memory",
     "ModuleSpec",
     "NoParallel",
@@ -124,6 +127,7 @@ __all__ = [
     "PrepareInput",
     "PrepareOutput",
     "Program",
+    "ReplicationError",
     "Rowwise",
     "Schedule",
     "ScheduleRow",

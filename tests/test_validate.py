@@ -26,8 +26,10 @@ class RowwiseNoReduce(hpf.Rowwise):
 class VocabEmbeddingWrongOffset(hpf.VocabEmbedding):
     """Broken on purpose: every rank looks its ids up at the next rank's vocabulary offset."""
 
-    def local_forward(self, module, group, forward):
-        return super().local_forward(module, dataclasses.replace(group, rank=(group.rank + 1) % group.size), forward)
+    def local_forward(self, module, forward, *, fqn, axis, axes):
+        g = axes[axis]
+        wrong = {**axes, axis: dataclasses.replace(g, rank=(g.rank + 1) % g.size)}
+        return super().local_forward(module, forward, fqn=fqn, axis=axis, axes=wrong)
 
 
 def sp_norm_without_grad_reduce() -> hpf.ModuleSpec:

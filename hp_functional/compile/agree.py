@@ -89,7 +89,7 @@ def describe(program: Program, values: Mapping[str, str] | None = None,
         "plan": {
             b.planned.fqn: _ADDRESS.sub("", f"{b.planned.style!r} on {b.planned.axis!r}") for b in program.boundaries
         }
-        | {"loss_parallel": repr(program.loss_parallel is not None)} | dict(runtime or {}),
+        | dict(runtime or {}),
         "parameters": {
             key: f"{tuple(info.global_shape)} {program.dtypes[key]} {tuple(map(str, info.placements))}"
             + (f" blocks {info.blocks}" if info.blocks else "")

@@ -10,7 +10,6 @@ every rank before any collective):
 5. ``place_parameters`` — storage placements, tied and packed leaves (``compile.place``);
 6. ``analyse_regions`` — rank-varying compute and regions (``compile.regions``);
 7. ``lower_boundaries`` / ``lower_parameter_conversions`` — every src → dst to ``Step``s (``compile.lower``);
-8. ``set_up_loss`` — the vocab-parallel loss of ``loss_parallel`` plans.
 
 A new parallelism adds a pass here (or a transform over the result), not branches in these.
 """
@@ -26,12 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, PlanWarning
-from ..core.program import LossParallel, Planned, Program
+from ..core.program import Planned, Program
 from ..plan.plan import ShardingPlan, as_plan
 from ..plan.styles import ModuleSpec
 from .lint import Finding, enforce, lint_entries, lint_specs, shadowed
 from .lower import lower_boundaries, lower_parameter_conversions
-from .place import Placed, place_parameters
+from .place import place_parameters
 from .regions import analyse_regions
 
 
@@ -79,15 +78,6 @@ def check_head_counts(planned: list[Planned], specs: Mapping[str, ModuleSpec], g
                 )
 
 
-def set_up_loss(model: nn.Module, plan: ShardingPlan, planned: list[Planned], placed: Placed,
-                groups: Mapping[str, AxisGroup]) -> LossParallel | None:
-    """The vocab axis and this rank's vocabulary start of a ``loss_parallel`` plan's head."""
-    if not plan.loss_parallel:
-        return None
-    head = next(p for p in planned if p.fqn == plan.loss_head(model))
-    return LossParallel(groups[head.axis], placed.infos[placed.leaf_of[f"{head.fqn}.weight"]].offset[0])
-
-
 def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: bool) -> Program:
     groups = check_mesh(model, mesh)
     planned, specs = resolve_specs(model, plan, mesh)
@@ -104,7 +94,6 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
         param_steps=lower_parameter_conversions(placed, specs, analysis, groups),
         groups=groups,
         dtypes={leaf: model.get_parameter(leaf).dtype for leaf in placed.infos},
-        loss_parallel=set_up_loss(model, plan, planned, placed, groups),
     )
 
 

@@ -19,7 +19,7 @@ from ..core.errors import PlanError
 from ..core.lowering import Step, lower
 from ..core.program import Boundary, Planned
 from ..plan.styles import ModuleSpec
-from .place import Placed
+from .place import Placed, declared
 from .regions import Varying, consumer_axes
 
 
@@ -77,8 +77,8 @@ def lower_parameter_conversions(placed: Placed, specs: Mapping[str, ModuleSpec],
     for name, leaf in placed.leaf_of.items():
         owner = placed.owners[name]
         stored = placed.infos[leaf].axes
-        spec = specs.get(owner.module)
-        used = {**stored, **(spec.param_dst.get(owner.name, {}) if spec is not None else {})}
+        found = declared(name, owner, specs)
+        used = {**stored, **(found[0].param_dst.get(found[1], {}) if found else {})}
         steps = tensor_steps(stored, used, groups, consumer=consumer_axes(owner.module, analysis), src_varying=set(),
                              where=f"parameter {name}")
         if leaf in param_steps and _signature(param_steps[leaf]) != _signature(steps):

@@ -57,15 +57,28 @@ def tied_leaves(model: nn.Module) -> tuple[dict[str, str], dict[str, Owner]]:
     return leaf_of, owners
 
 
+def declared(name: str, owner: Owner, specs: Mapping[str, ModuleSpec]) -> tuple[ModuleSpec, str] | None:
+    """The spec that declares parameter ``name`` and the name it uses: the owner's own spec, else
+    the nearest planned ancestor naming it by its dotted path below it (a ``Local`` over a block
+    declares ``"q_proj.weight"``).  None: no spec declares it (stored Replicate)."""
+    module = owner.module
+    while True:
+        spec, rel = specs.get(module), name[len(module) + 1 :] if module else name
+        if spec is not None and (rel in spec.params or rel in spec.param_dst):
+            return spec, rel
+        if not module:
+            return None
+        module = module.rpartition(".")[0]
+
+
 def place_parameters(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, specs: Mapping[str, ModuleSpec]) -> Placed:
     """Storage placements, local shapes and offsets of every leaf (see the module docstring)."""
     leaf_of, owners = tied_leaves(model)
     rules = plan.param_rules(model)
     chosen: dict[str, _Choice] = {}
     for name, leaf in leaf_of.items():
-        owner = owners[name]
-        spec = specs.get(owner.module)
-        per_axis, blocks = (spec.params.get(owner.name, {}), spec.param_blocks.get(owner.name)) if spec else ({}, None)
+        found = declared(name, owners[name], specs)
+        per_axis, blocks = (found[0].params.get(found[1], {}), found[0].param_blocks.get(found[1])) if found else ({}, None)
         if name in rules:
             per_axis, blocks = {plan.tp_axis: rules[name].placement}, rules[name].blocks
         placements = mesh_placements(per_axis, mesh, f"parameter {name}")

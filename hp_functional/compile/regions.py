@@ -5,7 +5,8 @@ A module is rank-varying on an axis when it (or a planned module below it) holds
 sharded on that axis, or takes an input that is sharded or partial there (``ModuleSpec.varying``
 forces it either way).  A rank-varying module whose inputs are made Replicate is a region: its
 replicated inputs' gradients are per-rank partial sums inside it, reduced once at its entry
-(JAX's varying/invariant values).  Reads the specs only.
+(JAX's varying/invariant values); ``ModuleSpec.region`` forces it (``Local`` entries are regions).
+Reads the specs only.
 """
 
 from __future__ import annotations
@@ -47,12 +48,15 @@ def analyse_regions(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec],
         inside = frozenset().union(*(v.region for m, v in out.items() if is_below(p.fqn, m)))
         varying = set(inside)
         for axis in axes:
-            if spec.varying is not None:
-                if spec.varying and axis == p.axis:
+            if spec.varying is not None and axis == p.axis:  # forced on the style's own axis
+                if spec.varying:
                     varying.add(axis)
             elif axis in below or any(isinstance(d.get(axis), (Shard, Partial)) for d in spec.in_dst.values()):
                 varying.add(axis)
-        region = frozenset(a for a in varying if any(isinstance(d.get(a), Replicate) for d in spec.in_dst.values()))
+        if spec.region is None:
+            region = frozenset(a for a in varying if any(isinstance(d.get(a), Replicate) for d in spec.in_dst.values()))
+        else:
+            region = frozenset(varying) if spec.region else frozenset()
         out[p.fqn] = Varying(frozenset(varying), region, inside)
     return out
 

@@ -15,3 +15,9 @@ class PlanMismatchError(PlanError):
 
 class PlanWarning(UserWarning):
     """The plan is applicable but probably not what was meant (see ``lint``)."""
+
+
+class ReplicationError(RuntimeError):
+    """A value declared Replicate differs across the ranks of its axis (``Local(check=True)``,
+    ``validate``): a partial sum left unreduced or a rank-dependent value.  Raised on every rank
+    of the axis alike (the check all-gathers first)."""

@@ -7,7 +7,7 @@ without importing the driver that builds them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -45,13 +45,6 @@ class Boundary:
     varying: set[str] = field(default_factory=set)
 
 
-class LossParallel(NamedTuple):
-    """The vocab-parallel loss of ``loss_parallel`` plans: the vocab axis and this rank's first id."""
-
-    group: AxisGroup
-    vocab_start: int
-
-
 @dataclass
 class Program:
     """Everything ``build_program`` decided: placements, boundaries and parameter conversions."""
@@ -63,4 +56,3 @@ class Program:
     param_steps: dict[str, list[Step]]  # leaf key → conversions applied before the forward
     groups: dict[str, AxisGroup]
     dtypes: dict[str, torch.dtype]  # leaf key → dtype (for the cross-rank fingerprint)
-    loss_parallel: LossParallel | None = None

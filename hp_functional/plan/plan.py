@@ -19,7 +19,9 @@ from torch.distributed.tensor import Shard
 
 from ..core.errors import PlanError
 from ..core.program import Planned
-from .styles import HF_STYLES, Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers
+from .hf_styles import HF_STYLES
+from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers
+from .vocab import loss_parallel_root
 
 
 class Candidate(NamedTuple):
@@ -122,8 +124,8 @@ class ShardingPlan:
         for pattern, style in self.entries.items():
             if isinstance(style, ModuleSpec):
                 bad = (style.axes or {self.tp_axis}) - set(names)  # a spec naming no axis acts on tp_axis
-            else:
-                bad = {self._axis(style, names)} - set(names)
+            else:  # a Local may also name other axes in its layouts
+                bad = ({self._axis(style, names)} | getattr(style, "named_axes", set())) - set(names)
             if bad:
                 axis = sorted(bad)[0]
                 hint = (f"; the plan acts on tp_axis={axis!r}: name the mesh's tensor-parallel axis with "
@@ -139,6 +141,12 @@ class ShardingPlan:
         chosen = {path: most_specific(path, cands) for path, cands in candidates.items()}
         head = self.loss_head(model) if self.loss_parallel else None
         out = []
+        if head is not None:  # the loss on the vocab-sharded logits: a Local entry on the root
+            if "" in chosen:
+                raise PlanError(f"loss_parallel computes the loss in a Local entry on the root module, which the plan "
+                                f"already plans ({chosen[''][0]!r}: {chosen[''][1]}); drop loss_parallel or that entry")
+            axis = self._axis(self.entries[next(p for p in self.entries if path_matches(p, head))], names)
+            out.append(Planned("", model, loss_parallel_root(axis), axis, "(loss_parallel)"))
         for path, module in modules.items():
             if path in chosen:
                 pattern, style = chosen[path]

@@ -11,7 +11,8 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .plan import ShardingPlan
-from .styles import Colwise, ModuleSpec, PrepareInput, Rowwise, SequenceParallel, VocabEmbedding
+from .styles import Colwise, ModuleSpec, PrepareInput, Rowwise, SequenceParallel
+from .vocab import VocabEmbedding
 
 
 def llama_sp_plan(tp_axis: str = "tp") -> ShardingPlan:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..core.collectives import AxisGroup
@@ -32,9 +31,12 @@ class Style:
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         raise NotImplementedError
 
-    def local_forward(self, module: nn.Module, group: AxisGroup, forward: Callable) -> Callable:
-        """The forward to run on local shards, given the module's own ``forward``.  ``module`` is
-        the private skeleton's copy, so a style may localise its attributes."""
+    def local_forward(self, module: nn.Module, forward: Callable, *, fqn: str, axis: str,
+                      axes: Mapping[str, AxisGroup]) -> Callable:
+        """The forward to run on local shards, given the module's own ``forward``, its path, the
+        style's axis and every mesh axis's group.  ``module`` is the private skeleton's copy, so a
+        style may localise its attributes.  Styles whose compute is not the module's own forward
+        build it with the public ``Local`` (``plan.local``)."""
         return forward
 
 
@@ -42,14 +44,20 @@ class Style:
 class ModuleSpec(Style):
     """The boundary contract of one module, placements keyed by mesh axis name.
 
-    ``params``: how each direct parameter is stored (missing: Replicate).
+    ``params``: how each parameter is stored (missing: Replicate); its own by name, a descendant's
+    by its dotted path below the module (``"q_proj.weight"``) unless a planned module nearer to it
+    declares it.
     ``param_dst``: how it is used in the forward, when that differs (Rowwise bias: Partial).
     ``in_src``/``in_dst``: placement of a forward argument as it arrives / as the module needs it.
     ``out_src``/``out_dst``: placement of an output as produced / as handed on.
-    ``varying``: force (True/False) whether the module's compute differs per rank on its axes;
-    None derives it (sharded params here or below, or a sharded input).
+    ``varying``: force (True/False) whether the module's compute differs per rank on its style's
+    axis; None derives it (sharded params here or below, or a sharded input), as on other axes.
     ``divide_attrs``: integer attributes (head counts) the skeleton's copy of the module holds
     divided by the axis size, for modules that reshape with ``self.num_heads``.
+    ``region``: force whether the module is a rank-varying region on its varying axes (the
+    gradients of replicated values inside it are per-rank partial sums, reduced once at its
+    entry: its replicated parameters' and Replicate inputs'); None: a region when it is varying
+    and takes a Replicate input (``compile.regions``).  ``Local`` entries are regions.
     ``param_blocks``: packed parameters (fused ``gate_up_proj``/``qkv_proj``): a number of equal
     sub-blocks, or their sizes, along the sharded dim; each block is sharded separately.
     """
@@ -63,13 +71,15 @@ class ModuleSpec(Style):
     varying: bool | None = None
     divide_attrs: tuple[str, ...] = ()
     param_blocks: Mapping[str, int | tuple[int, ...]] = field(default_factory=dict)
+    region: bool | None = None
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         """A ModuleSpec in a plan is used as written."""
-        own = dict(module.named_parameters(recurse=False))
-        for name in {*self.params, *self.param_dst}:
+        own = dict(module.named_parameters())
+        for name in sorted({*self.params, *self.param_dst}):
             if name not in own:
-                raise PlanError(f"{fqn}: ModuleSpec names parameter {name!r}, module has {sorted(own)}")
+                raise PlanError(f"{fqn or '<root module>'}: the plan names parameter {name!r}, module has "
+                                f"{sorted(own)[:12]}")
         return self
 
     @property
@@ -233,58 +243,6 @@ class PrepareOutput(Style):
 
     def __hash__(self) -> int:
         return hash((tuple(self.outputs.items()), self.axis))
-
-
-@dataclass(frozen=True)
-class VocabEmbedding(Style):
-    """Vocab-parallel ``nn.Embedding``: the table is Shard(0); each rank looks up the ids in its
-    range (others shifted into range and zeroed), and the partial rows are all-reduced, or
-    reduce-scattered onto the sequence dim with ``output_layout=Shard(1)``."""
-
-    output_layout: Placement = Replicate()
-    axis: str | None = None
-
-    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
-        _require(module, (nn.Embedding,), self, fqn)
-        if module.max_norm is not None:
-            raise PlanError(f"{fqn}: VocabEmbedding does not support max_norm (it renormalises rows in place)")
-        return ModuleSpec(
-            params={"weight": {axis: Shard(0)}},
-            out_src={"output": {axis: Partial()}},
-            out_dst={"output": {axis: self.output_layout}},
-        )
-
-    def local_forward(self, module: nn.Module, group: AxisGroup, forward: Callable) -> Callable:
-        rows = module.num_embeddings // group.size
-        start = group.rank * rows
-        pad = module.padding_idx
-        # the skeleton's copy sees its local table (subclasses such as scaled embeddings keep working)
-        module.num_embeddings = rows
-        module.padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
-
-        def local(ids: Tensor) -> Tensor:
-            shifted = ids - start
-            keep = (shifted >= 0) & (shifted < rows)
-            out = forward(torch.where(keep, shifted, 0))
-            return out * keep.unsqueeze(-1).to(out.dtype)
-
-        return local
-
-
-#: HF ``tp_plan`` strings → styles (``from_hf``); other strings raise naming style and module.
-HF_STYLES: dict[str, Any] = {
-    "colwise": Colwise(),
-    "rowwise": Rowwise(),
-    "colwise_gather_output": Colwise(gather_output=True),
-    "colwise_rep": Colwise(gather_output=True),
-    "rowwise_split_input": Rowwise(input_layout=Replicate()),
-    "rowwise_rep": Rowwise(input_layout=Replicate()),
-    "replicated_with_grad_allreduce": NoParallel(reduce_grads=True),
-    "embedding_rowwise": VocabEmbedding(),
-    "packed_colwise": Colwise(packed=2),
-    "sequence_parallel": SequenceParallel(),
-    "replicate": NoParallel(),
-}
 
 
 @dataclass(frozen=True)

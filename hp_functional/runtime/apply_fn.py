@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from ..core.errors import PlanError
 from ..core.program import Program
 from .boundary import ConversionCache
-from .loss import causal_lm_loss
 
 
 def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None) -> Callable:
@@ -38,7 +37,6 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     slots = tuple(slots)
     converted = tuple(i for i, s in enumerate(steps) if s)
     devices = frozenset({program.mesh.device_type, "meta"})  # meta: shapes only (explain, simulate)
-    loss_parallel = program.loss_parallel
 
     def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
         values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, key_set)
@@ -51,7 +49,6 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
             for i in converted:
                 for step in steps[i]:
                     values[i] = step(values[i])
-        labels = kwargs.pop("labels", None) if loss_parallel else None
         try:
             for i, store, name, _ in slots:
                 store[name] = values[i]
@@ -61,8 +58,6 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
                 store[name] = placeholder
             if cache:
                 cache.clear()
-        if labels is not None:
-            out["loss"] = causal_lm_loss(out.logits, labels, loss_parallel.group, loss_parallel.vocab_start)
         return out
 
     apply_fn.program = program  # for explain() and tests; read-only by convention

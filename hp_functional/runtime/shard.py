@@ -59,10 +59,11 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
     cache: ConversionCache = {}  # input conversions shared within one apply_fn call
     for b in program.boundaries:
         module = skeleton.get_submodule(b.planned.fqn)
-        group = program.groups[b.planned.axis]
+        size = program.groups[b.planned.axis].size
         for attr in b.spec.divide_attrs:
-            setattr(module, attr, getattr(module, attr) // group.size)
-        inner = b.planned.style.local_forward(module, group, module.forward)
+            setattr(module, attr, getattr(module, attr) // size)
+        inner = b.planned.style.local_forward(module, module.forward, fqn=b.planned.fqn, axis=b.planned.axis,
+                                              axes=program.groups)
         install_boundary(module, b.planned.fqn, inner, b.in_steps, b.out_steps, cache)
     blocks = install_checkpoints(skeleton, checkpoint, program.leaf_of, cache, program.mesh.device_type) if checkpoint else {}
     if install is not None:

@@ -9,7 +9,8 @@
   ``torch.ops._c10d_functional`` collective.  Forward collectives belong to the innermost
   planned module running; backward ones to the module whose forward created the autograd node
   that runs them (autograd sequence numbers).  Parameter-gradient reductions are listed under
-  the module that owns the parameter; loss-parallel collectives under ``(loss)``.
+  the module that owns the parameter; those after the forward under ``(loss)`` (a loss-parallel
+  plan's loss is a ``Local`` on the root module: under ``""``).
 * ``memory``: per-rank parameter bytes, sharded vs replicated (shards are even, so every rank
   holds the same amounts).
 

@@ -10,7 +10,10 @@ scalar through each, and compares:
   Replicate when it has the reference's shape, else as Shard(d) on the one dim that is 1/n of it;
 * every parameter's gradient, gathered with ``unshard``;
 * that every replicated parameter's gradient is bit-identical across the ranks of each axis the
-  plan acts on (other axes, e.g. ``dp``, may legitimately see other data).
+  plan acts on (other axes, e.g. ``dp``, may legitimately see other data);
+* that every output a ``Local`` entry declares Replicate is the same on every rank of its axis
+  (``Local(check=...)``, turned on here): a partial sum its ``fn`` left unreduced or a
+  rank-dependent value is reported naming the module and the output.
 
 Output hooks go on the private copy *before* ``shard()`` reads it, so the private skeleton
 inherits them; the user's model is never touched.  Everything local (arguments, the plan, the
@@ -22,6 +25,7 @@ will gather before gathering anything, so a disagreement raises everywhere inste
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -34,10 +38,11 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..compile.agree import digest as stable_digest
 from ..core.collectives import AxisGroup, raw_all_gather
-from ..core.errors import PlanError
+from ..core.errors import PlanError, ReplicationError
 from ..core.placement import fmt_placements as _fmt
 from ..core.placement import to_full, unshard
 from ..core.program import Boundary, Program
+from ..plan.local import Local
 from ..plan.plan import ShardingPlan, as_plan
 from ..runtime.loss import output_items, scalar_loss
 from ..runtime.shard import shard
@@ -238,6 +243,8 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
     for p in ref.parameters():
         p.grad = None
     rec = OutputRecorder()
+    replication: list[ReplicationError] = []
+    plan = _checking_locals(plan, replication.append)
     for p in plan.resolve(ref, mesh):
         ref.get_submodule(p.fqn).register_forward_hook(rec.hook(p.fqn))
     apply_fn, params, infos = shard(ref, plan, mesh)  # the skeleton is a deep copy of ``ref``: it inherits the hooks
@@ -283,7 +290,15 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
     mods = [d for d in mods if not d.ok] + sorted((d for d in mods if d.ok), key=lambda d: -d.max_rel)
     prms = sorted(prms, key=lambda d: (d.ok, -d.max_rel))
     bad = [ReplicaMismatch(r.param, r.axis, w[0]) for r, w in zip(replicas, worst[len(rows):], strict=True) if w[1]]
-    return ValidationReport(mods, prms, sorted(bad, key=lambda r: -r.max_abs), mode="numeric", tolerance=tol)
+    return ValidationReport(mods, prms, sorted(bad, key=lambda r: -r.max_abs), mode="numeric", tolerance=tol,
+                            replication=list(dict.fromkeys(str(e) for e in replication)))
+
+
+def _checking_locals(plan: ShardingPlan, on_mismatch: Callable[[ReplicationError], None]) -> ShardingPlan:
+    """``plan`` with its ``Local`` entries' replication check reporting to ``on_mismatch`` (a new plan)."""
+    entries = {k: dataclasses.replace(s, check=on_mismatch) if isinstance(s, Local) else s for k, s in plan.entries.items()}
+    return ShardingPlan(entries, plan.tp_axis, loss_parallel=plan.loss_parallel, special_handlers=plan.special_handlers,
+                        handlers=plan.handlers)
 
 
 def _entries(boundaries: dict[str, Boundary], ref_out: dict, local_out: dict, axes: list[str], groups) -> list[_Entry]:

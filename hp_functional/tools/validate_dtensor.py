@@ -13,8 +13,10 @@ Checkable: every style whose compute is the module's own forward — ``Colwise``
 ``SequenceParallel``, ``Replicate``, ``PrepareInput``/``PrepareOutput``, ``Heads`` (DTensor
 works on global shapes, so no head counts are divided) and ``ModuleSpec``.  ``VocabEmbedding``
 is checked with DTensor's own embedding rule standing in for the style's masked local lookup
-(a broken ``local_forward`` is numeric mode's job).  Not checkable: packed parameters (DTensor
-has no layout for them; rejected up front), the vocab-parallel ``labels=`` loss of
+(a broken ``local_forward`` is numeric mode's job).  Not checkable: ``Local`` entries (their
+compute is a hand-written ``fn``, not the module's forward: numeric mode and its replication
+check cover them), packed parameters (DTensor has no layout for them; rejected up front), the
+vocab-parallel ``labels=`` loss of
 ``loss_parallel`` plans (rejected up front: pass no labels), ``param_dst`` (DTensor decides how
 a Rowwise bias meets the partial sums itself) and forwards DTensor cannot dispatch (a
 ``PlanError`` names the innermost planned module).  DTensor may reduce a Partial value earlier
@@ -40,6 +42,7 @@ from ..core.errors import PlanError
 from ..core.placement import mesh_placements, slice_local, to_dtensor
 from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments, map_output, output_index
+from ..plan.local import Local
 from ..plan.plan import ShardingPlan, as_plan
 from ..runtime.skeleton import build_skeleton
 from .validation_report import PlacementMismatchError
@@ -103,6 +106,8 @@ def check_placements(
 
     trail = _Trail()
     for b in program.boundaries:
+        if isinstance(b.planned.style, Local):  # its compute is fn, not the module's forward: numeric mode's job
+            continue
         _attach(dmodel.get_submodule(b.planned.fqn), b, mesh, trail)
     if "use_cache" in inspect.signature(dmodel.forward).parameters and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}  # HF's KV cache concatenates plain tensors with DTensors

@@ -73,10 +73,12 @@ class ValidationReport:
     placements_checked: int = 0  # dtensor mode: declared placements compared with DTensor's
     mode: str = "numeric"
     tolerance: float = 0.0
+    replication: list[str] = field(default_factory=list)  # Local outputs declared Replicate that differ per rank
 
     @property
     def ok(self) -> bool:
-        return not (self.failed_modules or self.failed_params or self.mismatched_replicas or self.placement_mismatches)
+        return not (self.failed_modules or self.failed_params or self.mismatched_replicas or self.placement_mismatches
+                    or self.replication)
 
     @property
     def failed_modules(self) -> list[Diff]:
@@ -92,7 +94,7 @@ class ValidationReport:
             return f"validate (dtensor): ok, {self.placements_checked} declared placements match DTensor propagation"
         if self.ok:
             return f"validate ({self.mode}): ok, {len(self.modules)} module outputs and {len(self.params)} gradients match"
-        parts = [str(e) for e in self.placement_mismatches[:1]]
+        parts = [str(e) for e in self.placement_mismatches[:1]] + self.replication[:1]
         if self.failed_modules:
             d = self.failed_modules[0]
             parts.append(f"first diverging module {d.name} {d.what} (max|Δ| {d.max_abs:.3g}, rel {d.max_rel:.3g})")
@@ -103,13 +105,15 @@ class ValidationReport:
             r = self.mismatched_replicas[0]
             parts.append(f"replicated gradient {r.param} differs across axis {r.axis!r} (max|Δ| {r.max_abs:.3g})")
         counts = [(len(self.placement_mismatches), "placements"), (len(self.failed_modules), "module outputs"),
-                  (len(self.failed_params), "gradients"), (len(self.mismatched_replicas), "replicated gradients")]
+                  (len(self.failed_params), "gradients"), (len(self.mismatched_replicas), "replicated gradients"),
+                  (len(self.replication), "replicated Local outputs")]
         failing = ", ".join(f"{n} {what}" for n, what in counts if n)
         return f"validate ({self.mode}) failed: " + "; ".join(parts) + f" [failing: {failing}]"
 
     def __str__(self) -> str:
         lines = [self.summary()]
         lines += [f"  placement  {e}" for e in self.placement_mismatches]
+        lines += [f"  FAIL replication {e}" for e in self.replication]
         rows = [("module", d) for d in self.modules] + [("grad", d) for d in self.params]
         if rows:
             width = max(len(d.name) + len(d.what) for _, d in rows) + 1

@@ -1,0 +1,152 @@
+"""The vocab-parallel styles, written on the public ``Local`` mechanism (``plan.local``):
+
+* ``VocabEmbedding`` — an ``nn.Embedding`` with its table Shard(0): each rank looks up the ids in
+  its range (the others shifted into range and zeroed) and the partial rows leave as Partial;
+* ``LossParallelForward`` — the root of a ``loss_parallel`` plan: the model's own forward
+  without ``labels``, then HF's causal-LM loss on the vocab-sharded logits
+  (``vocab_parallel_cross_entropy``), so the full logits never exist.
+
+The cross entropy: per row, the max is agreed across ranks (a detached all-gather: any common
+shift is exact), the sum of exponentials and the target logit (fetched by the rank that owns it,
+zero elsewhere) are summed with ``reduce_from`` — the loss is replicated, so each rank's partial
+term receives the full gradient.  Everything is built from the public collectives, so it works
+under ``.backward()``, ``torch.func.grad`` and ``vmap``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from ..core import collectives as C
+from ..core.collectives import AxisGroup
+from ..core.errors import PlanError
+from .local import Local
+from .styles import ModuleSpec, Style, _require
+
+
+def _localise_table(module: nn.Embedding, axes: Mapping[str, AxisGroup], *, axis: str) -> None:
+    """The skeleton's copy sees its local table (subclasses such as scaled embeddings keep working)."""
+    g = axes[axis]
+    rows = module.num_embeddings // g.size
+    start, pad = g.rank * rows, module.padding_idx
+    module.num_embeddings = rows
+    module.padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
+
+
+def vocab_parallel_lookup(module: nn.Embedding, axes: Mapping[str, AxisGroup], ids: Tensor, *, axis: str) -> Tensor:
+    """This rank's partial rows: the ids in its range through the module's own forward, the rest zeroed."""
+    rows = module.num_embeddings  # already local (``_localise_table``)
+    shifted = ids - axes[axis].rank * rows
+    keep = (shifted >= 0) & (shifted < rows)
+    out = type(module).forward(module, torch.where(keep, shifted, 0))
+    return out * keep.unsqueeze(-1).to(out.dtype)
+
+
+@dataclass(frozen=True)
+class VocabEmbedding(Style):
+    """Vocab-parallel ``nn.Embedding``: the table is Shard(0); each rank looks up the ids in its
+    range (others shifted into range and zeroed), and the partial rows are all-reduced, or
+    reduce-scattered onto the sequence dim with ``output_layout=Shard(1)``.  A ``Local`` entry."""
+
+    output_layout: Placement = Replicate()
+    axis: str | None = None
+
+    def local(self, axis: str) -> Local:
+        """The ``Local`` this style is."""
+        return Local(partial(vocab_parallel_lookup, axis=axis), params={"weight": Shard(0)},
+                     out_src={"output": Partial()}, out_dst={"output": self.output_layout},
+                     setup=partial(_localise_table, axis=axis))
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        _require(module, (nn.Embedding,), self, fqn)
+        if module.max_norm is not None:
+            raise PlanError(f"{fqn}: VocabEmbedding does not support max_norm (it renormalises rows in place)")
+        return self.local(axis).spec(module, fqn, axis)
+
+    def local_forward(self, module, forward, *, fqn, axis, axes):
+        return self.local(axis).local_forward(module, forward, fqn=fqn, axis=axis, axes=axes)
+
+
+@dataclass(frozen=True)
+class LossParallelForward:
+    """The ``Local`` fn of a ``loss_parallel`` plan's root: the model's forward without
+    ``labels``, then ``out["loss"]`` from the vocab-sharded logits (this rank's slice starts at
+    ``rank * local vocab``: a Colwise head divides the vocabulary evenly)."""
+
+    axis: str
+
+    def __call__(self, module: nn.Module, axes: Mapping[str, AxisGroup], *args, labels: Tensor | None = None, **kwargs):
+        out = type(module).forward(module, *args, **kwargs)
+        if labels is not None:
+            g = axes[self.axis]
+            out["loss"] = causal_lm_loss(out.logits, labels, g, g.rank * out.logits.shape[-1])
+        return out
+
+
+def loss_parallel_root(axis: str) -> Local:
+    """The root entry a ``loss_parallel`` plan adds (``ShardingPlan.resolve``)."""
+    return Local(LossParallelForward(axis), varying=False, axis=axis)
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: Tensor,
+    labels: Tensor,
+    mesh: DeviceMesh | C.AxisGroup,
+    axis: str = "tp",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    vocab_start: int | None = None,
+) -> Tensor:
+    """``F.cross_entropy(full_logits, labels)`` where each rank holds ``local_logits[..., V_r]``,
+    its contiguous slice of the vocabulary starting at ``vocab_start`` (found with one tiny
+    all-gather when None; slices may differ in size).  ``labels`` has ``local_logits.shape[:-1]``."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    g = mesh if isinstance(mesh, C.AxisGroup) else C.AxisGroup.from_mesh(mesh, axis)
+    v_local = local_logits.shape[-1]
+    if vocab_start is None:
+        sizes = C.raw_all_gather(torch.tensor([v_local], device=local_logits.device), 0, g).tolist()
+        vocab_start, vocab_size = sum(sizes[: g.rank]), sum(sizes)
+    else:
+        vocab_size = None
+    logits = local_logits if local_logits.dtype == torch.float64 else local_logits.float()  # fp32 at least
+
+    local_max = logits.detach().amax(-1, keepdim=True)
+    shift = C.all_gather(local_max, -1, g).amax(-1)  # detached: the same constant on every rank
+    sum_exp = C.reduce_from(torch.exp(logits - shift.unsqueeze(-1)).sum(-1), g)
+    lse = torch.log(sum_exp) + shift
+
+    local_label = labels - vocab_start
+    owned = (local_label >= 0) & (local_label < v_local)
+    picked = logits.gather(-1, torch.where(owned, local_label, 0).unsqueeze(-1)).squeeze(-1)
+    target = C.reduce_from(picked * owned.to(picked.dtype), g)
+    loss = lse - target
+    if label_smoothing:
+        if vocab_size is None:
+            vocab_size = int(C.raw_all_reduce(torch.tensor([v_local], device=logits.device), g).item())
+        mean_logit = C.reduce_from(logits.sum(-1), g) / vocab_size
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mean_logit)
+
+    valid = labels != ignore_index
+    loss = loss * valid.to(loss.dtype)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()
+
+
+def causal_lm_loss(local_logits: Tensor, labels: Tensor, group: C.AxisGroup, vocab_start: int) -> Tensor:
+    """HF's causal-LM loss (labels shifted left, -100 ignored, mean) on vocab-sharded logits."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    return vocab_parallel_cross_entropy(local_logits, shifted, group, vocab_start=vocab_start)
+
+

@@ -164,9 +164,11 @@ class Local(Style):
         return local
 
     def _replicated_outputs(self, axes: Mapping[str, AxisGroup], axis: str) -> tuple[tuple[Key, AxisGroup], ...]:
-        """(output key, group) for every output ``fn`` returns as Replicate on an axis of size > 1."""
+        """(output key, group) for every declared output (``out_src``, or ``out_dst`` alone) that
+        ``fn`` returns as Replicate on an axis of size > 1.  An undeclared output of a region may
+        leave as its input came in (``compile.lower``), so it is not checked."""
         declared = _per_axis(self.out_src, axis, "out_src")
-        keys = dict.fromkeys(["output", *declared, *self.out_dst])
+        keys = dict.fromkeys([*declared, *self.out_dst])
         out = []
         for key in keys:
             for a, g in axes.items():

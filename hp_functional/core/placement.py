@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -152,21 +153,59 @@ def _packed_split(info: ShardInfo) -> tuple[int, int, int]:
     return d, n, info.offset[d] // (info.blocks[0] // n)
 
 
-def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
-    """The local shard of ``full`` as a new tensor that owns its storage (inverse: ``unshard``)."""
+class Box(NamedTuple):
+    """One box of a local shard: ``size`` elements per dim starting at ``start`` in the global
+    tensor and at ``local`` in the local shard.  A plain layout is one box; a packed one is a box
+    per block; an ``hpf.fsdp`` row split keeps the rows of its inner boxes that this rank holds."""
+
+    start: tuple[int, ...]
+    local: tuple[int, ...]
+    size: tuple[int, ...]
+
+    def of_global(self, full: Tensor) -> Tensor:
+        """This box's view of the global tensor (``full`` or anything indexed like it)."""
+        return full[tuple(slice(s, s + n) for s, n in zip(self.start, self.size, strict=True))]
+
+    def of_local(self, local: Tensor) -> Tensor:
+        """This box's view of the local shard."""
+        return local[tuple(slice(s, s + n) for s, n in zip(self.local, self.size, strict=True))]
+
+
+def boxes(info: ShardInfo) -> list[Box]:
+    """The boxes that make up this rank's local shard, in local order, none empty (the one map
+    from local shards to global indices: slicing, weight reading and checkpoints use it)."""
     if info.split:
         g = AxisGroup.from_mesh(info.mesh, info.split.axis)
-        start, rows = info.split.span(g.size, g.rank)
-        return slice_local(full, info.split.inner).narrow(0, start, rows).clone()
+        first, rows = info.split.span(g.size, g.rank)
+        out = []
+        for b in boxes(info.split.inner):
+            lo, hi = max(b.local[0], first), min(b.local[0] + b.size[0], first + rows)
+            if lo < hi:
+                out.append(Box((b.start[0] + lo - b.local[0], *b.start[1:]), (lo - first, *b.local[1:]),
+                               (hi - lo, *b.size[1:])))
+        return out
     if info.blocks:
         d, n, r = _packed_split(info)
-        pieces = [blk.chunk(n, d)[r] for blk in full.split(list(info.blocks), d)]
-        return torch.cat(pieces, d).detach().clone()
-    local = full
-    for d, (start, size) in enumerate(zip(info.offset, info.local_shape, strict=True)):
-        if size != full.shape[d]:
-            local = local.narrow(d, start, size)
-    return local.detach().clone()
+        out, block_start, local_start = [], 0, 0
+        for size in info.blocks:
+            c = size // n
+            out.append(Box((*info.offset[:d], block_start + r * c, *info.offset[d + 1:]),
+                           (*(0,) * d, local_start, *(0,) * (len(info.offset) - d - 1)),
+                           (*info.local_shape[:d], c, *info.local_shape[d + 1:])))
+            block_start, local_start = block_start + size, local_start + c
+        return out
+    if 0 in info.local_shape and info.local_shape:
+        return []
+    return [Box(tuple(info.offset), (0,) * len(info.offset), tuple(info.local_shape))]
+
+
+def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
+    """The local shard of ``full`` as a new tensor that owns its storage (inverse: ``unshard``)."""
+    local = full.new_empty(info.local_shape)
+    with torch.no_grad():
+        for box in boxes(info):
+            box.of_local(local).copy_(box.of_global(full))
+    return local
 
 
 def to_full(local: Tensor, placements: Sequence[Placement], groups: Sequence[AxisGroup]) -> Tensor:

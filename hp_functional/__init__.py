@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from .compile.lint import Finding
     from .core import collectives
     from .core.errors import PlanError, PlanMismatchError, PlanWarning, ReplicationError, ShapeError
-    from .core.placement import ShardInfo, slice_local, to_dtensor, unshard
+    from .core.gather import unshard
+    from .core.placement import ShardInfo, slice_local, to_dtensor
     from .core.program import Program
     from .plan.local import Local
     from .plan.plan import ShardingPlan
@@ -69,7 +70,7 @@ _LAZY: dict[str, str] = {
     "ShardInfo": ".core.placement",
     "slice_local": ".core.placement",
     "to_dtensor": ".core.placement",
-    "unshard": ".core.placement",
+    "unshard": ".core.gather",
     "Program": ".core.program",
     "ShardingPlan": ".plan.plan",
     "llama_sp_plan": ".plan.recipes",

@@ -25,7 +25,7 @@ def train(steps: int = 8, lr: float = 0.2, device: str = "cpu") -> list[tuple[fl
     from torch.distributed.device_mesh import init_device_mesh
     from tqdm import tqdm
 
-    from ..core.placement import unshard
+    from ..core.gather import unshard
     from ..plan.plan import ShardingPlan
     from ..runtime.shard import shard
 

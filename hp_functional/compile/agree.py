@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..core.collectives import mesh_device
 from ..core.errors import PlanMismatchError
 from ..core.program import Program
 
@@ -114,7 +115,7 @@ def _gather(value, mesh, timeout: timedelta | None):
     One collective over the default group when the mesh spans the world, else one per mesh dim
     (each stage gathers what the previous one collected).  Returns (values, ranks) in one order."""
     world = dist.get_world_size()
-    device = torch.device(mesh.device_type, torch.accelerator.current_device_index()) if mesh.device_type != "cpu" else "cpu"
+    device = mesh_device(mesh)
     if mesh.size() == world:
         groups, order = [None], list(range(world))
     else:

@@ -105,6 +105,13 @@ class AxisGroup:
 
 
 # ---------------------------------------------------------------- raw (non-differentiable) ops
+def mesh_device(mesh) -> torch.device:
+    """The device this rank computes on for ``mesh``: its device type, the current accelerator index."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
 def raw_all_reduce(x: Tensor, g: AxisGroup) -> Tensor:
     return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", g.group_name))
 

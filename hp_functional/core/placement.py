@@ -200,7 +200,7 @@ def boxes(info: ShardInfo) -> list[Box]:
 
 
 def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
-    """The local shard of ``full`` as a new tensor that owns its storage (inverse: ``unshard``)."""
+    """The local shard of ``full`` as a new tensor that owns its storage (inverse: ``gather.unshard``)."""
     local = full.new_empty(info.local_shape)
     with torch.no_grad():
         for box in boxes(info):
@@ -220,41 +220,6 @@ def to_full(local: Tensor, placements: Sequence[Placement], groups: Sequence[Axi
             t = raw_all_gather(t, p.dim % t.dim(), g)
         elif isinstance(p, Partial):
             t = raw_all_reduce(t, g) / (g.size if p.reduce_op == "avg" else 1)
-    return t
-
-
-def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, Tensor]:
-    """Gather every local shard back to its full tensor (a collective: call on every rank;
-    inverse: ``slice_local``)."""
-    missing = sorted(set(params) - set(shard_info))
-    if missing:
-        raise PlanError(f"unshard: no shard_info for {missing[:5]}")
-    for name, local in params.items():  # every check before the first gather, so no rank hangs
-        info = shard_info[name]
-        if info.mesh.get_coordinate() is None:
-            raise PlanError(f"unshard: {name}: this rank is not in its shard_info's mesh {info.mesh.mesh.tolist()}")
-        if tuple(local.shape) != tuple(info.local_shape):
-            dims = dict(zip(info.mesh.mesh_dim_names, info.mesh.shape, strict=True))
-            raise ShapeError(
-                f"unshard: {name} has local shape {tuple(local.shape)} but its shard_info (mesh {dims}, "
-                f"{tuple(map(str, info.placements))}) expects {tuple(info.local_shape)}: shard_info from another mesh or plan?"
-            )
-    return {name: _unshard_one(local, shard_info[name]) for name, local in params.items()}
-
-
-def _unshard_one(local: Tensor, info: ShardInfo) -> Tensor:
-    """One leaf's full tensor (see ``unshard``)."""
-    if info.split:  # undo the row split first: every rank pads to the chunk size, gather, trim
-        g = AxisGroup.from_mesh(info.mesh, info.split.axis)
-        chunk, rows = info.split.chunk(g.size), info.split.rows
-        padded = torch.cat([local.detach(), local.new_zeros(chunk - local.shape[0], *local.shape[1:])])
-        return _unshard_one(raw_all_gather(padded, 0, g)[:rows], info.split.inner)
-    groups = [AxisGroup.from_mesh(info.mesh, axis) for axis in info.mesh.mesh_dim_names]
-    t = to_full(local, info.placements, groups)
-    if info.blocks:  # gathered as [rank0: b0 b1 .. | rank1: b0 b1 ..] -> [b0 of all ranks | b1 ..]
-        d, n, _ = _packed_split(info)
-        per_rank = [chunk.split([b // n for b in info.blocks], d) for chunk in t.chunk(n, d)]
-        t = torch.cat([per_rank[r][b] for b in range(len(info.blocks)) for r in range(n)], d)
     return t
 
 

@@ -11,6 +11,7 @@ Phases (hyper_parallel's ``apply_sharding_plan`` without touching the model):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,13 +21,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..compile.agree import agree
 from ..compile.build import build_program
-from ..core.placement import ShardInfo, slice_local
+from ..core.placement import ShardInfo
 from ..core.program import Program
 from ..plan.plan import ShardingPlan
 from .apply_fn import make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .checkpoint import Checkpoint, CheckpointPlan, install_checkpoints, neutralise_hf_checkpointing, resolve_checkpoint
 from .skeleton import build_skeleton
+from .values import Values
 
 #: ``install(skeleton, cache)``: a transform's last word on a freshly built skeleton (see ``Runtime``).
 Installer = Callable[[nn.Module, ConversionCache], None]
@@ -74,8 +76,9 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
 
 
 def shard(
-    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, agree_timeout: float | None = 300.0,
-    verify_values: bool = True, checkpoint: bool | Sequence[str] | Checkpoint | None = None,
+    model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
+    seed: int = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
+    checkpoint: bool | Sequence[str] | Checkpoint | None = None,
 ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
@@ -89,6 +92,13 @@ def shard(
     that does not arrive within ``agree_timeout`` seconds raises too (None: the process group's
     timeout).
 
+    ``weights`` (a safetensors file, a folder with ``model.safetensors`` or a sharded
+    checkpoint's index): the values come from there, each rank reading only its slices (build
+    ``model`` under ``torch.device("meta")`` so no rank ever holds it whole; ``docs/weights.md``).
+    Without ``weights``, parameters on the meta device are initialised by their module's own
+    init with generators seeded by ``(seed, module path)`` (``runtime.meta_init``); meta buffers
+    are recomputed by their module's init either way.
+
     ``checkpoint`` (activation checkpointing: a block keeps no activations in the forward and
     is recomputed in the backward; works under ``.backward()`` and ``torch.func`` transforms):
     None — follow the model: the decoder layers on which Hugging Face's
@@ -98,14 +108,12 @@ def shard(
     """
     program = build_program(model, plan, mesh)
     blocks = resolve_checkpoint(model, checkpoint)
-    values = dict(model.named_parameters()) | dict(model.named_buffers()) if verify_values else None
-    checkpointed = {"checkpoint": repr(blocks)}  # ranks that recompute different blocks would hang
-    agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout), values, checkpointed)
-    params = {
-        key: slice_local(model.get_parameter(key), info).requires_grad_(model.get_parameter(key).requires_grad)
-        for key, info in program.infos.items()
-    }
-    template = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of)
+    values = Values.prepare(model, program, weights, seed)
+    runtime = {"checkpoint": repr(blocks), **values.fingerprint}  # ranks that recompute different blocks would hang
+    agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout),
+          values.checked if verify_values else None, runtime)
+    params = values.local_shards()
+    template = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of, values.buffers)
     apply_fn = build_runtime(template, program, blocks)
     apply_fn.runtime = Runtime(template, program, blocks)  # for transforms (hpf.fsdp); read-only
     return apply_fn, params, program.infos

@@ -17,10 +17,12 @@ from torch import nn
 from ..core.errors import PlanError
 
 
-def build_skeleton(model: nn.Module, local_shapes: Mapping[str, torch.Size], leaf_of: Mapping[str, str]) -> nn.Module:
+def build_skeleton(model: nn.Module, local_shapes: Mapping[str, torch.Size], leaf_of: Mapping[str, str],
+                   buffers: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """A deep copy of ``model``'s structure with meta placeholders for parameters.
 
-    ``leaf_of`` maps every parameter FQN (aliases included) to its leaf key in the params pytree.
+    ``leaf_of`` maps every parameter FQN (aliases included) to its leaf key in the params pytree;
+    ``buffers`` (by FQN) replace the model's own (a meta model's, materialised by ``shard()``).
     """
     memo: dict[int, object] = {}
     placeholders: dict[str, nn.Parameter] = {}
@@ -30,8 +32,8 @@ def build_skeleton(model: nn.Module, local_shapes: Mapping[str, torch.Size], lea
             empty = torch.empty(local_shapes[key], dtype=p.dtype, device="meta")
             placeholders[key] = nn.Parameter(empty, requires_grad=p.requires_grad)
         memo[id(p)] = placeholders[key]
-    for b in model.buffers():
-        memo[id(b)] = b.detach().clone()
+    for name, b in model.named_buffers():
+        memo[id(b)] = buffers[name] if buffers is not None and name in buffers else b.detach().clone()
     try:
         return copy.deepcopy(model, memo)
     except Exception as exc:  # a module holding something that cannot be copied (a lock, a process group)

@@ -1,0 +1,133 @@
+"""Gathering local shards back to full tensors, bucketed: a few collectives per call, not one per leaf.
+
+Every rank sends its local shards of a bucket as one flat buffer (one all-gather per mesh dim)
+and, once per call, the boxes (``placement.boxes``) that say where each of its shards sits; each
+full tensor is then assembled from every rank's boxes.  One rule for every layout — plain,
+packed, ``hpf.fsdp`` row splits, uneven chunks — because the boxes are the layout.
+``unshard`` gathers everything at once; ``iter_full`` streams buckets of a bounded size
+(``hpf.export_hf`` writes one file per bucket, so no rank holds the whole model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import Replicate
+
+from .collectives import mesh_device
+from .errors import PlanError, ShapeError
+from .placement import Box, ShardInfo, boxes, fmt_placements
+
+
+def _mesh_groups(mesh):
+    """The process groups to gather over, and the global rank order the gathered rows come in."""
+    if mesh.size() == dist.get_world_size():
+        return [None], list(range(dist.get_world_size()))
+    return [mesh.get_group(d) for d in range(mesh.ndim)], mesh.mesh.permute(*reversed(range(mesh.ndim))).flatten().tolist()
+
+
+def _gather_objects(obj, mesh) -> list:
+    """Every mesh rank's ``obj``, in ``_mesh_groups`` order (one all_gather_object per mesh dim)."""
+    value = [obj]
+    for group in _mesh_groups(mesh)[0]:
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, value, group=group)
+        value = [v for chunk in out for v in chunk]
+    return value
+
+
+def _gather_flat(x: Tensor, mesh) -> Tensor:
+    """[world, n]: every mesh rank's flat ``x`` (equal sizes), one all-gather per mesh dim."""
+    for group in _mesh_groups(mesh)[0]:
+        out = x.new_empty((dist.get_world_size(group) * x.numel(),))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        x = out
+    return x.view(mesh.size(), -1)
+
+
+def check_gatherable(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], what: str) -> None:
+    """Every local check before a gather (so no rank hangs): an info per leaf, one mesh, this
+    rank in it, local shapes as the infos say."""
+    missing = sorted(set(params) - set(shard_info))
+    if missing:
+        raise PlanError(f"{what}: no shard_info for {missing[:5]}")
+    meshes = {id(shard_info[k].mesh) for k in params}
+    if len(meshes) > 1:
+        raise PlanError(f"{what}: the parameters are on {len(meshes)} different meshes; gather each mesh's separately")
+    for name, local in params.items():
+        info = shard_info[name]
+        if info.mesh.get_coordinate() is None:
+            raise PlanError(f"{what}: {name}: this rank is not in its shard_info's mesh {info.mesh.mesh.tolist()}")
+        if tuple(local.shape) != tuple(info.local_shape):
+            dims = dict(zip(info.mesh.mesh_dim_names, info.mesh.shape, strict=True))
+            raise ShapeError(
+                f"{what}: {name} has local shape {tuple(local.shape)} but its shard_info (mesh {dims}, "
+                f"{fmt_placements(info.placements)}) expects {tuple(info.local_shape)}: shard_info from another mesh or plan?"
+            )
+
+
+def _gather_bucket(keys: Sequence[str], params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
+                   layouts: list[tuple[tuple[int, ...], dict[str, tuple[tuple[int, ...], list[Box]]]]]) -> dict[str, Tensor]:
+    """Full tensors of ``keys`` (one dtype) from every rank's local shards and ``layouts``."""
+    mesh = shard_info[keys[0]].mesh
+    numels = [sum(math.prod(r[k][0]) for k in keys) for _, r in layouts]
+    mine = torch.cat([params[k].detach().reshape(-1) for k in keys]) if keys else torch.empty(0)
+    flat = torch.cat([mine, mine.new_zeros(max(numels) - mine.numel())]).to(mesh_device(mesh))
+    rows = _gather_flat(flat, mesh)
+    out = {k: rows.new_empty(shard_info[k].global_shape) for k in keys}
+    me = tuple(mesh.get_coordinate())
+    for row, (coord, layout) in zip(rows, layouts, strict=True):
+        start = 0
+        for k in keys:
+            shape, bxs = layout[k]
+            local = row[start:start + math.prod(shape)].view(shape)
+            start += local.numel()
+            if _same_replica(shard_info[k], coord, me):
+                for box in bxs:
+                    box.of_global(out[k]).copy_(box.of_local(local))
+    return out
+
+
+def _same_replica(info: ShardInfo, coord: tuple[int, ...], me: tuple[int, ...]) -> bool:
+    """Whether the rank at ``coord`` holds part of this rank's replica of ``info``'s tensor (the
+    same index on every mesh dim the tensor is not sharded on): a replicated value is taken
+    from this rank's own group, as a per-rank gradient would be."""
+    return all(c == m or not isinstance(p, Replicate) for p, c, m in zip(info.placements, coord, me, strict=True))
+
+
+def iter_full(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
+              bucket_bytes: int = 1 << 30) -> Iterator[dict[str, Tensor]]:
+    """The full tensors of ``params``, a bucket at a time (at most ``bucket_bytes`` of full
+    tensors per bucket unless one tensor alone is larger), on every rank; a collective: every
+    rank must consume every bucket.  Memory per rank: one bucket's shards from every rank."""
+    check_gatherable(params, shard_info, "gather")
+    if not params:
+        return
+    mesh = next(iter(shard_info[k] for k in params)).mesh
+    coord = tuple(mesh.get_coordinate())
+    layouts = _gather_objects((coord, {k: (tuple(shard_info[k].local_shape), boxes(shard_info[k])) for k in params}), mesh)
+    buckets: list[list[str]] = []
+    size, dtype = 0, None
+    for k, t in sorted(params.items(), key=lambda kv: str(kv[1].dtype)):  # stable: file order within a dtype
+        nbytes = math.prod(shard_info[k].global_shape) * t.element_size()
+        if not buckets or t.dtype != dtype or (size + nbytes > bucket_bytes and size):
+            buckets.append([])
+            size, dtype = 0, t.dtype
+        buckets[-1].append(k)
+        size += nbytes
+    for keys in buckets:
+        yield _gather_bucket(keys, params, shard_info, layouts)
+
+
+def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, Tensor]:
+    """Gather every local shard back to its full tensor on every rank (a collective: call on
+    every rank; one all-gather per mesh dim and dtype, plus one for the layouts; inverse:
+    ``slice_local``)."""
+    out: dict[str, Tensor] = {}
+    for bucket in iter_full(params, shard_info, bucket_bytes=1 << 62):
+        out |= bucket
+    return {k: out[k] for k in params}

@@ -1,0 +1,56 @@
+"""``from_pretrained``: a saved Hugging Face model straight to its shards, never whole on any rank.
+
+It reads ``config.json``, builds the model on the meta device (no memory), takes the plan the
+model declares (``ShardingPlan.from_hf``) unless one is given, and calls ``shard(...,
+weights=path)``, so each rank reads only its slices of the safetensors files.  Nothing is
+downloaded: ``path`` is a local folder (``save_pretrained``'s output).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.errors import PlanError
+from ..core.placement import ShardInfo
+from ..plan.plan import ShardingPlan
+from .shard import shard
+
+
+def from_pretrained(
+    path: str | os.PathLike, mesh: DeviceMesh, plan: ShardingPlan | Mapping | None = None,
+    torch_dtype: torch.dtype | None = None, *, tp_axis: str | None = None, model_class=None, **shard_kwargs,
+) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo], object]:
+    """``(apply_fn, params, shard_info, config)`` of the HF model saved in folder ``path``.
+
+    ``torch_dtype``: the parameters' dtype (None: the config's ``dtype``, else float32); the
+    checkpoint's values are cast to it.  ``tp_axis``: the mesh axis of ``from_hf``'s plan (None:
+    ``"tp"``, or the mesh's only axis).  ``model_class``: default ``AutoModelForCausalLM``.
+    ``shard_kwargs`` go to ``shard`` (``checkpoint``, ``agree_timeout``, ...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise PlanError(f"from_pretrained: {folder} has no config.json (expected a save_pretrained folder)")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    dtype = torch_dtype or _config_dtype(config)
+    with torch.device("meta"):
+        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
+    if plan is None:
+        names = mesh.mesh_dim_names or ()
+        axis = tp_axis or ("tp" if "tp" in names or len(names) != 1 else names[0])
+        plan = ShardingPlan.from_hf(model, tp_axis=axis)
+    apply_fn, params, shard_info = shard(model, plan, mesh, weights=folder, **shard_kwargs)
+    return apply_fn, params, shard_info, model.config
+
+
+def _config_dtype(config) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else torch.float32

@@ -1,0 +1,392 @@
+"""Distributed checkpoints through ``torch.distributed.checkpoint`` (DCP), DTensor-free.
+
+``save`` writes every tensor as its *global* tensor: each rank hands DCP only its local shard, one
+chunk per ``Box`` of ``boxes(info)`` (so packed and ``hpf.fsdp`` row-split layouts, which DTensor
+cannot express, save like plain ones); DCP keeps one copy of a box that several ranks hold.
+``load`` reads those chunks into the boxes of a *target* ``shard_info`` (any mesh, plan or world
+size: resharding is DCP's chunk overlap, not a gather).  A save is crash safe: it writes
+``<path>.partial``, and rank 0 renames it onto ``path`` once every rank has written and a
+completion marker is on disk (``latest`` only sees completed checkpoints).  Inverses side by side:
+``save``/``load``; docs/checkpoints.md has the layout, the guarantees and their limits.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from ..core.collectives import mesh_device
+from ..core.errors import PlanError, ShapeError
+from ..core.placement import Box, ShardInfo, boxes
+from .optim import state_info
+
+MARKER = "hpf_complete.json"  # written last, by rank 0: a directory without it is not a checkpoint
+PARTIAL, OLD = ".partial", ".old"  # <path>.partial while writing; <path>.old while replacing <path>
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is incomplete, corrupt or does not fit the target layout (raised on
+    every rank before any collective)."""
+
+
+class Loaded(NamedTuple):
+    """``load``'s result: the params, the optimizer state (None without a template) and ``extra``."""
+
+    params: dict[str, Tensor]
+    opt_state: Any
+    extra: Any
+
+
+# ---------------------------------------------------------------- a local shard as DCP sees it
+class _Boxed:
+    """A local shard with its boxes and global shape, implementing DCP's ``_Checkpointable`` hooks
+    (as DTensor does) so that every box is one chunk of the global tensor.  Not a Tensor: DCP's
+    ``find_state_dict_object`` would then skip the hooks, so our planners look boxes up instead."""
+
+    def __init__(self, local: Tensor, bxs: list[Box], global_shape: torch.Size):
+        self.local, self.boxes, self.global_shape = local, bxs, torch.Size(global_shape)
+        self._by_start = {b.start: b for b in bxs}
+
+    def size(self) -> torch.Size:  # DCP's load plan compares it with the saved size
+        return self.global_shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.local)
+        return [WriteItem(index=MetadataIndex(fqn, b.start), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(b.start), torch.Size(b.size)),
+                                                      properties=props, size=self.global_shape))
+                for b in self.boxes]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(b.start), torch.Size(b.size)) for b in self.boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
+        return self._by_start[tuple(index.offset)].of_local(self.local)
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """The default planner (deduplication included) over a flat dict of ``_Boxed``."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Tensor:
+        return self.state_dict[index.fqn].__get_tensor_shard__(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """The default planner over a flat dict of ``_Boxed``; reads land in views of the local shards."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # the default one runs _init_state_dict, which replaces every non-tensor value with None
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        return self.state_dict[index.fqn].__get_tensor_shard__(index)
+
+
+class _Stager(AsyncStager):
+    """async_save's staging: a CPU copy of every local shard, taken before ``save`` returns, so
+    training may write to its tensors while the thread writes the copy."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, _Boxed]) -> dict[str, _Boxed]:
+        return {k: _Boxed(v.local.detach().to("cpu", copy=True), v.boxes, v.global_shape) for k, v in state_dict.items()}
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- what is stored under which key
+def _opt_entries(opt_state: Any, shard_info: Mapping[str, ShardInfo], where: str) -> tuple[list[str], list[Any], Any, list]:
+    """(keys ``optim/<path>``, leaves, treespec, ShardInfos) of an optimizer state pytree."""
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(opt_state)
+    infos = optree.tree_leaves(state_info(opt_state, shard_info))
+    keys = []
+    for acc, leaf in zip(accessors, leaves, strict=True):
+        parts = [e.field if isinstance(getattr(e, "field", None), str) else str(e.entry) for e in acc]
+        keys.append("/".join(["optim", *parts]))
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"{where}: opt_state leaf {keys[-1]!r} is a {type(leaf).__name__}, not a tensor")
+    return keys, leaves, spec, infos
+
+
+def _check_keys(where: str, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> None:
+    missing, extra = sorted(set(shard_info) - set(params)), sorted(set(params) - set(shard_info))
+    if missing or extra:
+        raise PlanError(f"{where}: params and shard_info have different keys: missing from params {missing[:5]}, "
+                        f"not in shard_info {extra[:5]}")
+
+
+def _check_mesh(where: str, shard_info: Mapping[str, ShardInfo]) -> None:
+    world = dist.get_world_size()
+    for name, info in shard_info.items():
+        if info.mesh.get_coordinate() is None or info.mesh.size() != world:
+            raise PlanError(f"{where}: {name}'s mesh {info.mesh.mesh.tolist()} does not span the {world} ranks of the default "
+                            "process group; every rank takes part in a checkpoint")
+
+
+# ---------------------------------------------------------------- save
+class SaveHandle:
+    """A save in progress.  ``wait()`` (every rank must call it, in the same order as other
+    collectives) finishes it: the checkpoint is visible at ``path`` when it returns.  A sync save's
+    handle is already finished."""
+
+    def __init__(self, path: str, future: Future | None = None, commit: Callable[[], None] | None = None):
+        self.path, self._future, self._commit = path, future, commit
+
+    def done(self) -> bool:
+        """Whether ``wait()`` has finished (it never has for an async save before it is called)."""
+        return self._commit is None
+
+    def wait(self) -> str:
+        """Block until the checkpoint is visible; returns its path.  Idempotent."""
+        if self._commit is not None:
+            global _pending
+            commit, self._commit = self._commit, None
+            if _pending is self:
+                _pending = None
+            self._future.result()
+            commit()
+        return self.path
+
+
+_pending: SaveHandle | None = None  # the async save not yet waited for (one at a time)
+_async_groups: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _async_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A gloo group of its own for async_save's thread (cached): its collectives then never
+    interleave with the training's on the default group (a hazard for any backend)."""
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _async_groups:
+        _async_groups[key] = dist.new_group(list(ranks), backend="gloo")
+    return _async_groups[key]
+
+
+def _on_rank0(fn: Callable[[], None], what: str) -> None:
+    """Run ``fn`` on rank 0 and tell every rank how it went (one broadcast): an error raises everywhere."""
+    status = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, so none waits forever
+            status[0] = f"{what}: {type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(status, src=0)
+    if status[0] is not None:
+        raise RuntimeError(status[0])
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _prepare(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save's leftovers
+    os.makedirs(tmp)
+
+
+def _commit(tmp: str, path: str, world: int) -> None:
+    """Rank 0, after every rank's data and DCP's .metadata are on disk: the marker, then the rename."""
+    files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+    marker = {"format": FORMAT, "time_ns": time.time_ns(), "world_size": world, "files": files}
+    _write_synced(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
+    _fsync_dir(tmp)
+    old = path + OLD
+    if os.path.exists(path):  # os.replace cannot replace a non-empty directory: move it aside first
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], *,
+         opt_state: Any = None, extra: Any = None, async_save: bool = False) -> SaveHandle:
+    """Write ``params`` (and ``opt_state``, and this rank's picklable ``extra``) as a checkpoint of
+    global tensors at ``path``; a collective (every rank calls it).  Each rank writes its own boxes,
+    nothing is gathered.  ``async_save=True`` copies the shards to CPU memory, writes them in a
+    thread and returns a handle whose ``wait()`` every rank must call.  Inverse: ``load``."""
+    global _pending
+    path = os.fspath(path)
+    if path.endswith(PARTIAL) or path.endswith(OLD):
+        raise PlanError(f"save: {path!r} ends with {PARTIAL!r} or {OLD!r}, names reserved for checkpoints being written")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise PlanError(f"save: {path!r} exists and is not a directory")
+    _check_keys("save", params, shard_info)
+    _check_mesh("save", shard_info)
+    entries: dict[str, tuple[Tensor, ShardInfo]] = {}
+    for name, info in shard_info.items():
+        t = params[name]
+        if not isinstance(t, Tensor) or tuple(t.shape) != tuple(info.local_shape):
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ShapeError(f"save: parameter {name} has local shape {shape} but its shard_info expects "
+                             f"{tuple(info.local_shape)} (global {tuple(info.global_shape)}): from another mesh or plan?")
+        entries[name] = (t, info)
+    if opt_state is not None:
+        keys, leaves, _, infos = _opt_entries(opt_state, shard_info, "save")
+        for key, leaf, info in zip(keys, leaves, infos, strict=True):
+            if key in entries:
+                raise PlanError(f"save: optimizer key {key!r} collides with a parameter's name")
+            entries[key] = (leaf, info)
+    buf = io.BytesIO()
+    torch.save(extra, buf)  # unpicklable extra fails here, before any collective
+    if _pending is not None:  # one async save at a time: finish the previous one first
+        _pending.wait()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = path + PARTIAL
+    _on_rank0(lambda: _prepare(tmp), f"save: cannot create {tmp!r}")
+    _write_synced(os.path.join(tmp, f"extra_{rank}.pt"), buf.getvalue())
+    state = {k: _Boxed(t.detach(), boxes(info), info.global_shape) for k, (t, info) in entries.items()}
+
+    def commit() -> None:
+        _on_rank0(lambda: _commit(tmp, path, world), f"save: cannot complete {path!r}")
+
+    if not async_save:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=_SavePlanner())
+        commit()
+        return SaveHandle(path)
+    future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), planner=_SavePlanner(),
+                            process_group=_async_group(tuple(range(world))), async_stager=_Stager())
+    _pending = SaveHandle(path, future, commit)
+    return _pending
+
+
+# ---------------------------------------------------------------- finding and checking checkpoints
+def _marker(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            marker = json.load(f)
+        return marker if isinstance(marker, dict) and "time_ns" in marker else None
+    except (OSError, ValueError):
+        return None
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directly under ``root`` (newest by its marker's time), or
+    None; directories being written (``*.partial``) and without a marker are ignored."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    found = []
+    for name in os.listdir(root):
+        full = os.path.join(root, name)
+        if not name.endswith(PARTIAL) and os.path.isdir(full) and (m := _marker(full)) is not None:
+            found.append((m["time_ns"], full))
+    return max(found)[1] if found else None
+
+
+def _check_files(path: str, marker: dict, metadata) -> None:
+    """Every file the marker lists has its recorded size, and every chunk .metadata references fits in its file."""
+    for name, size in marker.get("files", {}).items():
+        full = os.path.join(path, name)
+        actual = os.path.getsize(full) if os.path.isfile(full) else None
+        if actual != size:
+            raise CheckpointError(f"load: {full} is {'missing' if actual is None else f'{actual} bytes'} but the checkpoint "
+                                  f"recorded {size} bytes: a corrupt or partial copy")
+    need: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in need.items():
+        full = os.path.join(path, name)
+        actual = os.path.getsize(full) if os.path.isfile(full) else None
+        if actual is None or actual < end:
+            raise CheckpointError(f"load: {full} is {'missing' if actual is None else f'{actual} bytes'} but .metadata "
+                                  f"references {end} bytes of it: a corrupt or partial checkpoint")
+
+
+def _check_saved(path: str, metadata, key: str, info: ShardInfo, dtype: torch.dtype | None) -> torch.dtype:
+    """The saved dtype of ``key``, after checking that it exists with ``info``'s global shape (and ``dtype``)."""
+    md = metadata.state_dict_metadata.get(key)
+    if not isinstance(md, TensorStorageMetadata):
+        raise CheckpointError(f"load: {path} has no tensor {key!r}")
+    if tuple(md.size) != tuple(info.global_shape):
+        raise CheckpointError(f"load: {key} has global shape {tuple(md.size)} in {path} but {tuple(info.global_shape)} "
+                              "in shard_info: a checkpoint of another model?")
+    if dtype is not None and md.properties.dtype != dtype:
+        raise CheckpointError(f"load: {key} is {md.properties.dtype} in {path} but the template has {dtype}")
+    return md.properties.dtype
+
+
+# ---------------------------------------------------------------- load
+def load(path: str | os.PathLike, shard_info: Mapping[str, ShardInfo], *, opt_state: Any = None,
+         params: Mapping[str, Tensor] | None = None) -> Loaded:
+    """Read the checkpoint at ``path`` into fresh local shards laid out by ``shard_info`` (any mesh,
+    plan or world size); a collective.  ``opt_state``: a template (``opt.init(params)``) giving the
+    state's structure, dtypes and devices; ``params``: an optional template whose dtypes and devices
+    the loaded params take (else the saved dtype, on the mesh's device).  Neither is written to.
+    ``extra`` is this rank's own when the world size is the saved one, else rank 0's.  Inverse: ``save``."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"load: {path!r} is not a directory")
+    marker = _marker(path)
+    if marker is None:
+        raise CheckpointError(f"load: {path} is an incomplete checkpoint (no marker {MARKER}): a save that did not "
+                              "finish; use hpf.latest(root) to find the newest complete one")
+    metadata = FileSystemReader(path).read_metadata()  # a local file read, no collective
+    _check_files(path, marker, metadata)
+    if params is not None:
+        _check_keys("load", params, shard_info)
+    _check_mesh("load", shard_info)
+    missing = sorted(k for k in shard_info if k not in metadata.state_dict_metadata)
+    if missing:
+        raise CheckpointError(f"load: {path} has no tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                              f"({len(missing)} of the {len(shard_info)} parameters missing)")
+    state: dict[str, _Boxed] = {}
+    for name, info in shard_info.items():
+        like = params[name] if params is not None else None
+        dtype = _check_saved(path, metadata, name, info, None if like is None else like.dtype)
+        device = like.device if like is not None else mesh_device(info.mesh)
+        state[name] = _Boxed(torch.empty(info.local_shape, dtype=dtype, device=device), boxes(info), info.global_shape)
+    opt = None
+    if opt_state is not None:
+        keys, leaves, spec, infos = _opt_entries(opt_state, shard_info, "load")
+        for key, leaf, info in zip(keys, leaves, infos, strict=True):
+            _check_saved(path, metadata, key, info, leaf.dtype)
+            state[key] = _Boxed(torch.empty_like(leaf), boxes(info), info.global_shape)
+        opt = (keys, spec)
+    world, saved_world = dist.get_world_size(), marker.get("world_size")
+    src = dist.get_rank() if saved_world == world else 0
+    extra_path = os.path.join(path, f"extra_{src}.pt")
+    try:
+        extra = torch.load(extra_path, weights_only=False)  # the user's own pickles: trusted as their checkpoint is
+    except (OSError, EOFError, RuntimeError) as exc:
+        raise CheckpointError(f"load: cannot read {extra_path}: {exc}") from exc
+    dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner())
+    loaded = {name: state[name].local for name in shard_info}
+    new_opt = None if opt is None else optree.tree_unflatten(opt[1], [state[k].local for k in opt[0]])
+    return Loaded(loaded, new_opt, extra)

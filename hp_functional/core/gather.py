@@ -4,7 +4,7 @@ Every rank sends its local shards of a bucket as one flat buffer (one all-gather
 and, once per call, the boxes (``placement.boxes``) that say where each of its shards sits; each
 full tensor is then assembled from every rank's boxes.  One rule for every layout — plain,
 packed, ``hpf.fsdp`` row splits, uneven chunks — because the boxes are the layout.
-``unshard`` gathers everything at once; ``iter_full`` streams buckets of a bounded size
+``unshard`` gathers everything at once; ``iter_full`` streams buckets of a bounded size (``plan_buckets``)
 (``hpf.export_hf`` writes one file per bucket, so no rank holds the whole model).
 """
 
@@ -44,7 +44,7 @@ def _gather_flat(x: Tensor, mesh) -> Tensor:
     """[world, n]: every mesh rank's flat ``x`` (equal sizes), one all-gather per mesh dim."""
     for group in _mesh_groups(mesh)[0]:
         out = x.new_empty((dist.get_world_size(group) * x.numel(),))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_single(out, x.contiguous(), group=group)
         x = out
     return x.view(mesh.size(), -1)
 
@@ -99,17 +99,10 @@ def _same_replica(info: ShardInfo, coord: tuple[int, ...], me: tuple[int, ...]) 
     return all(c == m or not isinstance(p, Replicate) for p, c, m in zip(info.placements, coord, me, strict=True))
 
 
-def iter_full(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
-              bucket_bytes: int = 1 << 30) -> Iterator[dict[str, Tensor]]:
-    """The full tensors of ``params``, a bucket at a time (at most ``bucket_bytes`` of full
-    tensors per bucket unless one tensor alone is larger), on every rank; a collective: every
-    rank must consume every bucket.  Memory per rank: one bucket's shards from every rank."""
-    check_gatherable(params, shard_info, "gather")
-    if not params:
-        return
-    mesh = next(iter(shard_info[k] for k in params)).mesh
-    coord = tuple(mesh.get_coordinate())
-    layouts = _gather_objects((coord, {k: (tuple(shard_info[k].local_shape), boxes(shard_info[k])) for k in params}), mesh)
+def plan_buckets(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
+                 bucket_bytes: int = 1 << 30) -> list[list[str]]:
+    """The keys of ``params`` in buckets of one dtype and at most ``bucket_bytes`` of full tensors
+    (a tensor larger than that alone), in ``params`` order within a dtype (what ``iter_full`` gathers)."""
     buckets: list[list[str]] = []
     size, dtype = 0, None
     for k, t in sorted(params.items(), key=lambda kv: str(kv[1].dtype)):  # stable: file order within a dtype
@@ -119,8 +112,26 @@ def iter_full(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
             size, dtype = 0, t.dtype
         buckets[-1].append(k)
         size += nbytes
+    return buckets
+
+
+def iter_full(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
+              buckets: Sequence[Sequence[str]]) -> Iterator[dict[str, Tensor]]:
+    """The full tensors of each bucket (``plan_buckets``) in turn, on every rank; a collective:
+    every rank must consume every bucket.  Memory per rank: one bucket's shards from every rank."""
+    check_gatherable(params, shard_info, "gather")
+    if not params:
+        return
+    mesh = next(iter(shard_info[k] for k in params)).mesh
+    coord = tuple(mesh.get_coordinate())
+    layouts = _gather_objects((coord, {k: (tuple(shard_info[k].local_shape), boxes(shard_info[k])) for k in params}), mesh)
     for keys in buckets:
         yield _gather_bucket(keys, params, shard_info, layouts)
+
+
+def mesh_barrier(mesh) -> None:
+    """Wait for every rank of ``mesh`` (an object gather: works on any mesh and backend)."""
+    _gather_objects(None, mesh)
 
 
 def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, Tensor]:
@@ -128,6 +139,6 @@ def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -
     every rank; one all-gather per mesh dim and dtype, plus one for the layouts; inverse:
     ``slice_local``)."""
     out: dict[str, Tensor] = {}
-    for bucket in iter_full(params, shard_info, bucket_bytes=1 << 62):
+    for bucket in iter_full(params, shard_info, plan_buckets(params, shard_info, 1 << 62)):
         out |= bucket
     return {k: out[k] for k in params}

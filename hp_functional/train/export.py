@@ -1,0 +1,134 @@
+"""``export_hf``: the sharded params back to a Hugging Face folder, one bucket at a time through rank 0.
+
+The inverse of ``hpf.from_pretrained``: full safetensors (``model.safetensors``, or parts plus
+``model.safetensors.index.json`` past ``max_shard_size``) and the config, so
+``AutoModelForCausalLM.from_pretrained(out_dir)`` reloads the unsharded model.  Each part is one
+bucket of ``core.gather.iter_full`` (a few collectives per part, never one per tensor), written
+by rank 0 and dropped before the next: no rank holds the whole model.  Rank 0 writes into
+``<out_dir>.partial`` and renames it onto ``out_dir`` when every part is written, so a crash
+leaves no half-written export; every rank returns once it is visible.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..core.errors import PlanError, ShapeError
+from ..core.gather import check_gatherable, iter_full, mesh_barrier, plan_buckets
+from ..core.placement import ShardInfo
+from ..runtime.weights import read_buffers
+
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``5GB`` / ``500MiB`` / an int (HF's ``max_shard_size`` convention: 1 GB = 10^9 B)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", size.upper())
+    if not m:
+        raise PlanError(f"export_hf: max_shard_size {size!r} is not a size such as '5GB', '500MiB' or an int of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _stored_name(key: str, info: ShardInfo, model: nn.Module) -> str:
+    """The name HF stores a tied group under (``_tied_weights_keys`` maps a tied copy to its
+    source; only a group that is tied in this model, i.e. has aliases, is renamed)."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    return tied[key] if isinstance(tied, Mapping) and tied.get(key) in info.aliases else key
+
+
+def _check(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], model: nn.Module) -> None:
+    check_gatherable(params, shard_info, "export_hf")
+    own = dict(model.named_parameters(remove_duplicate=False))
+    for key, info in shard_info.items():
+        if key not in params:
+            raise PlanError(f"export_hf: parameter {key} has a shard_info but is not in params")
+        if key not in own:
+            raise PlanError(f"export_hf: {key} is not a parameter of {type(model).__name__} (pass the model the params came from)")
+        if tuple(own[key].shape) != tuple(info.global_shape):
+            raise ShapeError(f"export_hf: {key} is {tuple(info.global_shape)} in shard_info but {tuple(own[key].shape)} "
+                             f"in {type(model).__name__}")
+    covered = {a for k in params for a in (k, *shard_info[k].aliases)}
+    missing = sorted(set(own) - covered)
+    if missing:
+        raise PlanError(f"export_hf: params lack parameters {missing[:5]} of {type(model).__name__}")
+
+
+def export_hf(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], model: nn.Module,
+              out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> Path:
+    """Write the full model to ``out_dir`` as Hugging Face safetensors plus ``model.config``
+    (a collective: call on every rank).  ``model`` gives the names and config (it may be on
+    the meta device; meta persistent buffers are recomputed by their module's init);
+    ``dtype`` casts floating tensors on the way out.  Returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    _check(params, shard_info, model)
+    limit = parse_size(max_shard_size)
+    buckets = plan_buckets(params, shard_info, limit)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    persistent = set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = {n: b for n, b in read_buffers(None, model, torch.device("cpu")).items() if n in persistent}
+    parts = len(buckets) + bool(buffers)
+    tmp = out.with_name(out.name + ".partial")
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    weight_map, total = {}, 0
+
+    def write(i: int, tensors: dict[str, Tensor]) -> None:
+        nonlocal total
+        file = "model.safetensors" if parts == 1 else f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        cast = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
+                for n, t in tensors.items()}
+        save_file(cast, str(tmp / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(cast, file))
+        total += sum(t.numel() * t.element_size() for t in cast.values())
+
+    for i, full in enumerate(iter_full(params, shard_info, buckets)):
+        if rank0:
+            write(i, {_stored_name(k, shard_info[k], model): t for k, t in full.items()})
+        del full
+    if rank0:
+        if buffers:
+            write(len(buckets), buffers)
+        if parts > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        _write_configs(model, tmp, dtype)
+        _replace(tmp, out)
+    mesh_barrier(next(iter(shard_info.values())).mesh)
+    return out
+
+
+def _write_configs(model: nn.Module, folder: Path, dtype: torch.dtype | None) -> None:
+    """The model's config (a copy with ``dtype`` if given: the user's is not touched) and generation config."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config = copy.deepcopy(config)
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` onto ``out``; an existing ``out`` is moved aside first and deleted after."""
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

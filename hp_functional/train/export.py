@@ -55,7 +55,7 @@ def _check(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], mo
         if key not in params:
             raise PlanError(f"export_hf: parameter {key} has a shard_info but is not in params")
         if key not in own:
-            raise PlanError(f"export_hf: {key} is not a parameter of {type(model).__name__} (pass the model the params came from)")
+            raise PlanError(f"export_hf: {key} is not a parameter of {type(model).__name__} (pass the model they came from)")
         if tuple(own[key].shape) != tuple(info.global_shape):
             raise ShapeError(f"export_hf: {key} is {tuple(info.global_shape)} in shard_info but {tuple(own[key].shape)} "
                              f"in {type(model).__name__}")

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     )
     from .plan.vocab import VocabEmbedding, vocab_parallel_cross_entropy
     from .runtime.checkpoint import Checkpoint
+    from .runtime.meta_init import init_weights
+    from .runtime.pretrained import from_pretrained
     from .runtime.shard import shard
     from .tools.explain import Explanation, Memory, Schedule, explain
     from .tools.record import ScheduleRow
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from .train import optim
     from .train.clip import clip_grad_norm
     from .train.data_parallel import reduce_gradients
+    from .train.export import export_hf
     from .train.fsdp import fsdp
     from .train.module import as_module
 
@@ -91,6 +94,9 @@ _LAZY: dict[str, str] = {
     "Checkpoint": ".runtime.checkpoint",
     "vocab_parallel_cross_entropy": ".plan.vocab",
     "shard": ".runtime.shard",
+    "init_weights": ".runtime.meta_init",
+    "from_pretrained": ".runtime.pretrained",
+    "export_hf": ".train.export",
     "clip_grad_norm": ".train.clip",
     "reduce_gradients": ".train.data_parallel",
     "fsdp": ".train.fsdp",
@@ -146,7 +152,10 @@ __all__ = [
     "collectives",
     "default_handlers",
     "explain",
+    "export_hf",
+    "from_pretrained",
     "fsdp",
+    "init_weights",
     "lint",
     "llama_sp_plan",
     "megatron_plan",

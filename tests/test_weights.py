@@ -45,7 +45,6 @@ def _ids():
 
 def _matches_full(folder: str, family: str, state) -> float:
     import hp_functional as hpf
-
     from hp_functional.tools.models import build_model, tiny_config
 
     plan = _plan(family, build_model(tiny_config(family, **FAMILIES[family]), device="meta"))
@@ -99,9 +98,10 @@ def test_a_meta_model_without_weights_gets_the_full_size_init_per_shard(pool):
 
 
 def _export_round_trip(folder: str, family: str, out: str) -> bool:
+    from transformers import AutoModelForCausalLM
+
     import hp_functional as hpf
     from hp_functional.tools.models import build_model, tiny_config
-    from transformers import AutoModelForCausalLM
 
     apply_fn, params, info, config = hpf.from_pretrained(folder, mesh())
     ids = _ids()

@@ -77,7 +77,7 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
 
 def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
-    seed: int = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
+    seed: int | None = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
     checkpoint: bool | Sequence[str] | Checkpoint | None = None,
 ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
@@ -97,7 +97,8 @@ def shard(
     ``model`` under ``torch.device("meta")`` so no rank ever holds it whole; ``docs/weights.md``).
     Without ``weights``, parameters on the meta device are initialised by their module's own
     init with generators seeded by ``(seed, module path)`` (``runtime.meta_init``); meta buffers
-    are recomputed by their module's init either way.
+    are recomputed by their module's init either way; ``seed=None`` keeps meta tensors on meta
+    (shapes only, as ``explain`` and ``simulate`` use them).
 
     ``checkpoint`` (activation checkpointing: a block keeps no activations in the forward and
     is recomputed in the backward; works under ``.backward()`` and ``torch.func`` transforms):

@@ -29,18 +29,19 @@ class Values:
     model: nn.Module
     program: Program
     device: torch.device
-    seed: int
+    seed: int | None
     source: WeightSource | None
     names: dict[str, str] | None  # leaf key -> its name in the checkpoint
     buffers: dict[str, Tensor] | None  # materialised buffers for the skeleton (None: the model's own)
     fingerprint: dict[str, str]
 
     @classmethod
-    def prepare(cls, model: nn.Module, program: Program, weights: str | os.PathLike | None, seed: int) -> Values:
+    def prepare(cls, model: nn.Module, program: Program, weights: str | os.PathLike | None, seed: int | None) -> Values:
+        """The local checks and the buffers; ``seed`` None keeps meta tensors on meta (shapes only)."""
         source = open_weights(weights) if weights is not None else None
         names = stored_names(source, program) if source is not None else None
-        meta = any(b.device.type == "meta" for b in model.buffers()) or any(
-            model.get_parameter(k).device.type == "meta" for k in program.infos)
+        meta = seed is not None and (any(b.device.type == "meta" for b in model.buffers()) or any(
+            model.get_parameter(k).device.type == "meta" for k in program.infos))
         device = mesh_device(program.mesh)
         buffers = read_buffers(source, model, device) if source is not None or meta else None
         if source is not None:
@@ -61,10 +62,12 @@ class Values:
         infos, model = self.program.infos, self.model
         if self.source is not None:
             local = read_local(self.source, self.names, infos, self.program.dtypes, self.device)
-        else:
+        else:  # sliced from the model; meta leaves initialised per module unless seed is None (kept on meta)
+            init = self.seed is not None
             local = {k: slice_local(model.get_parameter(k), i) for k, i in infos.items()
-                     if model.get_parameter(k).device.type != "meta"}
-            leaf_of = self.program.leaf_of
-            local |= {leaf_of[name]: t for name, t in init_values(
-                model, self.seed, lambda name, full: slice_local(full, infos[leaf_of[name]]).to(self.device)).items()}
+                     if not (init and model.get_parameter(k).device.type == "meta")}
+            if init:
+                leaf_of = self.program.leaf_of
+                kept = init_values(model, self.seed, lambda name, full: slice_local(full, infos[leaf_of[name]]).to(self.device))
+                local |= {leaf_of[name]: t for name, t in kept.items()}
         return {k: local[k].requires_grad_(model.get_parameter(k).requires_grad) for k in infos}

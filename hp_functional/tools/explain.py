@@ -165,7 +165,7 @@ def explain(
     # shard() agrees across ranks with one real collective unless there is no (or a fake) process group
     local_only = not dist.is_initialized() or dist.get_backend() == "fake"
     with fake if local_only else contextlib.nullcontext():
-        apply_fn, params, _ = shard(model, plan, mesh)
+        apply_fn, params, _ = shard(model, plan, mesh, seed=None)  # a meta model stays shapes only
     with fake:
         program = apply_fn.program
         result = Explanation(program, memory(program, model, dtype))

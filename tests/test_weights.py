@@ -202,3 +202,57 @@ def test_bad_checkpoints_raise_on_every_rank_naming_the_tensor(saved, tmp_path):
     for name, expected in cases.items():
         messages = pool.run(_bad, str(tmp_path / name))
         assert all(expected in m for m in messages), (name, messages)
+
+
+# ---------------------------------------------------------------- a plain nn.Module
+def _plain_module(folder: str) -> float:
+    """torch's reset_parameters as the init (no HF), and weights= from a plain save_file."""
+    import hp_functional as hpf
+    from tests.models import MLP
+
+    plan = {"up": "colwise", "down": "rowwise"}
+    with torch.device("meta"):
+        meta = MLP()
+    _, params, info = hpf.shard(meta, plan, mesh(), seed=2)
+    full = hpf.init_weights(meta, seed=2)
+    assert all(torch.equal(p, hpf.slice_local(full[k], info[k])) for k, p in params.items())
+    assert bool((full["norm.weight"] == 1).all()) and full["up.weight"].abs().max() <= 16 ** -0.5  # kaiming-uniform bound
+    ref = MLP()
+    ref.load_state_dict(full)
+    apply_fn, params, info = hpf.shard(meta, plan, mesh(), weights=folder)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    from safetensors.torch import load_file
+
+    ref.load_state_dict(load_file(folder))
+    return assert_close(apply_fn(params, x), ref(x).detach(), "plain MLP from a safetensors file")
+
+
+def test_a_plain_module_loads_and_initialises_on_meta(pool, tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.models import MLP, make_mlp_state
+
+    model = MLP()
+    model.load_state_dict(make_mlp_state())
+    save_file(model.state_dict(), tmp_path / "mlp.safetensors")
+    assert max(pool.run(_plain_module, str(tmp_path / "mlp.safetensors"))) <= 1e-5
+
+
+def _bad_export(out: str) -> str:
+    import hp_functional as hpf
+    from hp_functional.tools.models import build_model, tiny_config
+
+    meta = build_model(tiny_config("qwen2"), device="meta")
+    _, params, info = hpf.shard(meta, hpf.ShardingPlan.from_hf(meta, tp_axis="tp"), mesh(), seed=0)
+    params.pop("model.norm.weight")
+    try:
+        hpf.export_hf(params, info, meta, out)
+    except hpf.PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_export_of_incomplete_params_raises_and_writes_nothing(tmp_path):
+    messages = get_pool(2).run(_bad_export, str(tmp_path / "out"))
+    assert all("model.norm.weight" in m for m in messages), messages
+    assert not list(tmp_path.iterdir())

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .compile.build import build_program, lint
     from .compile.lint import Finding
     from .core import collectives
-    from .core.errors import PlanError, PlanMismatchError, PlanWarning, ReplicationError, ShapeError
+    from .core.errors import CheckpointError, PlanError, PlanMismatchError, PlanWarning, ReplicationError, ShapeError
     from .core.gather import unshard
     from .core.placement import ShardInfo, slice_local, to_dtensor
     from .core.program import Program
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from .train import optim
     from .train.clip import clip_grad_norm
     from .train.data_parallel import reduce_gradients
+    from .train.dcp import Loaded, SaveHandle, latest, load, save
     from .train.export import export_hf
     from .train.fsdp import fsdp
     from .train.module import as_module
@@ -65,6 +66,7 @@ _LAZY: dict[str, str] = {
     "build_program": ".compile.build",
     "lint": ".compile.build",
     "Finding": ".compile.lint",
+    "CheckpointError": ".core.errors",
     "PlanError": ".core.errors",
     "PlanMismatchError": ".core.errors",
     "PlanWarning": ".core.errors",
@@ -97,6 +99,11 @@ _LAZY: dict[str, str] = {
     "init_weights": ".runtime.meta_init",
     "from_pretrained": ".runtime.pretrained",
     "export_hf": ".train.export",
+    "save": ".train.dcp",
+    "load": ".train.dcp",
+    "latest": ".train.dcp",
+    "Loaded": ".train.dcp",
+    "SaveHandle": ".train.dcp",
     "clip_grad_norm": ".train.clip",
     "reduce_gradients": ".train.data_parallel",
     "fsdp": ".train.fsdp",
@@ -118,10 +125,12 @@ _SUBMODULES: dict[str, str] = {"collectives": ".core.collectives", "optim": ".tr
 
 __all__ = [
     "Checkpoint",
+    "CheckpointError",
     "Colwise",
     "Explanation",
     "Finding",
     "Heads",
+    "Loaded",
     "Local",
     "Memory",
     "ModuleSpec",
@@ -137,6 +146,7 @@ __all__ = [
     "ReplicationError",
     "Rowwise",
     "Schedule",
+    "SaveHandle",
     "ScheduleRow",
     "SequenceParallel",
     "ShapeError",
@@ -156,11 +166,14 @@ __all__ = [
     "from_pretrained",
     "fsdp",
     "init_weights",
+    "latest",
     "lint",
+    "load",
     "llama_sp_plan",
     "megatron_plan",
     "optim",
     "reduce_gradients",
+    "save",
     "shard",
     "simulate",
     "slice_local",

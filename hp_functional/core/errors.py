@@ -21,3 +21,8 @@ class ReplicationError(RuntimeError):
     """A value declared Replicate differs across the ranks of its axis (``Local(check=True)``,
     ``validate``): a partial sum left unreduced or a rank-dependent value.  Raised on every rank
     of the axis alike (the check all-gathers first)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is incomplete, corrupt or does not fit the target layout (``hpf.load``;
+    raised on every rank before any collective)."""

@@ -33,18 +33,14 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..core.collectives import mesh_device
-from ..core.errors import PlanError, ShapeError
+from ..core.errors import CheckpointError, PlanError, ShapeError
 from ..core.placement import Box, ShardInfo, boxes
 from .optim import state_info
 
 MARKER = "hpf_complete.json"  # written last, by rank 0: a directory without it is not a checkpoint
 PARTIAL, OLD = ".partial", ".old"  # <path>.partial while writing; <path>.old while replacing <path>
+EXTRA = "extra"  # rank r's extra is the byte item "extra/<r>"
 FORMAT = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint on disk is incomplete, corrupt or does not fit the target layout (raised on
-    every rank before any collective)."""
 
 
 class Loaded(NamedTuple):
@@ -58,8 +54,9 @@ class Loaded(NamedTuple):
 # ---------------------------------------------------------------- a local shard as DCP sees it
 class _Boxed:
     """A local shard with its boxes and global shape, implementing DCP's ``_Checkpointable`` hooks
-    (as DTensor does) so that every box is one chunk of the global tensor.  Not a Tensor: DCP's
-    ``find_state_dict_object`` would then skip the hooks, so our planners look boxes up instead."""
+    (as DTensor does) so that every box is one chunk of the global tensor.  Not a Tensor, so DCP's
+    ``find_state_dict_object`` (which calls the hooks of Tensors only) is bypassed: our planners
+    look the boxes up themselves."""
 
     def __init__(self, local: Tensor, bxs: list[Box], global_shape: torch.Size):
         self.local, self.boxes, self.global_shape = local, bxs, torch.Size(global_shape)
@@ -83,13 +80,14 @@ class _Boxed:
 
 
 class _SavePlanner(DefaultSavePlanner):
-    """The default planner (deduplication included) over a flat dict of ``_Boxed``."""
+    """The default planner (deduplication included) over a flat dict of ``_Boxed`` and extra's bytes."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-    def lookup_object(self, index: MetadataIndex) -> Tensor:
-        return self.state_dict[index.fqn].__get_tensor_shard__(index)
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, _Boxed) else obj  # else: extra's pickle
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -111,10 +109,13 @@ class _Stager(AsyncStager):
     """async_save's staging: a CPU copy of every local shard, taken before ``save`` returns, so
     training may write to its tensors while the thread writes the copy."""
 
+    # AsyncStager's own switch (a class attribute): False, so async_save does not call the deprecated
+    # synchronize_staging; stage() is synchronous anyway
     _synchronize_after_execute = False
 
-    def stage(self, state_dict: dict[str, _Boxed]) -> dict[str, _Boxed]:
-        return {k: _Boxed(v.local.detach().to("cpu", copy=True), v.boxes, v.global_shape) for k, v in state_dict.items()}
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k: _Boxed(v.local.detach().to("cpu", copy=True), v.boxes, v.global_shape) if isinstance(v, _Boxed) else v
+                for k, v in state_dict.items()}
 
     def close(self) -> None:
         pass
@@ -124,14 +125,15 @@ class _Stager(AsyncStager):
 def _opt_entries(opt_state: Any, shard_info: Mapping[str, ShardInfo], where: str) -> tuple[list[str], list[Any], Any, list]:
     """(keys ``optim/<path>``, leaves, treespec, ShardInfos) of an optimizer state pytree."""
     accessors, leaves, spec = optree.tree_flatten_with_accessor(opt_state)
-    infos = optree.tree_leaves(state_info(opt_state, shard_info))
     keys = []
     for acc, leaf in zip(accessors, leaves, strict=True):
         parts = [e.field if isinstance(getattr(e, "field", None), str) else str(e.entry) for e in acc]
         keys.append("/".join(["optim", *parts]))
         if not isinstance(leaf, Tensor):
             raise TypeError(f"{where}: opt_state leaf {keys[-1]!r} is a {type(leaf).__name__}, not a tensor")
-    return keys, leaves, spec, infos
+    if len(set(keys)) != len(keys):
+        raise PlanError(f"{where}: opt_state paths {sorted(k for k in keys if keys.count(k) > 1)[:3]} name one key twice")
+    return keys, leaves, spec, optree.tree_leaves(state_info(opt_state, shard_info))
 
 
 def _check_keys(where: str, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> None:
@@ -264,14 +266,14 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
                 raise PlanError(f"save: optimizer key {key!r} collides with a parameter's name")
             entries[key] = (leaf, info)
     buf = io.BytesIO()
-    torch.save(extra, buf)  # unpicklable extra fails here, before any collective
+    torch.save(extra, buf)  # pickled now: an unpicklable extra fails before any collective, a later change is not saved
     if _pending is not None:  # one async save at a time: finish the previous one first
         _pending.wait()
     rank, world = dist.get_rank(), dist.get_world_size()
     tmp = path + PARTIAL
-    _on_rank0(lambda: _prepare(tmp), f"save: cannot create {tmp!r}")
-    _write_synced(os.path.join(tmp, f"extra_{rank}.pt"), buf.getvalue())
-    state = {k: _Boxed(t.detach(), boxes(info), info.global_shape) for k, (t, info) in entries.items()}
+    _on_rank0(lambda: _prepare(tmp), f"save: cannot create {tmp!r}")  # before any rank's DCP creates it again
+    state: dict[str, Any] = {k: _Boxed(t.detach(), boxes(info), info.global_shape) for k, (t, info) in entries.items()}
+    state[f"{EXTRA}/{rank}"] = buf.getvalue()  # a DCP byte item of this rank's own: its write errors are DCP's
 
     def commit() -> None:
         _on_rank0(lambda: _commit(tmp, path, world), f"save: cannot complete {path!r}")
@@ -319,7 +321,7 @@ def _check_files(path: str, marker: dict, metadata) -> None:
             raise CheckpointError(f"load: {full} is {'missing' if actual is None else f'{actual} bytes'} but the checkpoint "
                                   f"recorded {size} bytes: a corrupt or partial copy")
     need: dict[str, int] = {}
-    for info in metadata.storage_data.values():
+    for info in metadata.storage_data.values():  # FileSystemWriter's (relative_path, offset, length) records
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for name, end in need.items():
         full = os.path.join(path, name)
@@ -362,31 +364,29 @@ def load(path: str | os.PathLike, shard_info: Mapping[str, ShardInfo], *, opt_st
     if params is not None:
         _check_keys("load", params, shard_info)
     _check_mesh("load", shard_info)
-    missing = sorted(k for k in shard_info if k not in metadata.state_dict_metadata)
-    if missing:
-        raise CheckpointError(f"load: {path} has no tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                              f"({len(missing)} of the {len(shard_info)} parameters missing)")
-    state: dict[str, _Boxed] = {}
-    for name, info in shard_info.items():
-        like = params[name] if params is not None else None
-        dtype = _check_saved(path, metadata, name, info, None if like is None else like.dtype)
-        device = like.device if like is not None else mesh_device(info.mesh)
-        state[name] = _Boxed(torch.empty(info.local_shape, dtype=dtype, device=device), boxes(info), info.global_shape)
+    # (key, layout, template or None) of every tensor to read: the params, then the optimizer state's leaves
+    wanted = [(name, info, None if params is None else params[name]) for name, info in shard_info.items()]
     opt = None
     if opt_state is not None:
         keys, leaves, spec, infos = _opt_entries(opt_state, shard_info, "load")
-        for key, leaf, info in zip(keys, leaves, infos, strict=True):
-            _check_saved(path, metadata, key, info, leaf.dtype)
-            state[key] = _Boxed(torch.empty_like(leaf), boxes(info), info.global_shape)
+        wanted += list(zip(keys, infos, leaves, strict=True))
         opt = (keys, spec)
-    world, saved_world = dist.get_world_size(), marker.get("world_size")
-    src = dist.get_rank() if saved_world == world else 0
-    extra_path = os.path.join(path, f"extra_{src}.pt")
-    try:
-        extra = torch.load(extra_path, weights_only=False)  # the user's own pickles: trusted as their checkpoint is
-    except (OSError, EOFError, RuntimeError) as exc:
-        raise CheckpointError(f"load: cannot read {extra_path}: {exc}") from exc
-    dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner())
+    missing = [k for k, _, _ in wanted if k not in metadata.state_dict_metadata]
+    if missing:
+        raise CheckpointError(f"load: {path} has no tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                              f"({len(missing)} of the {len(wanted)} wanted are missing)")
+    state: dict[str, _Boxed] = {}
+    for key, info, like in wanted:
+        dtype = _check_saved(path, metadata, key, info, None if like is None else like.dtype)
+        device = like.device if like is not None else mesh_device(info.mesh)
+        state[key] = _Boxed(torch.empty(info.local_shape, dtype=dtype, device=device), boxes(info), info.global_shape)
+    src = dist.get_rank() if marker.get("world_size") == dist.get_world_size() else 0
+    extra_key = f"{EXTRA}/{src}"
+    if extra_key not in metadata.state_dict_metadata:
+        raise CheckpointError(f"load: {path} has no {extra_key!r} (saved by {marker.get('world_size')} ranks)")
+    state_dict: dict[str, Any] = {**state, extra_key: None}
+    dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=_LoadPlanner())
+    extra = torch.load(io.BytesIO(state_dict[extra_key]), weights_only=False)  # the user's own pickle
     loaded = {name: state[name].local for name in shard_info}
     new_opt = None if opt is None else optree.tree_unflatten(opt[1], [state[k].local for k in opt[0]])
     return Loaded(loaded, new_opt, extra)

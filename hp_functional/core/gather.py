@@ -116,10 +116,11 @@ def plan_buckets(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInf
 
 
 def iter_full(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
-              buckets: Sequence[Sequence[str]]) -> Iterator[dict[str, Tensor]]:
+              buckets: Sequence[Sequence[str]], what: str = "gather") -> Iterator[dict[str, Tensor]]:
     """The full tensors of each bucket (``plan_buckets``) in turn, on every rank; a collective:
-    every rank must consume every bucket.  Memory per rank: one bucket's shards from every rank."""
-    check_gatherable(params, shard_info, "gather")
+    every rank must consume every bucket.  Memory per rank: one bucket's shards from every rank.
+    ``what`` names the caller in errors."""
+    check_gatherable(params, shard_info, what)
     if not params:
         return
     mesh = next(iter(shard_info[k] for k in params)).mesh
@@ -139,6 +140,6 @@ def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -
     every rank; one all-gather per mesh dim and dtype, plus one for the layouts; inverse:
     ``slice_local``)."""
     out: dict[str, Tensor] = {}
-    for bucket in iter_full(params, shard_info, plan_buckets(params, shard_info, 1 << 62)):
+    for bucket in iter_full(params, shard_info, plan_buckets(params, shard_info, 1 << 62), "unshard"):
         out |= bucket
     return {k: out[k] for k in params}

@@ -227,9 +227,17 @@ def _commit(tmp: str, path: str, world: int) -> None:
     files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
     marker = {"format": FORMAT, "time_ns": time.time_ns(), "world_size": world, "files": files}
     _write_synced(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
+    replace_dir(tmp, path)
+
+
+def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Make the finished directory ``tmp`` visible as ``path`` (a rename, synced); an existing
+    ``path`` is moved to ``<path>.old`` first (``os.replace`` cannot replace a non-empty
+    directory) and deleted after.  Used by ``save`` and ``export_hf``."""
+    tmp, path = os.fspath(tmp), os.fspath(path)
     _fsync_dir(tmp)
     old = path + OLD
-    if os.path.exists(path):  # os.replace cannot replace a non-empty directory: move it aside first
+    if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(tmp, path)

@@ -27,6 +27,7 @@ from ..core.errors import PlanError, ShapeError
 from ..core.gather import check_gatherable, iter_full, mesh_barrier, plan_buckets
 from ..core.placement import ShardInfo
 from ..runtime.weights import read_buffers
+from .dcp import replace_dir
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
@@ -107,7 +108,7 @@ def export_hf(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         _write_configs(model, tmp, dtype)
-        _replace(tmp, out)
+        replace_dir(tmp, out)
     mesh_barrier(next(iter(shard_info.values())).mesh)
     return out
 
@@ -122,13 +123,3 @@ def _write_configs(model: nn.Module, folder: Path, dtype: torch.dtype | None) ->
         config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` onto ``out``; an existing ``out`` is moved aside first and deleted after."""
-    old = out.with_name(out.name + ".old")
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)

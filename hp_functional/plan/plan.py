@@ -21,6 +21,7 @@ from ..core.errors import PlanError
 from ..core.program import Planned
 from .hf_styles import HF_STYLES
 from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers
+from .torch_styles import ParallelStyle, from_torch_style
 from .vocab import loss_parallel_root
 
 
@@ -47,7 +48,9 @@ def _as_style(value: object, where: str) -> Style:
         if value not in HF_STYLES:
             raise PlanError(f"{where}: style {value!r} is not supported (supported: {sorted(HF_STYLES)})")
         return HF_STYLES[value]
-    raise PlanError(f"{where}: {value!r} is not a style, a ModuleSpec or an HF style string")
+    if isinstance(value, ParallelStyle):  # torch's own (parallelize_module's), converted once here
+        return from_torch_style(value, where)
+    raise PlanError(f"{where}: {value!r} is not a style, a ModuleSpec, an HF style string or a torch ParallelStyle")
 
 
 def most_specific(path: str, cands: list[Candidate]) -> tuple[str, Style]:
@@ -115,6 +118,17 @@ class ShardingPlan:
         if not raw:
             raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)")
         return cls(raw, tp_axis=tp_axis, loss_parallel=loss_parallel)
+
+    @classmethod
+    def from_torch(cls, plan: Mapping[str, ParallelStyle] | ParallelStyle, tp_axis: str = "tp", *,
+                   loss_parallel: bool = False) -> ShardingPlan:
+        """The plan a ``parallelize_module(model, mesh, plan)`` call states: torch's styles
+        (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``,
+        ``PrepareModuleOutput``, ``PrepareModuleInputOutput``), one style alone meaning the root.
+        ``tp_axis`` names the mesh axis ``parallelize_module`` was given.  A style or layout that
+        cannot be expressed raises naming the pattern and the style (``plan.torch_styles``)."""
+        entries = {"": plan} if isinstance(plan, ParallelStyle) else plan
+        return cls(entries, tp_axis=tp_axis, loss_parallel=loss_parallel)
 
     def resolve(self, model: nn.Module, mesh: DeviceMesh) -> list[Planned]:
         """Every planned module in ``model.named_modules()`` order; raises PlanError on a pattern

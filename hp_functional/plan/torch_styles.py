@@ -1,0 +1,195 @@
+"""Torch's own ``ParallelStyle`` objects (``torch.distributed.tensor.parallel``) as plan values.
+
+A dict written for ``parallelize_module`` — ``{pattern: ColwiseParallel(...), ...}`` — is a plan
+as it stands: ``ShardingPlan`` converts each torch style once, when the plan is built
+(``from_torch_style``), into the style here with the same placements, so nothing downstream
+knows torch's styles exist.  The conversion (docs/plan-language.md, "Torch's own styles"):
+
+* ``ColwiseParallel(input_layouts, output_layouts)`` → ``TorchColwise``: a ``Colwise`` on an
+  ``nn.Linear``; on an ``nn.Embedding`` the table is Shard(1) (embedding dim), output Shard(-1);
+* ``RowwiseParallel(input_layouts, output_layouts)`` → ``TorchRowwise``: a ``Rowwise`` on an
+  ``nn.Linear``; on an ``nn.Embedding`` a ``VocabEmbedding`` (table Shard(0), partial rows
+  reduced onto ``output_layouts``);
+* ``SequenceParallel(sequence_dim)`` → ``SequenceParallel(seq_dim)``;
+* ``PrepareModuleInput`` / ``PrepareModuleOutput`` → ``PrepareInput`` / ``PrepareOutput``
+  (positions and keyword names as keys; a ``None`` layout leaves that argument alone);
+  ``PrepareModuleInputOutput`` → ``PrepareInputOutput``, both at once.
+
+``use_local_output`` (and ``use_local_input``) changes nothing: outputs here are always plain
+tensors holding the declared placement, which the next module's declared input layout takes as
+it is — what torch's DTensor would carry to it.  Any other ``ParallelStyle`` (a subclass
+included: it may override ``_apply``), a placement other than ``Replicate()``, ``Shard(d)`` or
+``Partial()`` (sum), and a layout pair the lowering cannot express raise ``PlanError`` naming the
+plan entry's pattern and the torch style.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+)
+from torch.distributed.tensor.parallel import SequenceParallel as TorchSequenceParallel
+
+from ..core.errors import PlanError
+from .styles import Colwise, ModuleSpec, PrepareInput, PrepareOutput, Rowwise, SequenceParallel, Style
+from .vocab import VocabEmbedding
+
+__all__ = ["ParallelStyle", "PrepareInputOutput", "TorchColwise", "TorchRowwise", "from_torch_style"]
+
+
+def _culprit(fqn: str, source: str) -> str:
+    return f"{fqn or '<root module>'} ({source})" if source else (fqn or "<root module>")
+
+
+def _plain_ids(module: nn.Embedding, input_layout: Placement, what: str, where: str) -> None:
+    if not isinstance(input_layout, Replicate):
+        raise PlanError(f"{where}: {what} on an nn.Embedding takes the token ids replicated: write "
+                        f"input_layouts=Replicate() (got {input_layout})")
+    if module.max_norm is not None:
+        raise PlanError(f"{where}: {what} on an nn.Embedding does not support max_norm (it renormalises rows in place)")
+
+
+@dataclass(frozen=True)
+class TorchColwise(Colwise):
+    """torch's ``ColwiseParallel``: a ``Colwise`` on an ``nn.Linear``; on an ``nn.Embedding`` the
+    table is Shard(1) (each rank holds a slice of the embedding dim) and the output Shard(-1).
+    ``source`` (the torch entry, for messages) takes no part in equality."""
+
+    source: str = field(default="", compare=False, repr=False)
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        if isinstance(module, nn.Embedding):
+            _plain_ids(module, self.input_layout, "ColwiseParallel", _culprit(fqn, self.source))
+            return ModuleSpec(params={"weight": {axis: Shard(1)}},
+                              out_src={"output": {axis: Shard(-1)}}, out_dst={"output": {axis: self.output_layout}})
+        if not isinstance(module, nn.Linear):
+            raise PlanError(f"{_culprit(fqn, self.source)}: ColwiseParallel needs an nn.Linear or nn.Embedding, "
+                            f"got {type(module).__name__}")
+        return super().spec(module, fqn, axis)
+
+
+@dataclass(frozen=True)
+class TorchRowwise(Rowwise):
+    """torch's ``RowwiseParallel``: a ``Rowwise`` on an ``nn.Linear``; on an ``nn.Embedding`` a
+    ``VocabEmbedding`` (table Shard(0), the partial rows all-reduced or reduce-scattered onto
+    ``output_layout``).  ``source`` (the torch entry, for messages) takes no part in equality."""
+
+    source: str = field(default="", compare=False, repr=False)
+
+    def _vocab(self, module: nn.Module, fqn: str) -> VocabEmbedding | None:
+        if not isinstance(module, nn.Embedding):
+            return None
+        _plain_ids(module, self.input_layout, "RowwiseParallel", _culprit(fqn, self.source))
+        return VocabEmbedding(output_layout=self.output_layout, axis=self.axis)
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        vocab = self._vocab(module, fqn)
+        if vocab is not None:
+            return vocab.spec(module, fqn, axis)
+        if not isinstance(module, nn.Linear):
+            raise PlanError(f"{_culprit(fqn, self.source)}: RowwiseParallel needs an nn.Linear or nn.Embedding, "
+                            f"got {type(module).__name__}")
+        return super().spec(module, fqn, axis)
+
+    def local_forward(self, module, forward, *, fqn, axis, axes):
+        vocab = self._vocab(module, fqn)
+        if vocab is not None:
+            return vocab.local_forward(module, forward, fqn=fqn, axis=axis, axes=axes)
+        return forward
+
+
+@dataclass(frozen=True)
+class PrepareInputOutput(Style):
+    """``PrepareInput`` and ``PrepareOutput`` on one module (torch's ``PrepareModuleInputOutput``)."""
+
+    inputs: PrepareInput
+    outputs: PrepareOutput
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        out = self.outputs.spec(module, fqn, axis)
+        return replace(self.inputs.spec(module, fqn, axis), out_src=out.out_src, out_dst=out.out_dst)
+
+
+def _placement(p: Any, where: str, what: str, *, partial: bool = True) -> Placement:
+    """``p`` when it is one of the placements the lowering table speaks, else a PlanError."""
+    if type(p) in (Replicate, Shard):  # exact types: _StridedShard is a Shard subclass
+        return p
+    if partial and type(p) is Partial and p.reduce_op == "sum":
+        return Partial()
+    allowed = "Replicate(), Shard(d)" + (" or Partial() (sum)" if partial else "")
+    raise PlanError(f"{where}: {what}={p!r} cannot be expressed here (supported: {allowed})")
+
+
+def _pair(src: Any, dst: Any, where: str, what: str) -> tuple[Placement, Placement]:
+    s = _placement(src, where, what)
+    d = s if dst is None else _placement(dst, where, f"desired_{what}")  # None: annotate, no redistribution
+    if isinstance(d, Partial) and isinstance(s, Shard):
+        raise PlanError(f"{where}: {what} {s} -> {d} has no redistribution (a sharded value is no partial sum)")
+    return s, d
+
+
+def _inputs(style: PrepareModuleInput, where: str) -> dict:
+    inputs: dict = {}
+    for i, (s, d) in enumerate(zip(style.input_layouts or (), style.desired_input_layouts or (), strict=False)):
+        if s is not None:  # torch: None leaves the argument as it is
+            inputs[i] = _pair(s, d, where, f"input_layouts[{i}]")
+    for name, s in style.input_kwarg_layouts.items():
+        if s is not None:
+            inputs[name] = _pair(s, style.desired_input_kwarg_layouts.get(name), where, f"input_kwarg_layouts[{name!r}]")
+    return inputs
+
+
+def _outputs(style: PrepareModuleOutput, where: str) -> dict:
+    return {("output" if i == 0 else i): _pair(s, d, where, f"output_layouts[{i}]")
+            for i, (s, d) in enumerate(zip(style.output_layouts, style.desired_output_layouts, strict=True))
+            if s is not None}
+
+
+def _colwise(style: ColwiseParallel, where: str) -> Style:
+    return TorchColwise(input_layout=_placement(style.input_layouts[0], where, "input_layouts"),
+                        output_layout=_placement(style.output_layouts[0], where, "output_layouts", partial=False),
+                        source=where)
+
+
+def _rowwise(style: RowwiseParallel, where: str) -> Style:
+    return TorchRowwise(input_layout=_placement(style.input_layouts[0], where, "input_layouts"),
+                        output_layout=_placement(style.output_layouts[0], where, "output_layouts"), source=where)
+
+
+def _sequence(style: TorchSequenceParallel, where: str) -> Style:
+    (seq,) = style.sequence_sharding
+    return SequenceParallel(seq_dim=_placement(seq, where, "sequence_dim").dim)
+
+
+_CONVERTERS = {
+    ColwiseParallel: _colwise,
+    RowwiseParallel: _rowwise,
+    TorchSequenceParallel: _sequence,
+    PrepareModuleInput: lambda s, where: PrepareInput(_inputs(s, where)),
+    PrepareModuleOutput: lambda s, where: PrepareOutput(_outputs(s, where)),
+    PrepareModuleInputOutput: lambda s, where: PrepareInputOutput(PrepareInput(_inputs(s.prepare_module_input, where)),
+                                                                  PrepareOutput(_outputs(s.prepare_module_output, where))),
+}
+
+
+def from_torch_style(style: ParallelStyle, entry: str) -> Style:
+    """The style here with the placements of torch's ``style``; ``entry`` names the plan entry
+    (``"plan entry 'lm_head'"``) in the PlanError a style or layout that cannot be expressed raises."""
+    where = f"{entry} ({style!r})"
+    convert = _CONVERTERS.get(type(style))  # exact type: a subclass may change what _apply does
+    if convert is None:
+        names = sorted(c.__name__ for c in _CONVERTERS)
+        raise PlanError(f"{where}: torch style {type(style).__name__} has no counterpart here (supported: {names}); "
+                        "write the entry as an hpf style, a ModuleSpec or a Local")
+    return convert(style, where)

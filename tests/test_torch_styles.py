@@ -1,0 +1,190 @@
+"""Torch's own ParallelStyle plans (the dict ``parallelize_module`` takes) accepted as they are:
+torchtitan's Llama SP plan and a plain Megatron plan on a tiny HF Llama — loss, logits and every
+gradient vs the unsharded model; the same placements as our own plan; bad styles raise."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+import hp_functional as hpf
+from tests.helpers import assert_close, mesh
+from tests.models import build_llama, make_llama_state
+
+L = "model.layers.*"
+
+
+def torchtitan_plan(local: bool = True) -> dict:
+    """torchtitan's ``apply_tp`` plan (models/llama3/infra/parallelize.py) in HF Llama's names.
+    Adapted: HF computes position ids and the causal mask from the embedding output's shape, so
+    the embedding leaves replicated and the sequence is split at ``model.layers.0``'s input
+    (torchtitan: ``output_layouts=Shard(1)`` on the embedding); HF calls ``self_attn`` with
+    ``hidden_states=`` as a keyword and ``mlp`` positionally.  ``local=False`` flips every
+    ``use_local_output`` (DTensor outputs in torch)."""
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), use_local_output=local),
+        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=local),
+        f"{L}.input_layernorm": SequenceParallel(use_local_output=not local),
+        f"{L}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                             desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                             use_local_output=local),
+        f"{L}.self_attn.q_proj": ColwiseParallel(use_local_output=local),
+        f"{L}.self_attn.k_proj": ColwiseParallel(use_local_output=local),
+        f"{L}.self_attn.v_proj": ColwiseParallel(use_local_output=local),
+        f"{L}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=local),
+        f"{L}.post_attention_layernorm": SequenceParallel(use_local_output=not local),
+        f"{L}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=local),
+        f"{L}.mlp.gate_proj": ColwiseParallel(use_local_output=local),
+        f"{L}.mlp.up_proj": ColwiseParallel(use_local_output=local),
+        f"{L}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=local),
+        "model.norm": SequenceParallel(use_local_output=not local),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=local),
+    }
+
+
+def megatron_plan() -> dict:
+    """Plain Megatron TP: q/k/v/gate/up column-parallel, o/down row-parallel."""
+    return {
+        **{f"{L}.self_attn.{n}_proj": ColwiseParallel() for n in "qkv"},
+        f"{L}.self_attn.o_proj": RowwiseParallel(),
+        f"{L}.mlp.gate_proj": ColwiseParallel(),
+        f"{L}.mlp.up_proj": ColwiseParallel(),
+        f"{L}.mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def megatron_exit_plan() -> dict:
+    """Megatron's f/g with the reduction where each block leaves (PrepareModuleInputOutput /
+    PrepareModuleOutput over Partial outputs), the embedding dim-sharded (ColwiseParallel on an
+    nn.Embedding) and a gathered output head."""
+    return {
+        **megatron_plan(),
+        "model.embed_tokens": ColwiseParallel(output_layouts=Replicate()),
+        f"{L}.self_attn": PrepareModuleInputOutput(
+            input_kwarg_layouts={"hidden_states": Replicate()}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            output_layouts=(Partial(), None), desired_output_layouts=(Replicate(), None)),
+        f"{L}.self_attn.o_proj": RowwiseParallel(output_layouts=Partial()),
+        f"{L}.mlp": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+        f"{L}.mlp.down_proj": RowwiseParallel(output_layouts=Partial()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def _check(model, plan, m, ids, ref, ref_grads):
+    """Loss, logits and every gradient of ``shard(model, plan)`` vs the unsharded run; max diffs."""
+    apply_fn, params, info = hpf.shard(model, plan, m)
+    out = apply_fn(params, input_ids=ids, labels=ids)
+    diffs = {"logits": assert_close(out.logits, ref.logits.detach(), "logits"),
+             "loss": assert_close(out.loss, ref.loss.detach(), "loss")}
+    out.loss.backward()
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    assert set(full) == set(ref_grads), "every parameter has a gradient"
+    diffs["grad"] = max(assert_close(full[k], ref_grads[k], f"grad {k}") for k in ref_grads)
+    return {k: str(i.placements) for k, i in info.items()}, diffs
+
+
+def case_torch_plan(state, kind: str):
+    m = mesh()
+    model = build_llama(state)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(7))
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    ref_grads = {k: p.grad for k, p in model.named_parameters()}
+    out = {}
+    if kind == "torchtitan":
+        plan = hpf.ShardingPlan.from_torch(torchtitan_plan())
+        out["placements"], out["diffs"] = _check(model, plan, m, ids, ref, ref_grads)
+        # use_local_output=False (DTensor outputs in torch): the same conversion, the same values
+        flipped = hpf.ShardingPlan.from_torch(torchtitan_plan(local=False))
+        assert flipped.entries == plan.entries
+        out["placements_nonlocal"], out["diffs_nonlocal"] = _check(model, flipped, m, ids, ref, ref_grads)
+        # our hand-written equivalent: the same placement for every parameter
+        _, _, info = hpf.shard(model, hpf.llama_sp_plan(), m)
+        out["placements_ours"] = {k: str(i.placements) for k, i in info.items()}
+    else:  # the dict passed straight to shard()
+        out["placements"], out["diffs"] = _check(model, {"megatron": megatron_plan, "megatron_exit": megatron_exit_plan}[kind](),
+                                                 m, ids, ref, ref_grads)
+    return out
+
+
+def test_torchtitan_llama_plan_matches_unsharded_and_llama_sp_plan(pool):
+    out = pool.run(case_torch_plan, make_llama_state(), "torchtitan")
+    for r in out:
+        assert r["placements"] == r["placements_ours"] == r["placements_nonlocal"]
+    p = out[0]["placements"]
+    assert p["model.embed_tokens.weight"] == "(Shard(dim=0),)" and p["lm_head.weight"] == "(Shard(dim=0),)"
+    assert p["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=1),)"
+    assert p["model.norm.weight"] == "(Replicate(),)"
+    print(f"world {pool.world}: max diffs {[(r['diffs'], r['diffs_nonlocal']) for r in out][0]}")
+
+
+@pytest.mark.parametrize("kind", ["megatron", "megatron_exit"])
+def test_megatron_torch_plan_straight_to_shard(pool, kind):
+    out = pool.run(case_torch_plan, make_llama_state(), kind)
+    p = out[0]["placements"]
+    assert p["model.layers.1.self_attn.q_proj.weight"] == "(Shard(dim=0),)"
+    assert p["model.layers.1.mlp.down_proj.weight"] == "(Shard(dim=1),)"
+    embed = "(Shard(dim=1),)" if kind == "megatron_exit" else "(Replicate(),)"  # ColwiseParallel on an Embedding
+    assert p["model.embed_tokens.weight"] == embed
+    print(f"world {pool.world} {kind}: max diffs {out[0]['diffs']}")
+
+
+class Unknown(ParallelStyle):
+    def _apply(self, module: nn.Module, device_mesh):
+        return module
+
+    def __repr__(self) -> str:  # no object address: the message is the same on every rank
+        return "Unknown()"
+
+
+class SubColwise(ColwiseParallel):  # may change what _apply does: not taken for a ColwiseParallel
+    pass
+
+
+# (pattern, torch style, words the message must hold) — raised when the plan is built
+BAD_STYLES = [
+    ("lm_head", ColwiseParallel(output_layouts=Partial()), ["'lm_head'", "ColwiseParallel", "output_layouts=Partial(sum)"]),
+    (f"{L}.mlp.down_proj", RowwiseParallel(output_layouts=Partial("avg")), ["'model.layers.*.mlp.down_proj'", "Partial(avg)"]),
+    (f"{L}.mlp", PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Partial()),
+     ["'model.layers.*.mlp'", "PrepareModuleInput", "no redistribution"]),
+    ("model.norm", Unknown(), ["'model.norm'", "torch style Unknown has no counterpart"]),
+    ("lm_head", SubColwise(), ["'lm_head'", "torch style SubColwise has no counterpart"]),
+]
+
+
+def case_bad_styles(state):
+    model, m = build_llama(state), mesh()
+    messages = []
+    for pattern, style, words in BAD_STYLES:
+        for build in (lambda: hpf.ShardingPlan.from_torch({pattern: style}),
+                      lambda: hpf.shard(model, {pattern: style}, m)):
+            with pytest.raises(hpf.PlanError) as exc:
+                build()
+            assert all(w in str(exc.value) for w in words), (words, str(exc.value))
+        messages.append(str(exc.value))
+    # a style on a module kind it does not support: raised by shard() naming the module and the entry
+    for style, words in ((ColwiseParallel(), ["model.norm", "'model.norm'", "ColwiseParallel needs an nn.Linear"]),
+                         (RowwiseParallel(), ["model.embed_tokens", "input_layouts=Replicate()"])):
+        target = "model.norm" if isinstance(style, ColwiseParallel) else "model.embed_tokens"
+        with pytest.raises(hpf.PlanError) as exc:
+            hpf.shard(model, {target: style}, m)
+        assert all(w in str(exc.value) for w in words), (words, str(exc.value))
+        messages.append(str(exc.value))
+    return messages
+
+
+def test_bad_torch_styles_raise_on_every_rank(pool):
+    out = pool.run(case_bad_styles, make_llama_state())
+    assert all(r == out[0] for r in out)  # the same message on every rank
+    print("\n".join(out[0]))

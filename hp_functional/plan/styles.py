@@ -54,6 +54,8 @@ class ModuleSpec(Style):
     axis; None derives it (sharded params here or below, or a sharded input), as on other axes.
     ``divide_attrs``: integer attributes (head counts) the skeleton's copy of the module holds
     divided by the axis size, for modules that reshape with ``self.num_heads``.
+    ``set_attrs``: integer attributes the skeleton's copy holds with exactly these values (KV-head
+    replication sets ``num_key_value_groups`` to the local query heads per local KV head).
     ``region``: force whether the module is a rank-varying region on its varying axes (the
     gradients of replicated values inside it are per-rank partial sums, reduced once at its
     entry: its replicated parameters' and Replicate inputs'); None: a region when it is varying
@@ -72,6 +74,7 @@ class ModuleSpec(Style):
     divide_attrs: tuple[str, ...] = ()
     param_blocks: Mapping[str, int | tuple[int, ...]] = field(default_factory=dict)
     region: bool | None = None
+    set_attrs: Mapping[str, int] = field(default_factory=dict)
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         """A ModuleSpec in a plan is used as written."""

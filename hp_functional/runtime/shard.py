@@ -64,6 +64,8 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
         size = program.groups[b.planned.axis].size
         for attr in b.spec.divide_attrs:
             setattr(module, attr, getattr(module, attr) // size)
+        for attr, value in b.spec.set_attrs.items():
+            setattr(module, attr, value)
         inner = b.planned.style.local_forward(module, module.forward, fqn=b.planned.fqn, axis=b.planned.axis,
                                               axes=program.groups)
         install_boundary(module, b.planned.fqn, inner, b.in_steps, b.out_steps, cache)

@@ -43,7 +43,17 @@ def _cases(dim: int):
         "shift(-1)": (lambda x, g: g.shift(x, -1), lambda xs, r: xs[(r + 1) % n]),
         "partial_from": (lambda x, g: C.partial_from(x, g), lambda xs, r: xs[r] if r == 0 else torch.zeros_like(xs[r])),
         "leave_region": (lambda x, g: C.leave_region(x, g), lambda xs, r: xs[r]),
+        "copy_to_replicas": (lambda x, g: C.copy_to_replicas(x, PAIRS, g), lambda xs, r: xs[r]),
+        "reduce_from_replicas": (lambda x, g: C.reduce_from_replicas(x, PAIRS, g), lambda xs, r: _group_sum(xs, r)),
     }
+
+
+PAIRS = C.Replicas(2)  # groups of 2 consecutive ranks: one group at world size 2, two at 4
+
+
+def _group_sum(xs, r):
+    first = r // PAIRS.size * PAIRS.size
+    return sum(xs[first : first + PAIRS.size])
 
 
 # Backward convention: per-rank losses L_r = <w_r, y_r>; each collective's backward is stated
@@ -58,6 +68,10 @@ def _expected_grad(name, xs, ws, r, dim):
         return ws[r] if r == 0 else torch.zeros_like(ws[r])
     if name == "copy_to":
         return sum(ws)
+    if name == "copy_to_replicas":
+        return _group_sum(ws, r)
+    if name == "reduce_from_replicas":
+        return ws[r]
     if name == "all_gather":
         return sum(ws).chunk(n, dim)[r]
     if name == "gather_from":
@@ -124,13 +138,15 @@ _DIM_OPS = {"all_gather", "reduce_scatter", "gather_from", "split_to"}
 def _sample_args(name: str) -> tuple:
     if name == "ppermute":
         return ((0, 1), (1, 2), (2, 0)), "group"
+    if name.endswith("_replicas"):
+        return PAIRS, "group"
     return (1, 0, "group") if name == "all_to_all" else (1, "group") if name in _DIM_OPS else ("group",)
 
 
 def test_transpose_pairs_are_closed():
     """The one table of conjugate pairs: for every collective C with backward B, B's backward is
     C again, B's type is C's reversed (I→V ↔ V→I), and B's arguments map back to C's."""
-    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 11
+    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 13
     for name, c in C.COLLECTIVES.items():
         assert c.name == name and callable(getattr(C, name))
         b = C.COLLECTIVES[c.transpose]

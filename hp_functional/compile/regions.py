@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ..core.placement import splits
 from ..core.program import Planned
 from ..plan.styles import ModuleSpec
 
@@ -38,7 +39,7 @@ def is_below(fqn: str, ancestor: str) -> bool:
 def analyse_regions(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec], axes: Sequence[str]) -> dict[str, Varying]:
     """Planned module FQN → its ``Varying`` (see the module docstring), parents before children."""
     sharded = {
-        fqn: {a for pls in spec.params.values() for a, pl in pls.items() if isinstance(pl, Shard)}
+        fqn: {a for pls in spec.params.values() for a, pl in pls.items() if splits(pl)}
         for fqn, spec in specs.items()
     }
     out: dict[str, Varying] = {}

@@ -21,21 +21,29 @@ one place the pairs are stated): I → V transposes to V → I and back, and the
 transpose is the collective again, so ``grad`` of ``grad``, ``jacrev``/``jacfwd`` of ``jacrev``
 and ``hessian`` are exact at every order, not only the first:
 
-==================  =====  ===================  =================================  ==================
-function            type   forward              backward = transpose               its backward
-==================  =====  ===================  =================================  ==================
-``all_reduce``      V → V  all-reduce           ``all_reduce`` (all-reduce)        ``all_reduce``
-``all_gather``      V → V  all-gather           ``reduce_scatter`` (RS)            ``all_gather``
-``reduce_scatter``  V → V  reduce-scatter       ``all_gather`` (AG)                ``reduce_scatter``
-``all_to_all``      V → V  all-to-all           ``all_to_all`` (reverse)           ``all_to_all``
-``ppermute``        V → V  send to perm's dst   ``ppermute`` (inverse perm)        ``ppermute``
-``copy_to``         I → V  identity             ``reduce_from`` (all-reduce)       ``copy_to``
-``reduce_from``     V → I  all-reduce           ``copy_to`` (identity)             ``reduce_from``
-``gather_from``     V → I  all-gather           ``split_to`` (local chunk)         ``gather_from``
-``split_to``        I → V  split (local chunk)  ``gather_from`` (all-gather)       ``split_to``
-``partial_from``    I → V  keep on rank 0       ``leave_region`` (identity)        ``partial_from``
-``leave_region``    V → I  identity             ``partial_from`` (keep on rank 0)  ``leave_region``
-==================  =====  ===================  =================================  ==================
+========================  =====  ===================  ===================================  ========================
+function                  type   forward              backward = transpose                 its backward
+========================  =====  ===================  ===================================  ========================
+``all_reduce``            V → V  all-reduce           ``all_reduce`` (all-reduce)          ``all_reduce``
+``all_gather``            V → V  all-gather           ``reduce_scatter`` (RS)              ``all_gather``
+``reduce_scatter``        V → V  reduce-scatter       ``all_gather`` (AG)                  ``reduce_scatter``
+``all_to_all``            V → V  all-to-all           ``all_to_all`` (reverse)             ``all_to_all``
+``ppermute``              V → V  send to perm's dst   ``ppermute`` (inverse perm)          ``ppermute``
+``copy_to``               I → V  identity             ``reduce_from`` (all-reduce)         ``copy_to``
+``reduce_from``           V → I  all-reduce           ``copy_to`` (identity)               ``reduce_from``
+``gather_from``           V → I  all-gather           ``split_to`` (local chunk)           ``gather_from``
+``split_to``              I → V  split (local chunk)  ``gather_from`` (all-gather)         ``split_to``
+``partial_from``          I → V  keep on rank 0       ``leave_region`` (identity)          ``partial_from``
+``leave_region``          V → I  identity             ``partial_from`` (keep on rank 0)    ``leave_region``
+``copy_to_replicas``      I → V  identity             ``reduce_from_replicas`` (group AR)  ``copy_to_replicas``
+``reduce_from_replicas``  V → I  group all-reduce     ``copy_to_replicas`` (identity)      ``reduce_from_replicas``
+========================  =====  ===================  ===================================  ========================
+
+The ``*_replicas`` pair is ``copy_to``/``reduce_from`` over groups of consecutive ranks of the
+axis (``Replicas``; "group all-reduce" sums over the ranks of this rank's group): a value
+replicated within each group (a KV head shared by the ranks whose query heads use it) entering
+rank-varying compute.  The group sum is one all-reduce over the
+axis of a buffer with one slot per group, so it needs no process group of its own.
 
 ``all_to_all``'s transpose swaps its split and concat dims; ``ppermute``'s sends every pair
 back (dst → src), so ``shift(+1)``'s transpose is ``shift(-1)``.  ``leave_region``'s input is a
@@ -187,7 +195,25 @@ def raw_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: AxisGroup) -> 
     return got.reshape(x.shape) if recv is not None else torch.zeros_like(x)
 
 
+class Replicas(NamedTuple):
+    """Groups of ``size`` consecutive ranks of an axis holding the same value (a ``GroupedShard``)."""
+
+    size: int
+
+
+def raw_replica_sum(x: Tensor, replicas: Replicas, g: AxisGroup) -> Tensor:
+    """The sum of ``x`` over this rank's group of ``replicas.size`` consecutive ranks: one
+    all-reduce of a buffer with a slot per group, each rank writing its own group's slot."""
+    slots = x.new_zeros((g.size // replicas.size, *x.shape))
+    slots[g.rank // replicas.size] = x
+    return raw_all_reduce(slots, g)[g.rank // replicas.size]
+
+
 def _identity(x: Tensor, g: AxisGroup) -> Tensor:
+    return x.view_as(x)
+
+
+def _identity_replicas(x: Tensor, replicas: Replicas, g: AxisGroup) -> Tensor:
     return x.view_as(x)
 
 
@@ -298,6 +324,8 @@ _TABLE: dict[str, tuple[Callable[..., Tensor], str, str]] = {
     "split_to": (raw_split, "I→V", "gather_from"),
     "partial_from": (_keep_on_rank0, "I→V", "leave_region"),
     "leave_region": (_identity, "V→I", "partial_from"),
+    "copy_to_replicas": (_identity_replicas, "I→V", "reduce_from_replicas"),
+    "reduce_from_replicas": (raw_replica_sum, "V→I", "copy_to_replicas"),
 }
 
 #: How a collective's arguments map to its transpose's (the rest keep theirs).
@@ -310,9 +338,8 @@ COLLECTIVES: dict[str, Collective] = {
 }
 #: Each collective's transpose (the collective its backward applies), by name.
 TRANSPOSE: dict[str, str] = {name: c.transpose for name, c in COLLECTIVES.items()}
-AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, CopyTo, ReduceFrom, GatherFrom, SplitTo, PartialFrom, LeaveRegion = (
-    COLLECTIVES.values()
-)
+(AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, CopyTo, ReduceFrom, GatherFrom, SplitTo, PartialFrom, LeaveRegion,
+ CopyToReplicas, ReduceFromReplicas) = COLLECTIVES.values()
 
 
 # ---------------------------------------------------------------- public functional API
@@ -379,3 +406,14 @@ def leave_region(x: Tensor, group: AxisGroup) -> Tensor:
     A replicated value leaving a rank-varying region, whose gradients inside are per-rank partial
     sums."""
     return LeaveRegion.apply(x, group)
+
+
+def copy_to_replicas(x: Tensor, replicas: Replicas, group: AxisGroup) -> Tensor:
+    """Identity forward; backward sums the gradient over this rank's group of replicas
+    (``reduce_from_replicas``): a ``GroupedShard`` value entering rank-varying compute."""
+    return CopyToReplicas.apply(x, replicas, group)
+
+
+def reduce_from_replicas(x: Tensor, replicas: Replicas, group: AxisGroup) -> Tensor:
+    """Sum over this rank's group of replicas forward, identity backward (``copy_to_replicas``)."""
+    return ReduceFromReplicas.apply(x, replicas, group)

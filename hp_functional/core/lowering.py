@@ -19,7 +19,12 @@ P → S(d)       reduce_scatter (RS / AG)        reduce_scatter (RS / AG)
 R → S(d)       split_to (split / AG)           split_to (split / AG)
 S(i) → S(j)    all_to_all                      all_to_all
 R → P          partial_from (rank 0 / id)      partial_from (rank 0 / id)
+G(d) → S(d)    copy_to_replicas (id / AR)      copy_to_replicas (id / AR)
 =============  ==============================  ===================================
+
+``G(d)`` is a stored ``GroupedShard`` (KV-head replication): each group of ranks holds one chunk,
+used as this rank's ``Shard(d)`` slice; the backward sums the gradient over the group's ranks
+(one all-reduce over the axis of a buffer with a slot per group).
 
 Each backward above is the collective's transpose (``collectives.TRANSPOSE``), itself a
 collective whose backward is the forward again, so every lowering is exact at higher orders too.
@@ -41,6 +46,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from . import collectives as C
 from .errors import PlanError
+from .placement import GroupedShard
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,12 @@ def lower(
     if g.size == 1:
         return None
     R, S, P = Replicate, Shard, Partial
+    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
+        if isinstance(src, GroupedShard) and isinstance(dst, S) and dst.dim == src.dim:
+            return _step(C.copy_to_replicas, g, "identity", f"all_reduce(replicas of {src.replicas})",
+                         C.Replicas(src.replicas))
+        raise PlanError(f"{where}: no redistribution from {src} to {dst} on axis {g.axis!r} (a GroupedShard "
+                        f"is used as its Shard({getattr(src, 'dim', 0)}) slice only)")
     if src == dst and not isinstance(src, R):
         return None
     if isinstance(src, R) and isinstance(dst, R):

@@ -17,10 +17,38 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+try:  # a Placement of its own (not a Shard subclass) in torch 2.13; FSDP's interleaved dp sharding
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = Shard
+
 from .collectives import AxisGroup, raw_all_gather, raw_all_reduce
 from .errors import PlanError, ShapeError
 
 AxisPlacements = Mapping[str, Placement]
+
+
+@dataclass(frozen=True)
+class GroupedShard:
+    """``Shard(dim)`` over the axis's ranks taken ``replicas`` at a time: the axis's ``n`` ranks
+    form ``n // replicas`` groups of consecutive ranks, group ``g`` holds chunk ``g`` and every
+    rank of a group holds the same chunk (KV-head replication: TP 4 over 2 KV heads gives ranks
+    0, 1 head 0 and ranks 2, 3 head 1, as Megatron's and vLLM's GQA).  A stored placement only;
+    it has no DTensor counterpart.  Its use in rank-varying compute sums the gradients of a
+    group's replicas (``lower``: ``copy_to_replicas``)."""
+
+    dim: int
+    replicas: int
+
+    def chunks(self, n: int) -> int:
+        """How many chunks ``n`` ranks hold."""
+        return n // self.replicas
+
+
+def splits(p: object) -> bool:
+    """Whether a stored placement splits the tensor over its axis (``Shard``, ``_StridedShard``,
+    ``GroupedShard``)."""
+    return isinstance(p, (Shard, _StridedShard, GroupedShard))
 
 
 @dataclass(frozen=True)
@@ -45,7 +73,7 @@ class ShardInfo:
 
     @property
     def is_sharded(self) -> bool:
-        return any(isinstance(p, Shard) for p in self.placements)
+        return any(splits(p) for p in self.placements)
 
 
 @dataclass(frozen=True)
@@ -79,7 +107,7 @@ def fmt_placements(placements) -> str:
 
 def check_placement(p: object, where: str) -> Placement:
     """``p`` if it is a torch.distributed.tensor placement, else a PlanError naming ``where``."""
-    if not isinstance(p, (Shard, Replicate, Partial)):
+    if not isinstance(p, (Shard, Replicate, Partial, GroupedShard)):
         raise PlanError(
             f"{where}: {p!r} is not a placement; use torch.distributed.tensor.Shard(d), Replicate() or Partial()"
         )
@@ -105,16 +133,20 @@ def local_layout(
     for mdim, p in enumerate(placements):
         if isinstance(p, Partial):
             raise PlanError(f"{where}: a parameter cannot be stored as Partial (mesh axis {mesh.mesh_dim_names[mdim]!r})")
-        if not isinstance(p, Shard):
+        if not splits(p):
             continue
-        n, axis = mesh.size(mdim), mesh.mesh_dim_names[mdim]
+        n, axis, index = mesh.size(mdim), mesh.mesh_dim_names[mdim], coords[mdim]
+        if isinstance(p, GroupedShard):
+            if p.replicas < 1 or n % p.replicas:
+                raise PlanError(f"{where}: {p} on axis {axis!r}: {p.replicas} replicas do not divide its {n} ranks")
+            n, index = p.chunks(n), index // p.replicas
         if not -len(shape) <= p.dim < len(shape):
             raise PlanError(f"{where}: Shard({p.dim}) on axis {axis!r} but the tensor has {len(shape)} dims")
         d = p.dim % len(shape)
         if shape[d] % n:
             raise ShapeError(f"{where}: dim {d} (size {shape[d]}) is not divisible by mesh axis {axis!r} (size {n})")
         shape[d] //= n
-        offset[d] += coords[mdim] * shape[d]
+        offset[d] += index * shape[d]
     return torch.Size(shape), tuple(offset)
 
 
@@ -210,7 +242,7 @@ def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
 
 def to_full(local: Tensor, placements: Sequence[Placement], groups: Sequence[AxisGroup]) -> Tensor:
     """The full value of a tensor placed ``placements`` (one per mesh dim, ``groups`` alike):
-    Shard all-gathered, Partial all-reduced, mesh dims last to first (DTensor's order).  Not
+    Shard (and GroupedShard) all-gathered, Partial all-reduced, mesh dims last to first (DTensor's order).  Not
     differentiable: for reading results (``unshard``, ``validate``)."""
     t = local.detach()
     for p, g in reversed(list(zip(placements, groups, strict=True))):
@@ -218,6 +250,9 @@ def to_full(local: Tensor, placements: Sequence[Placement], groups: Sequence[Axi
             continue
         if isinstance(p, Shard):
             t = raw_all_gather(t, p.dim % t.dim(), g)
+        elif isinstance(p, GroupedShard):  # one copy of each group's chunk
+            d = p.dim % t.dim()
+            t = torch.cat(raw_all_gather(t, d, g).chunk(g.size, d)[:: p.replicas], d)
         elif isinstance(p, Partial):
             t = raw_all_reduce(t, g) / (g.size if p.reduce_op == "avg" else 1)
     return t
@@ -228,6 +263,10 @@ def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]
     packed = [k for k in params if is_packed(shard_info[k])]
     if packed:
         raise PlanError(f"to_dtensor: packed parameters {packed[:3]} have no DTensor layout; use unshard()")
+    grouped = [k for k in params if any(isinstance(p, GroupedShard) for p in shard_info[k].placements)]
+    if grouped:
+        raise PlanError(f"to_dtensor: {grouped[:3]} are replicated over groups of ranks (KV-head replication, "
+                        "GroupedShard), which DTensor cannot express; use unshard()")
     return {
         name: DTensor.from_local(
             local, shard_info[name].mesh, shard_info[name].placements, run_check=False,

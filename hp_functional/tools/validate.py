@@ -40,8 +40,8 @@ from ..compile.agree import digest as stable_digest
 from ..core.collectives import AxisGroup, raw_all_gather
 from ..core.errors import PlanError, ReplicationError
 from ..core.gather import unshard
+from ..core.placement import GroupedShard, to_full
 from ..core.placement import fmt_placements as _fmt
-from ..core.placement import to_full
 from ..core.program import Boundary, Program
 from ..plan.local import Local
 from ..plan.plan import ShardingPlan, as_plan
@@ -124,12 +124,17 @@ class OutputRecorder:
 
 
 def _out_placements(b: Boundary, key: object, axes: list[str]) -> dict[str, Placement] | None:
-    """The placements the plan declares for output ``key`` of boundary ``b`` (None: undeclared)."""
+    """The placements the plan declares for output ``key`` of boundary ``b`` (None: undeclared).
+    A K/V projection whose weight is replicated over groups of ranks (``GroupedShard``) produces
+    its sharded output replicated over the same groups."""
     spec = b.spec
+    grouped = {a: p.replicas for per_axis in spec.params.values() for a, p in per_axis.items() if isinstance(p, GroupedShard)}
     for k in (key, 0) if key == "output" else (key,):
         if k in spec.out_src or k in spec.out_dst:
             src, dst = spec.out_src.get(k, {}), spec.out_dst.get(k, {})
-            return {a: dst.get(a, src.get(a, Replicate())) for a in axes}
+            out = {a: dst.get(a, src.get(a, Replicate())) for a in axes}
+            return {a: GroupedShard(p.dim, grouped[a]) if a in grouped and isinstance(p, Shard) else p
+                    for a, p in out.items()}
     return None
 
 

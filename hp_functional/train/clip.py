@@ -19,23 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement
 from torch.utils._foreach_utils import _device_has_foreach_support
 
 from ..core.errors import PlanError, ShapeError
-from ..core.placement import ShardInfo, fmt_placements
-
-try:  # a Placement of its own (not a Shard subclass) in torch 2.13; FSDP's interleaved dp sharding
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - older torch
-    _StridedShard = Shard
+from ..core.placement import GroupedShard, ShardInfo, fmt_placements, splits
 
 _funcol = torch.ops._c10d_functional
 
 
 def is_shard(p: Placement) -> bool:
-    """Whether ``p`` splits the tensor over its mesh axis (``Shard`` or ``_StridedShard``)."""
-    return isinstance(p, (Shard, _StridedShard))
+    """Whether ``p`` splits the tensor over its mesh axis (``Shard``, ``_StridedShard``, ``GroupedShard``)."""
+    return splits(p)
 
 
 def check_grads(
@@ -78,8 +73,12 @@ def _common_mesh(leaves: list[tuple[str, Tensor, ShardInfo]], where: str) -> Dev
 
 
 def _owns(info: ShardInfo, coord: list[int]) -> bool:
-    """Whether this rank counts the leaf: coordinate 0 on every axis the leaf is replicated on."""
-    return all(c == 0 for c, p in zip(coord, info.placements, strict=True) if not is_shard(p))
+    """Whether this rank counts the leaf: coordinate 0 on every axis the leaf is replicated on,
+    and the first rank of its group on an axis it is ``GroupedShard`` on."""
+    for c, p in zip(coord, info.placements, strict=True):
+        if isinstance(p, GroupedShard) and c % p.replicas or not is_shard(p) and c != 0:
+            return False
+    return True
 
 
 def _group_by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:

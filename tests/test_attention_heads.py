@@ -41,18 +41,3 @@ def case_attr_heads(state, user_handler: bool):
 def test_attribute_head_counts_and_per_head_params(pool, user_handler):
     torch.manual_seed(0)
     pool.run(case_attr_heads, AttrAttention().state_dict(), user_handler)
-
-
-def case_gqa_too_few_kv_heads(kv_heads: int):
-    model = AttrAttention(hidden=32, heads=8, kv_heads=kv_heads)
-    try:
-        hpf.shard(model, attn_plan(), mesh())
-    except hpf.PlanError as exc:
-        return str(exc)
-    return None
-
-
-def test_gqa_with_fewer_kv_heads_than_tp_is_rejected(pool):
-    kv = pool.world // 2  # fewer KV heads than the TP size
-    for msg in pool.run(case_gqa_too_few_kv_heads, kv):
-        assert msg and f"num_key_value_heads={kv}" in msg and "'tp'" in msg, msg

@@ -62,7 +62,8 @@ def _close_tree(actual, expected, what: str, **tol) -> None:
 # ---------------------------------------------------------------- vjp(vjp(C)) == C, per collective
 def _apply(name: str, x: torch.Tensor, g: C.AxisGroup) -> torch.Tensor:
     args = {"all_gather": (1,), "reduce_scatter": (1,), "gather_from": (1,), "split_to": (1,), "all_to_all": (1, 0),
-            "ppermute": (C.ring(g.size, 1),)}
+            "ppermute": (C.ring(g.size, 1),), "copy_to_replicas": (C.Replicas(2),),
+            "reduce_from_replicas": (C.Replicas(2),)}
     return getattr(C, name)(x, *args.get(name, ()), g)
 
 
@@ -394,16 +395,17 @@ LLAMA = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "nu
          "num_key_value_heads": 4, "head_dim": 4, "vocab_size": 32}
 
 
-def case_llama_penalty(state, plan_kind: str):
+def case_llama_penalty(state, plan_kind: str, kv_heads: int | None = None):
     """J(p) = loss(ids) + ‖∂loss/∂inputs_embeds‖², differentiated w.r.t. every parameter, by
     torch.func (grad of a function calling grad) and by autograd (create_graph + backward).
     fp64, but HF's eager attention takes its softmax in fp32: fp32 tolerances."""
-    model = build_llama(state, **LLAMA).double()
+    cfg = LLAMA if kv_heads is None else {**LLAMA, "num_key_value_heads": kv_heads}
+    model = build_llama(state, **cfg).double()
     plan = {"hf": lambda: hpf.ShardingPlan.from_hf(model), "sp": hpf.llama_sp_plan,
             "hf_loss_parallel": lambda: hpf.ShardingPlan.from_hf(model, loss_parallel=True),
             "regions_partial_exit": lambda: hpf.megatron_plan(model, partial_exit=True)}[plan_kind]()
     apply_fn, params, info = hpf.shard(model, plan, mesh())
-    ids = torch.randint(0, LLAMA["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, cfg["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
     embeds = model.get_input_embeddings()(ids).detach()
 
     def objective(fn):
@@ -432,6 +434,12 @@ def case_llama_penalty(state, plan_kind: str):
 @pytest.mark.parametrize("plan_kind", ["hf", "sp", "hf_loss_parallel", "regions_partial_exit"])
 def test_llama_gradient_penalty(pool, plan_kind):
     pool.run(case_llama_penalty, make_llama_state(**LLAMA), plan_kind)
+
+
+def test_llama_gradient_penalty_kv_heads_replicated(pool):
+    """Fewer KV heads than ranks (KV-head replication): exact at second order too."""
+    kv = pool.world // 2
+    pool.run(case_llama_penalty, make_llama_state(**{**LLAMA, "num_key_value_heads": kv}), "hf", kv)
 
 
 # ---------------------------------------------------------------- torch.compile: torch's limits

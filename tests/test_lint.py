@@ -103,10 +103,11 @@ def test_each_finding(name):
 
 
 def test_heads_split_by_too_many_ranks():
-    """8 ranks and 4 KV heads of 8: k_proj/v_proj would leave 4 features (half a head) per rank."""
+    """8 ranks and 4 heads of 8: q/k/v_proj would leave 4 features (half a head) per rank.  (Fewer
+    KV heads than ranks alone are replicated, not cut: tests/test_kv_heads.py.)"""
 
     def run(m):
-        model = build_hf("llama")
+        model = build_hf("llama", num_attention_heads=4, hidden_size=32)
         found = lint(model, hpf.ShardingPlan.from_hf(model), m)
         try:
             hpf.shard(model, hpf.ShardingPlan.from_hf(model), m)
@@ -115,7 +116,7 @@ def test_heads_split_by_too_many_ranks():
         return found, None
 
     found, raised = simulate(run, world_size=8)
-    assert {(f.code, f.where.rsplit(".", 1)[1]) for f in found} == {("heads", "k_proj"), ("heads", "v_proj")}
+    assert {(f.code, f.where.rsplit(".", 1)[1]) for f in found} == {("heads", n) for n in ("q_proj", "k_proj", "v_proj")}
     assert raised and "head_dim=8" in raised and "model.layers.*.self_attn.k_proj" in raised and "(2 modules)" in raised
 
 

@@ -202,7 +202,8 @@ def _fault_shape(draw, case: Case, n: int):
 
 
 def _fault_heads(draw, case: Case, n: int):
-    """A head count that does not divide the axis (or GQA with fewer KV heads than its size)."""
+    """A head count that does not divide the axis (or KV heads that neither divide nor are
+    divided by its size: fewer KV heads that do divide it are replicated, ``compile.kv_heads``)."""
     options = [i for i, (k, b) in enumerate(zip(case.meta["kinds"], case.net.blocks, strict=True))
                if pc.sharded_dims(k, b.mix) == "heads"]
     if not options:
@@ -213,7 +214,7 @@ def _fault_heads(draw, case: Case, n: int):
         heads = draw(st.sampled_from([1, 3, 5]))
         mix, needle = replace(block.mix, heads=heads, kv_heads=1), f"num_heads={heads}"
     else:
-        mix, needle = replace(block.mix, heads=2 * n, kv_heads=1), "num_key_value_heads=1"
+        mix, needle = replace(block.mix, heads=3 * n, kv_heads=3), "3 KV heads"
     net = replace(case.net, blocks=(*case.net.blocks[:i], replace(block, mix=mix), *case.net.blocks[i + 1 :]))
     return replace(case, net=net), "PlanError", (f"blocks.{i}.mix:", needle, f"'{case.axis}'")
 

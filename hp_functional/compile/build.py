@@ -5,11 +5,13 @@ every rank before any collective):
 
 1. ``check_mesh`` — named dims, this rank in the mesh, parameters on the mesh's device type;
 2. ``resolve_specs`` — the plan against the model's module paths, each style to its ``ModuleSpec``;
-3. lint over those specs (errors raise together, warnings warn: ``compile.lint``);
-4. ``check_head_counts`` — head-count attributes the skeleton divides must divide;
-5. ``place_parameters`` — storage placements, tied and packed leaves (``compile.place``);
-6. ``analyse_regions`` — rank-varying compute and regions (``compile.regions``);
-7. ``lower_boundaries`` / ``lower_parameter_conversions`` — every src → dst to ``Step``s (``compile.lower``);
+3. ``replicate_kv_heads`` — K/V projections of attention with fewer KV heads than ranks
+   (``compile.kv_heads``);
+4. lint over those specs (errors raise together, warnings warn: ``compile.lint``);
+5. ``check_head_counts`` — head-count attributes the skeleton divides must divide;
+6. ``place_parameters`` — storage placements, tied and packed leaves (``compile.place``);
+7. ``analyse_regions`` — rank-varying compute and regions (``compile.regions``);
+8. ``lower_boundaries`` / ``lower_parameter_conversions`` — every src → dst to ``Step``s (``compile.lower``);
 
 A new parallelism adds a pass here (or a transform over the result), not branches in these.
 """
@@ -28,6 +30,7 @@ from ..core.errors import PlanError, PlanWarning
 from ..core.program import Planned, Program
 from ..plan.plan import ShardingPlan, as_plan
 from ..plan.styles import ModuleSpec
+from .kv_heads import replicate_kv_heads
 from .lint import Finding, enforce, lint_entries, lint_specs, shadowed
 from .lower import lower_boundaries, lower_parameter_conversions
 from .place import place_parameters
@@ -74,13 +77,14 @@ def check_head_counts(planned: list[Planned], specs: Mapping[str, ModuleSpec], g
             if not isinstance(value, int) or value % n:
                 raise PlanError(
                     f"{p.fqn}: attribute {attr}={value!r} is not divisible by mesh axis {p.axis!r} (size {n}); "
-                    "grouped-query attention with fewer KV heads than the TP size is rejected"
+                    "fewer KV heads than ranks are replicated only when the module states its head_dim and its "
+                    "K/V projections are planned Colwise (compile.kv_heads)"
                 )
 
 
 def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: bool) -> Program:
     groups = check_mesh(model, mesh)
-    planned, specs = resolve_specs(model, plan, mesh)
+    planned, specs = replicate_kv_heads(model, *resolve_specs(model, plan, mesh), groups)
     if run_lint:
         enforce(shadowed(model, plan) + lint_specs(model, plan, mesh, planned, specs))
     check_head_counts(planned, specs, groups)
@@ -127,6 +131,12 @@ def lint(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> li
             specs[p.fqn] = p.style.spec(p.module, p.fqn, p.axis)
         except PlanError as exc:
             style_errors.append(Finding("error", p.fqn, str(exc), "style"))
+    if not style_errors:
+        try:
+            planned, specs = replicate_kv_heads(model, planned, specs, {a: AxisGroup.from_mesh(mesh, a)
+                                                                          for a in mesh.mesh_dim_names})
+        except PlanError as exc:
+            style_errors.append(Finding("error", "plan", str(exc), "heads"))
     findings += style_errors + lint_specs(model, usable, mesh, planned, specs)
     if not any(f.level == "error" for f in findings):
         try:

@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ..core.errors import PlanError, PlanWarning
+from ..core.placement import GroupedShard
 from ..core.program import Planned
 from ..core.signature import arg_slots
 from ..plan.plan import ShardingPlan, most_specific
@@ -265,8 +266,9 @@ def _heads(f: _Family, producers: list[str], axis: str) -> list[Finding]:
     findings = []
     for c in producers:
         out = f.modules[c].out_features
-        if getattr(f.by_fqn[c].style, "packed", None) or out % n:
-            continue  # packed projections are not split by heads; indivisible dims raise ShapeError
+        weight = f.specs[c].params.get("weight", {}).get(axis)
+        if getattr(f.by_fqn[c].style, "packed", None) or out % n or isinstance(weight, GroupedShard):
+            continue  # packed: not split by heads; indivisible dims raise ShapeError; KV heads replicated
         if (out // n) % head_dim:
             findings.append(Finding(
                 "error", c, f"{c}: {out} output features over {n} ranks of axis {axis!r} leave {out // n} per rank, not a "

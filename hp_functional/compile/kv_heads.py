@@ -1,0 +1,110 @@
+"""Pass: KV-head replication — more ranks on a tensor-parallel axis than an attention module has
+KV heads (Llama-3-70B: 8 KV heads, TP 16).
+
+Each rank keeps the KV head its query heads use, replicated over the ranks that share it, as
+Megatron's and vLLM's grouped-query attention do: with ``n`` ranks and ``kv`` heads (``n % kv ==
+0``), ranks ``g·n/kv … (g+1)·n/kv − 1`` hold head ``g`` — exactly the ranks whose query heads
+(``H / n`` each, in order) belong to it.  The K/V projection's weight and bias are stored
+``GroupedShard(0, n // kv)`` and used as this rank's ``Shard(0)`` slice, so the rest of the
+compiler sees a plain Colwise; their gradients are summed over the ranks of each group in the
+backward (``lowering``: ``copy_to_replicas``), the input gradient is reduced over the whole axis
+as for any Colwise, and ``unshard``/checkpoints see the original tensor.  The attention module's
+skeleton copy holds one local KV head and ``H / n`` query heads per KV head
+(``num_key_value_groups``; the user's module and config keep theirs).
+
+A K/V projection is a planned Colwise ``nn.Linear`` (weight stored ``Shard(0)``, output left
+sharded) directly under a module that states a KV-head count and a head dim (attributes, else its
+``config``), with ``kv_heads × head_dim`` output features.  A count that neither divides nor is
+divided by the axis size raises ``PlanError`` naming the module (query heads that do not divide
+it are lint's ``heads`` error).  Packed (fused ``qkv_proj``) projections are not replicated: they raise when they would
+need it.  Communicates nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from ..core.collectives import AxisGroup
+from ..core.errors import PlanError
+from ..core.placement import GroupedShard
+from ..core.program import Planned
+from ..plan.styles import ModuleSpec
+
+KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+QUERY_COUNTS = ("num_heads", "n_heads", "num_attention_heads", "n_head")
+GROUP_COUNTS = ("num_key_value_groups", "n_rep", "num_kv_groups", "num_queries_per_kv")
+PATTERN = "(kv-head replication)"
+
+
+def _count(module: nn.Module, names: Sequence[str]) -> tuple[str | None, int | None]:
+    """(attribute, value) of the first int count the module holds, else (None, the config's)."""
+    for source, own in ((module, True), (getattr(module, "config", None), False)):
+        for name in names:
+            value = getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return (name if own else None), value
+    return None, None
+
+
+def _head_dim(module: nn.Module, query_heads: int) -> int | None:
+    value = getattr(module, "head_dim", None) or getattr(getattr(module, "config", None), "head_dim", None)
+    if isinstance(value, int) and value > 0:
+        return value
+    hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+    return hidden // query_heads if isinstance(hidden, int) and hidden % query_heads == 0 else None
+
+
+def _is_colwise(module: nn.Module, spec: ModuleSpec, axis: str) -> bool:
+    """A Linear with its output features sharded and its output left sharded (a gathered output
+    holds every head again, so its features may split anywhere)."""
+    stored = spec.params.get("weight", {}).get(axis)
+    out = spec.out_dst.get("output", spec.out_src.get("output", {})).get(axis)
+    return isinstance(module, nn.Linear) and type(stored) is Shard and stored.dim == 0 and type(out) is Shard
+
+
+def replicate_kv_heads(
+    model: nn.Module, planned: Sequence[Planned], specs: Mapping[str, ModuleSpec], groups: Mapping[str, AxisGroup]
+) -> tuple[list[Planned], dict[str, ModuleSpec]]:
+    """``planned`` and ``specs`` with the K/V projections that need it replicated (see the module
+    docstring), and an entry for each attention module whose skeleton copy changes attributes."""
+    modules = dict(model.named_modules())
+    specs, parents = dict(specs), {}
+    for p in planned:
+        spec, n = specs[p.fqn], groups[p.axis].size
+        if not p.fqn or not _is_colwise(p.module, spec, p.axis):
+            continue
+        parent_fqn = p.fqn.rpartition(".")[0]
+        parent = modules[parent_fqn]
+        kv_attr, kv = _count(parent, KV_COUNTS)
+        _, heads = _count(parent, QUERY_COUNTS)
+        head_dim = _head_dim(parent, heads) if heads else None
+        if kv is None or head_dim is None or p.module.out_features != kv * head_dim or kv % n == 0 or heads % n:
+            continue  # whole KV heads per rank already; query heads that do not divide: lint's ``heads``
+        if n % kv:
+            raise PlanError(f"{parent_fqn or '<root module>'}: {kv} KV heads on mesh axis {p.axis!r} of size {n}: "
+                            f"KV-head replication needs the axis size to be a multiple of the KV heads ({p.fqn} "
+                            f"has {kv}×{head_dim} output features)")
+        if spec.param_blocks:
+            raise PlanError(f"{p.fqn}: a packed projection cannot replicate its {kv} KV heads over {n} ranks of "
+                            f"axis {p.axis!r}; plan q/k/v as separate projections")
+        grouped = {p.axis: GroupedShard(0, n // kv)}
+        specs[p.fqn] = replace(spec, params={**spec.params, **dict.fromkeys(spec.params, grouped)},
+                               param_dst={**spec.param_dst, **{k: {p.axis: Shard(0)} for k in spec.params}})
+        group_attr, _ = _count(parent, GROUP_COUNTS)
+        values = {**({kv_attr: 1} if kv_attr else {}), **({group_attr: heads // n} if group_attr else {})}
+        parents[parent_fqn] = (parent, p.axis, values)
+    out = list(planned)
+    for fqn, (module, axis, values) in parents.items():
+        if fqn in specs:
+            old = specs[fqn]
+            specs[fqn] = replace(old, divide_attrs=tuple(a for a in old.divide_attrs if a not in values),
+                                 set_attrs={**old.set_attrs, **values})
+        else:
+            specs[fqn] = ModuleSpec(set_attrs=values)
+            out.append(Planned(fqn, module, specs[fqn], axis, PATTERN))
+    order = {fqn: i for i, fqn in enumerate(modules)}
+    return sorted(out, key=lambda p: order[p.fqn]), specs

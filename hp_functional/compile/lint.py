@@ -27,6 +27,9 @@ code                   level    finding
 ``heads``              error    a Colwise would cut an attention head in two: its local output
                                 features are not a multiple of the parent's ``head_dim``
                                 (fewer heads than ranks)
+``head-attr``          error    a module reshapes a sharded Colwise output with an integer
+                                attribute (``self.n_heads``) the skeleton keeps global: traced
+                                on meta copies, global vs local shapes (``compile.lint_heads``)
 ``unreduced``          error    an unplanned Linear registered after Colwise siblings takes
                                 their output width, and no Rowwise reduces their Shard(-1)
                                 outputs (q/k/v colwise, o_proj left out)
@@ -63,6 +66,7 @@ from ..core.program import Planned
 from ..core.signature import arg_slots
 from ..plan.plan import ShardingPlan, most_specific
 from ..plan.styles import ModuleSpec, SequenceParallel
+from .lint_heads import undivided_head_attrs
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
     for parent in sorted(parents):
         findings += _siblings(_Family(parent, modules, by_fqn, specs, head, mesh, entries))
     findings += _sequence_parallel(by_fqn, specs)
+    findings += [Finding("error", where, message, "head-attr")
+                 for where, message in undivided_head_attrs(model, mesh, planned, specs)]
     return findings
 
 

@@ -180,9 +180,11 @@ def test_plan_with_the_megatron_recipe_and_lint_errors(capsys):
     out = capsys.readouterr().out
     L = C.num_hidden_layers
     assert _row(out, "fwd", "all_reduce", "tp", str(2 * L + 1)) and _row(out, "bwd", "all_reduce", "tp", str(2 * L + 1))
-    assert main(["plan", "llama", "--tp", "8"]) == 1  # 4 KV heads of 8 cannot split 8 ways
+    assert main(["plan", "llama", "--tp", "8"]) == 0  # 4 KV heads over 8 ranks: each held by 2 (KV-head replication)
+    assert "GroupedShard(dim=0, replicas=2)" in capsys.readouterr().out
+    assert main(["plan", "llama", "--tp", "16"]) == 1  # 8 query heads of 8 cannot split 16 ways
     out = capsys.readouterr().out
-    assert "error: model.layers.*.self_attn.k_proj" in out and "head_dim=8" in out and "global shape" not in out
+    assert "error: model.layers.*.self_attn.q_proj" in out and "head_dim=8" in out and "global shape" not in out
 
 
 def test_collapsed_params_keeps_differently_placed_layers_apart():

@@ -188,3 +188,67 @@ def test_bad_torch_styles_raise_on_every_rank(pool):
     out = pool.run(case_bad_styles, make_llama_state())
     assert all(r == out[0] for r in out)  # the same message on every rank
     print("\n".join(out[0]))
+
+
+# ---------------------------------------------------------------- torchtitan's own model and plan
+def case_titan(state):
+    """torchtitan's ``apply_tp`` plan on a torchtitan-style Llama, through ``from_torch`` and through
+    torch's own ``parallelize_module`` (DTensor): logits, loss, every gradient and every placement."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tests.titan_llama import Transformer, titan_tp_plan
+
+    m, model = mesh(), Transformer()
+    model.load_state_dict(state)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
+
+    def loss_of(logits):
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    ref_logits = model(ids)
+    loss_of(ref_logits).backward()
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_torch(titan_tp_plan()), m)
+    logits = apply_fn(params, ids)
+    loss_of(logits).backward()
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+
+    theirs = parallelize_module(copy.deepcopy(model), m, titan_tp_plan())
+    t_logits = theirs(ids)
+    t_logits = t_logits.full_tensor() if isinstance(t_logits, DTensor) else t_logits
+    loss_of(t_logits).backward()
+    diffs = {"logits vs unsharded": assert_close(logits, ref_logits.detach(), "logits"),
+             "logits vs parallelize_module": assert_close(logits, t_logits.detach(), "logits vs torch"),
+             "grad vs unsharded": max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters()),
+             "grad vs parallelize_module": max(assert_close(full[k], p.grad.full_tensor(), f"torch grad {k}")
+                                               for k, p in theirs.named_parameters())}
+    placements = {k: (tuple(info[k].placements), tuple(p.placements)) for k, p in theirs.named_parameters()}
+    assert all(a == b for a, b in placements.values()), placements
+    return diffs
+
+
+def test_torchtitan_model_and_plan_match_unsharded_and_parallelize_module(pool):
+    from tests.titan_llama import make_titan_state
+
+    diffs = pool.run(case_titan, make_titan_state())
+    print(f"world {pool.world}: max diffs {diffs[0]}")
+
+
+def case_no_parallel_beside_torch_styles(state):
+    """Our ``NoParallel`` sits in the same dict as torch's styles (torchtitan uses its own
+    NoParallel for MoE routers): the module stays replicated, the rest is as torch's plan says."""
+    model = build_llama(state)
+    plan = {**megatron_plan(), "model.layers.*.mlp.gate_proj": hpf.NoParallel(), "model.layers.*.mlp.up_proj": hpf.NoParallel(),
+            "model.layers.*.mlp.down_proj": hpf.NoParallel()}
+    apply_fn, params, info = hpf.shard(model, plan, mesh())
+    assert info["model.layers.0.mlp.gate_proj.weight"].placements == (Replicate(),)
+    assert info["model.layers.0.self_attn.q_proj.weight"].placements == (Shard(0),)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(7))
+    return assert_close(apply_fn(params, input_ids=ids).logits, model(input_ids=ids).logits.detach(), "logits")
+
+
+def test_no_parallel_entries_beside_torch_styles(pool):
+    pool.run(case_no_parallel_beside_torch_styles, make_llama_state())

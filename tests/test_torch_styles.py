@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh
+from tests.helpers import assert_close, mesh, world
 from tests.models import build_llama, make_llama_state
 
 L = "model.layers.*"
@@ -252,3 +252,26 @@ def case_no_parallel_beside_torch_styles(state):
 
 def test_no_parallel_entries_beside_torch_styles(pool):
     pool.run(case_no_parallel_beside_torch_styles, make_llama_state())
+
+
+def case_loss_parallel(state):
+    """torchtitan's loss-parallel head (``ColwiseParallel(output_layouts=Shard(-1),
+    use_local_output=False)``) with ``from_torch(..., loss_parallel=True)``: the loss over
+    vocab-sharded logits and every gradient match the unsharded model."""
+    model = build_llama(state)
+    plan = hpf.ShardingPlan.from_torch({**megatron_plan(), "lm_head": ColwiseParallel(
+        output_layouts=Shard(-1), use_local_output=False)}, loss_parallel=True)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(7))
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    apply_fn, params, info = hpf.shard(model, plan, mesh())
+    out = apply_fn(params, input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.logits.shape[-1] == model.config.vocab_size // world(), "logits stay vocab-sharded"
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    return (assert_close(out.loss, ref.loss.detach(), "loss"),
+            max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters()))
+
+
+def test_loss_parallel_head_from_torch(pool):
+    print(pool.run(case_loss_parallel, make_llama_state())[0])

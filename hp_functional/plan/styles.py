@@ -98,9 +98,29 @@ def _require(module: nn.Module, kinds: tuple[type, ...], style: Style, fqn: str)
         raise PlanError(f"{fqn or '<root module>'}: {type(style).__name__} needs a {names}, got {type(module).__name__}")
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is HF's ``Conv1D`` (GPT-2 family: a Linear whose weight is stored
+    transposed, ``[in, out]``, and whose forward reshapes with ``self.nf``); recognised by name
+    and shape so that this layer needs no ``transformers`` import."""
+    weight = getattr(module, "weight", None)
+    return (any(k.__name__ == "Conv1D" for k in type(module).__mro__) and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2 and tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+def _projection(module: nn.Module, style: Style, fqn: str) -> tuple[int, int]:
+    """(weight dim of the output features, of the input features) of an ``nn.Linear`` (0, 1) or
+    a ``Conv1D`` (1, 0); a PlanError for any other module."""
+    if is_conv1d(module):
+        return 1, 0
+    _require(module, (nn.Linear,), style, fqn)
+    return 0, 1
+
+
 @dataclass(frozen=True)
 class Colwise(Style):
     """Linear with the output features sharded: weight and bias Shard(0), output Shard(-1).
+    On HF's ``Conv1D`` (weight ``[in, out]``) the weight is Shard(1) and the skeleton's copy
+    holds ``nf`` (its output features) divided by the axis size.
 
     ``input_layout=Shard(1)`` all-gathers a sequence-sharded input (Megatron-SP);
     ``gather_output=True`` (or ``output_layout=Replicate()``) all-gathers the output.
@@ -115,19 +135,20 @@ class Colwise(Style):
     axis: str | None = None
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
-        _require(module, (nn.Linear,), self, fqn)
+        out_dim, _ = _projection(module, self, fqn)
         out = Replicate() if self.gather_output else self.output_layout
         if self.packed and out != Shard(-1):
             raise PlanError(f"{fqn}: a packed Colwise keeps its output sharded (gathering would interleave the blocks "
                             "rank by rank); drop gather_output/output_layout")
         names = ["weight"] + (["bias"] if module.bias is not None else [])
         return ModuleSpec(
-            params={n: {axis: Shard(0)} for n in names},
+            params={n: {axis: Shard(out_dim if n == "weight" else 0)} for n in names},
             param_blocks={n: self.packed for n in names} if self.packed else {},
             in_src={0: {axis: self.input_layout}},
             in_dst={0: {axis: Replicate()}},
             out_src={"output": {axis: Shard(-1)}},
             out_dst={"output": {axis: out}},
+            divide_attrs=("nf",) if out_dim == 1 else (),
         )
 
 
@@ -137,7 +158,8 @@ class Rowwise(Style):
 
     The bias is stored replicated and used as Partial (rank 0 adds it), so it is added once
     after the reduction.  ``output_layout=Shard(1)`` reduce-scatters onto the sequence dim
-    (Megatron-SP); ``input_layout=Replicate()`` splits a replicated input locally.
+    (Megatron-SP); ``input_layout=Replicate()`` splits a replicated input locally.  On HF's
+    ``Conv1D`` (weight ``[in, out]``) the weight is Shard(0).
     """
 
     input_layout: Placement = Shard(-1)
@@ -145,10 +167,10 @@ class Rowwise(Style):
     axis: str | None = None
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
-        _require(module, (nn.Linear,), self, fqn)
+        _, in_dim = _projection(module, self, fqn)
         has_bias = module.bias is not None
         return ModuleSpec(
-            params={"weight": {axis: Shard(1)}, **({"bias": {axis: Replicate()}} if has_bias else {})},
+            params={"weight": {axis: Shard(in_dim)}, **({"bias": {axis: Replicate()}} if has_bias else {})},
             param_dst={"bias": {axis: Partial()}} if has_bias else {},
             in_src={0: {axis: self.input_layout}},
             in_dst={0: {axis: Shard(-1)}},

@@ -1,0 +1,277 @@
+"""Trace one forward of a meta copy of a model: who consumes whose output, and which integer
+attributes of which module fed a ``view``/``reshape``/``split``.
+
+``trace_model(model, inputs)`` deep-copies the model with every parameter and buffer mapped to
+a meta tensor (the user's model, config and attributes are only read), replaces every integer
+attribute of every module of the copy by a ``TracedInt`` — an ``int`` that remembers the
+``(module path, attribute)`` it was computed from, through ``+ - * // %`` — and runs one forward
+under a ``TorchFunctionMode`` with forward hooks on every module:
+
+* every tensor carries its *sources*: the modules whose outputs it derives from through plain
+  tensor ops (a module's output starts afresh with that module alone), so a module's inputs name
+  its producers (``o_proj`` consumes ``q_proj``, ``k_proj``, ``v_proj``);
+* every shape call (``view``, ``reshape``, ``unflatten``, ``split``, ``chunk``, ``__getitem__``)
+  is recorded with the innermost running module, the sources of its input, its shapes and the
+  attributes whose ``TracedInt`` appeared in its arguments — exact, not a comparison of values
+  (``seq_len == head_dim`` cannot fool it).
+
+``replay(module, args, kwargs, shapes=, attrs=)`` runs one module of the original model alone on a
+meta copy with some parameters at other (local) shapes and some attributes changed, recording
+its shape calls: how ``auto_plan`` checks a candidate set of head counts.  Nothing here
+communicates.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+INPUT = "<input>"  # the source of the example inputs
+
+SHAPE_OPS = {
+    Tensor.view: "view", Tensor.reshape: "reshape", torch.reshape: "reshape", Tensor.unflatten: "unflatten",
+    torch.unflatten: "unflatten", Tensor.split: "split", torch.split: "split", Tensor.split_with_sizes: "split",
+    Tensor.chunk: "chunk", torch.chunk: "chunk", Tensor.__getitem__: "getitem",
+}
+RESHAPES = ("view", "reshape", "unflatten")  # calls whose ints are a shape
+SPLITS = RESHAPES + ("split", "chunk")  # calls whose attribute ints must be local on the skeleton
+
+
+class TracedInt(int):
+    """An ``int`` that remembers the ``(module path, attribute)`` pairs it was computed from."""
+
+    tags: frozenset[tuple[str, str]]
+
+    def __new__(cls, value: int, tags) -> TracedInt:
+        obj = int.__new__(cls, value)
+        obj.tags = frozenset(tags)
+        return obj
+
+    def __reduce__(self):
+        return TracedInt, (int(self), self.tags)
+
+
+def _arith(name: str):
+    def op(self, *other):
+        out = getattr(int, name)(self, *other)
+        if type(out) is not int:  # NotImplemented, a float, a bool
+            return out
+        return TracedInt(out, self.tags.union(*(getattr(o, "tags", ()) for o in other)))
+    return op
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__", "__rfloordiv__",
+              "__mod__", "__rmod__", "__neg__", "__abs__", "__pos__"):
+    setattr(TracedInt, _name, _arith(_name))
+
+
+def _leaves(obj):
+    """The leaves of nested tuples, lists, dicts and slices."""
+    if isinstance(obj, (tuple, list)):
+        return [x for o in obj for x in _leaves(o)]
+    if isinstance(obj, dict):
+        return [x for o in obj.values() for x in _leaves(o)]
+    if isinstance(obj, slice):
+        return [obj.start, obj.stop, obj.step]
+    return [obj]
+
+
+def _plain(obj):
+    """``obj`` with every ``TracedInt`` as a plain int (what torch is given)."""
+    if isinstance(obj, TracedInt):
+        return int(obj)
+    if isinstance(obj, (tuple, list)) and not isinstance(obj, torch.Size):
+        return type(obj)(_plain(o) for o in obj) if type(obj) in (tuple, list) else obj
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, slice):
+        return slice(_plain(obj.start), _plain(obj.stop), _plain(obj.step))
+    return obj
+
+
+@dataclass(frozen=True)
+class ShapeCall:
+    """One shape call: the innermost running ``module``, the ``op``, the ``(owner, attribute)``
+    pairs whose traced ints were among its arguments, the sources of its input, its input shape
+    and its output shapes (one per output tensor)."""
+
+    module: str
+    op: str
+    attrs: frozenset[tuple[str, str]]
+    sources: frozenset[str]
+    shape_in: tuple[int, ...]
+    shapes_out: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class ModuleCall:
+    """What a module's calls saw: ``producers`` of all its tensor inputs, ``first`` those of its
+    first tensor argument, the first call's ``args``/``kwargs`` (meta tensors, for ``replay``) and
+    the sources of its outputs (before they are re-tagged as its own)."""
+
+    producers: set[str] = field(default_factory=set)
+    first: set[str] = field(default_factory=set)
+    outputs: set[str] = field(default_factory=set)
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    count: int = 0
+
+
+class _Tracer(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.sources: dict[int, frozenset[str]] = {}
+        self.keep: list[Tensor] = []  # pins every tensor seen, so ids stay unique
+        self.stack: list[str] = []
+        self.shape_calls: list[ShapeCall] = []
+
+    def src(self, obj) -> frozenset[str]:
+        return frozenset().union(*(self.sources.get(id(t), ()) for t in _leaves(obj) if isinstance(t, Tensor)))
+
+    def tag(self, obj, sources: frozenset[str]) -> None:
+        for t in _leaves(obj):
+            if isinstance(t, Tensor):
+                self.keep.append(t)
+                self.sources[id(t)] = sources
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*_plain(args), **_plain(kwargs))
+        sources = self.src((args, kwargs))
+        outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
+        for t in outs:
+            self.keep.append(t)
+            self.sources[id(t)] = sources | self.sources.get(id(t), frozenset())
+        op = SHAPE_OPS.get(func)
+        if op and args and isinstance(args[0], Tensor):
+            attrs = frozenset().union(*(x.tags for x in _leaves((args[1:], kwargs)) if isinstance(x, TracedInt)))
+            self.shape_calls.append(ShapeCall(self.stack[-1] if self.stack else "", op, attrs, self.src(args[0]),
+                                              tuple(args[0].shape), tuple(tuple(t.shape) for t in outs)))
+        return out
+
+
+def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are meta tensors (at ``shapes``, by
+    name, where given); ``module`` itself is only read."""
+    shapes = shapes or {}
+    memo: dict[int, object] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if id(t) not in memo:
+            meta = torch.empty(shapes.get(name, t.shape), dtype=t.dtype, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _to_meta(obj):
+    if isinstance(obj, Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_meta(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_meta(v) for k, v in obj.items()}
+    return obj
+
+
+def _snapshot(obj):
+    try:
+        return copy.deepcopy(obj)
+    except Exception:  # noqa: BLE001 - an argument that cannot be copied is replayed as it is
+        return obj
+
+
+@dataclass
+class ModelTrace:
+    """One traced forward: ``calls`` per module path (in call order), every ``ShapeCall``, and
+    the model's meta ``output``."""
+
+    calls: dict[str, ModuleCall]
+    shape_calls: list[ShapeCall]
+    output: object = None
+
+    def shape_attrs(self) -> dict[str, frozenset[str]]:
+        """Per module path, its integer attributes that fed a view/reshape/unflatten/split/chunk."""
+        out: dict[str, set[str]] = {}
+        for c in self.shape_calls:
+            if c.op in SPLITS:
+                for owner, attr in c.attrs:
+                    out.setdefault(owner, set()).add(attr)
+        return {k: frozenset(v) for k, v in out.items()}
+
+    def consumers(self) -> dict[str, set[str]]:
+        """Per module path, the modules that took (something derived from) its output as input."""
+        out: dict[str, set[str]] = {}
+        for path, call in self.calls.items():
+            for p in call.producers:
+                out.setdefault(p, set()).add(path)
+        return out
+
+    def producers(self, path: str) -> set[str]:
+        """The modules whose outputs ``path``'s inputs derive from (``INPUT``: the example inputs)."""
+        return self.calls[path].producers if path in self.calls else set()
+
+
+def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
+    """One forward of a meta copy of ``model`` on ``inputs`` (``(args, kwargs)``, moved to meta)
+    with the recording described in the module docstring."""
+    twin = meta_copy(model)
+    for path, m in twin.named_modules():
+        for attr, value in list(vars(m).items()):
+            if type(value) is int:
+                setattr(m, attr, TracedInt(value, {(path, attr)}))
+    tracer, calls = _Tracer(), {}
+
+    def pre(path):
+        def hook(module, args, kwargs):
+            call = calls.setdefault(path, ModuleCall())
+            first = next((t for t in _leaves((args, kwargs)) if isinstance(t, Tensor)), None)
+            call.producers |= tracer.src((args, kwargs))
+            call.first |= tracer.src(first)
+            if not call.count:  # a snapshot: a cache the call updates is replayed as it was
+                call.args, call.kwargs = _snapshot((args, dict(kwargs)))
+            call.count += 1
+            tracer.stack.append(path)
+        return hook
+
+    def post(path):
+        def hook(module, args, kwargs, output):
+            tracer.stack.pop()
+            calls[path].outputs |= tracer.src(output)
+            if isinstance(output, Tensor):
+                output = output.view_as(output)  # a fresh alias: the producer's own tag stays on the original
+            elif type(output) is tuple:
+                output = tuple(o.view_as(o) if isinstance(o, Tensor) else o for o in output)
+            tracer.tag(output, frozenset({path}))
+            return output
+        return hook
+
+    handles = []
+    for path, m in twin.named_modules():
+        handles.append(m.register_forward_pre_hook(pre(path), with_kwargs=True))
+        handles.append(m.register_forward_hook(post(path), with_kwargs=True))
+    args, kwargs = _to_meta(inputs[0]), _to_meta(inputs[1])
+    tracer.tag((args, kwargs), frozenset({INPUT}))
+    with torch.no_grad(), tracer:
+        output = twin(*args, **kwargs)
+    for h in handles:
+        h.remove()
+    return ModelTrace(calls, tracer.shape_calls, output)
+
+
+def replay(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[str, torch.Size] | None = None,
+           attrs: Mapping[str, int] | None = None) -> tuple[list[ShapeCall], object]:
+    """(the shape calls, the output) of one forward of a meta copy of ``module`` whose parameters
+    have ``shapes`` (by name below it) and whose attributes ``attrs`` (``"sub.attr"`` paths) are
+    set; whatever the forward raises propagates."""
+    twin = meta_copy(module, shapes)
+    for path, value in (attrs or {}).items():
+        owner, _, attr = path.rpartition(".")
+        setattr(twin.get_submodule(owner), attr, value)
+    tracer = _Tracer()
+    with torch.no_grad(), tracer:
+        out = twin(*_to_meta(_snapshot(tuple(args))), **_to_meta(_snapshot(dict(kwargs))))
+    return tracer.shape_calls, out

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .core.gather import unshard
     from .core.placement import ShardInfo, slice_local, to_dtensor
     from .core.program import Program
+    from .plan.auto import auto_plan
     from .plan.local import Local
     from .plan.plan import ShardingPlan
     from .plan.recipes import llama_sp_plan, megatron_plan
@@ -78,6 +79,7 @@ _LAZY: dict[str, str] = {
     "unshard": ".core.gather",
     "Program": ".core.program",
     "ShardingPlan": ".plan.plan",
+    "auto_plan": ".plan.auto",
     "llama_sp_plan": ".plan.recipes",
     "megatron_plan": ".plan.recipes",
     "Colwise": ".plan.styles",
@@ -157,6 +159,7 @@ __all__ = [
     "ValidationReport",
     "VocabEmbedding",
     "as_module",
+    "auto_plan",
     "build_program",
     "clip_grad_norm",
     "collectives",

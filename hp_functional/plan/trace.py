@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -202,6 +203,7 @@ class ModelTrace:
                     out.setdefault(owner, set()).add(attr)
         return {k: frozenset(v) for k, v in out.items()}
 
+    @cached_property
     def consumers(self) -> dict[str, set[str]]:
         """Per module path, the modules that took (something derived from) its output as input."""
         out: dict[str, set[str]] = {}

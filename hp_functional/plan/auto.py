@@ -1,0 +1,214 @@
+"""``auto_plan(model, mesh)``: a tensor-parallel plan for a model that declares none, read off
+the model's module types, its structure and one forward traced on a meta copy (``plan.trace``).
+
+The roles, first match wins (``docs/auto-plan.md`` has the table and the reasons):
+
+1. MoE routers and experts — a ``PlanError`` (expert parallelism is not supported yet) unless
+   ``allow_uncovered``, which leaves them replicated;
+2. the token embedding (``get_input_embeddings()``, else the ``nn.Embedding`` fed by the inputs)
+   — ``VocabEmbedding``; other embeddings (positions, token types) stay replicated;
+3. the output head (``get_output_embeddings()``, else a projection the model returns), tied or
+   not — ``Colwise(gather_output=True)`` (vocab-sharded logits under ``loss_parallel``);
+4. every other projection (``nn.Linear``, HF ``Conv1D``) — paired colwise → rowwise within its
+   block, packed when the block splits its output, head counts found by replay
+   (``plan.auto_blocks``);
+5. norms — replicated (``SequenceParallel`` on the residual stream with ``sequence_parallel``);
+   those between a colwise and a rowwise projection (per-head q/k norms) replicated with their
+   gradients all-reduced;
+6. biases follow their projection's style; per-head parameters are sharded by head;
+7. anything else with a 2-D weight or >= 1% of the parameters — a ``PlanError`` naming it and
+   its shape unless ``allow_uncovered``; smaller parameters stay replicated.
+
+Nothing here communicates: every error is raised on every rank alike, before any collective.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.errors import PlanError
+from . import auto_blocks as B
+from .auto_heads import inside, join
+from .auto_report import AutoPlan, collapse, coverage, merge_overrides
+from .auto_sp import sequence_parallel as sequence_parallel_plan
+from .styles import Colwise, NoParallel, Style
+from .trace import INPUT, ModelTrace, trace_model
+from .vocab import VocabEmbedding
+
+EXPERTS = re.compile(r"expert", re.IGNORECASE)
+
+
+def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequence_parallel: bool = False,
+              loss_parallel: bool = False, overrides: Mapping[str, object] | None = None,
+              allow_uncovered: bool = False, example_inputs=None) -> AutoPlan:
+    """A ``ShardingPlan`` for ``model`` on ``mesh``'s ``tp_axis`` (see the module docstring).
+
+    ``example_inputs``: what one forward takes (a tensor, a tuple of arguments or a dict of keyword
+    arguments; shapes and dtypes only, moved to meta) — default ``input_ids`` of shape (1, 8)
+    when the model starts with an embedding.  ``overrides``: ``{path or pattern: style or None}``
+    merged into the generated plan (a style wins, ``None`` clears, a key that matches no module
+    is a ``PlanError``).  The result's ``coverage`` / ``explain()`` list every parameter."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if tp_axis not in names:
+        raise PlanError(f"auto_plan: mesh axis {tp_axis!r} is not in the mesh (axes: {list(names)})")
+    n = mesh.size(names.index(tp_axis))
+    try:
+        trace = trace_model(model, _inputs(model, example_inputs))
+    except Exception as exc:
+        raise PlanError(f"auto_plan: one forward of {type(model).__name__} on meta tensors failed ({type(exc).__name__}: "
+                        f"{exc}); pass example_inputs=(...) that its forward takes") from exc
+    g = _Generator(model, trace, n, tp_axis, allow_uncovered)
+    g.run(sequence_parallel)
+    merge_overrides(g.entries, g.roles, overrides, model)
+    cov = coverage(model, g.entries, g.roles, g.special, g.param_roles, tp_axis)
+    paths = [p for p, _ in model.named_modules()]
+    params = [p for p, _ in model.named_parameters(remove_duplicate=False)]
+    return AutoPlan(collapse(g.entries, paths), tp_axis, coverage=cov, notes=tuple(g.notes), loss_parallel=loss_parallel,
+                    special_handlers=collapse(g.special, params))
+
+
+def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
+    if example_inputs is None:
+        first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+        if not isinstance(first, nn.Embedding):
+            raise PlanError(f"auto_plan: {type(model).__name__} does not start with an nn.Embedding; pass "
+                            "example_inputs=(...) that its forward takes")
+        ids = torch.zeros(1, 8, dtype=torch.long)
+        params = inspect.signature(model.forward).parameters
+        return ((), {"input_ids": ids}) if "input_ids" in params else ((ids,), {})
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    return tuple(example_inputs), {}
+
+
+class _Generator:
+    """The per-module entries, their roles and the notes, decided rule by rule (``run``)."""
+
+    def __init__(self, model: nn.Module, trace: ModelTrace, n: int, axis: str, allow_uncovered: bool):
+        self.model, self.trace, self.n, self.axis, self.allow = model, trace, n, axis, allow_uncovered
+        self.modules = dict(model.named_modules())
+        self.entries: dict[str, Style] = {}
+        self.roles: dict[str, str] = {}  # module path -> the rule that decided it
+        self.param_roles: dict[str, str] = {}  # parameter FQN -> a reason of its own
+        self.special: dict[str, str] = {}  # parameter FQN -> special handler
+        self.notes: list[str] = []
+        self.uncovered: list[str] = []
+        self.blocks: dict[str, B.Block] = {}
+
+    def run(self, sequence_parallel: bool) -> None:
+        skip = self._moe()
+        embed = self._embedding()
+        head = self._head(embed)
+        projections = [p for p, m in self.modules.items() if B.is_projection(m) and p != head
+                       and not any(inside(p, s) or p == s for s in skip)]
+        parents: dict[str, list[str]] = {}
+        for p in projections:
+            parents.setdefault(p.rpartition(".")[0], []).append(p)
+        cache: dict = {}
+        for block, members in parents.items():  # rule 4
+            self.blocks[block] = blk = B.plan_block(self.trace, self.model, block, members, self.n, self.axis, cache)
+            self.entries.update(blk.styles)
+            self.roles.update(blk.roles)
+            self.special.update(dict.fromkeys(blk.per_head, "shard_heads"))
+            self.notes += blk.notes
+            self.uncovered += blk.uncovered
+        errors = [e for blk in self.blocks.values() for e in blk.errors]
+        if errors:
+            raise PlanError("auto_plan: " + "; ".join(errors))
+        self._rest(skip)
+        if self.uncovered and not self.allow:
+            raise PlanError("auto_plan: no rule covers " + "; ".join(self.uncovered) + " (pass allow_uncovered=True to "
+                            "leave them replicated, or plan them with overrides={...})")
+        if sequence_parallel:
+            sequence_parallel_plan(self.entries, self.roles, self.blocks, self.modules, self.trace, head)
+
+    # -------------------------------------------------------------- rules 1-3
+    def _moe(self) -> list[str]:
+        """Mixture-of-experts blocks: the parent (router included) of an ``experts`` module or of
+        stacked (3-D, not convolution) expert weights."""
+        found: list[str] = []
+        for path, m in self.modules.items():
+            experts = EXPERTS.search(path.rpartition(".")[2]) and any(True for _ in m.parameters())
+            stacked = not isinstance(m, nn.modules.conv._ConvNd) and any(p.dim() >= 3 for p in m.parameters(recurse=False))
+            if experts or stacked:
+                block = path.rpartition(".")[0] if path else path
+                if not any(block == f or inside(block, f) for f in found):
+                    found.append(block)
+        if found and not self.allow:
+            raise PlanError(f"auto_plan: {found[0]} ({type(self.modules[found[0]]).__name__}) looks like a mixture of "
+                            "experts (router/experts); expert parallelism is not supported yet (allow_uncovered=True "
+                            "leaves it replicated)")
+        for path in found:
+            self.entries[path] = NoParallel()
+            self.roles[path] = "MoE (replicated: expert parallelism is not supported yet)"
+            self.notes.append(f"{path}: MoE left replicated")
+        return found
+
+    def _path_of(self, module) -> str | None:
+        return next((p for p, m in self.modules.items() if m is module), None)
+
+    def _embedding(self) -> str | None:
+        get = getattr(self.model, "get_input_embeddings", None)
+        try:
+            path = self._path_of(get()) if get else None
+        except (NotImplementedError, AttributeError):
+            path = None
+        if path is None or not isinstance(self.modules[path], nn.Embedding):
+            path = next((p for p in self.trace.calls if isinstance(self.modules.get(p), nn.Embedding)
+                         and INPUT in self.trace.producers(p)), None)
+        if path is None:
+            return None
+        rows = self.modules[path].num_embeddings
+        if rows % self.n:
+            raise PlanError(f"auto_plan: {path}: a vocabulary of {rows} does not split over {self.n} ranks of axis "
+                            f"{self.axis!r} (pad it, or override {path!r} with NoParallel())")
+        self.entries[path], self.roles[path] = VocabEmbedding(), "embedding"
+        return path
+
+    def _head(self, embed: str | None) -> str | None:
+        get = getattr(self.model, "get_output_embeddings", None)
+        try:
+            path = self._path_of(get()) if get else None
+        except (NotImplementedError, AttributeError):
+            path = None
+        if (path is None or not B.is_projection(self.modules[path])) and embed is not None:
+            vocab = self.modules[embed].num_embeddings  # a projection the model returns, as wide as the vocabulary
+            returned = self.trace.calls[""].outputs if "" in self.trace.calls else set()
+            path = next((p for p in sorted(returned) if B.is_projection(self.modules.get(p))
+                         and B.out_features(self.modules[p]) == vocab), None)
+        if path is None:
+            return None
+        if B.out_features(self.modules[path]) % self.n:
+            raise PlanError(f"auto_plan: {path}: {B.out_features(self.modules[path])} output features do not split over "
+                            f"{self.n} ranks of axis {self.axis!r}")
+        self.entries[path], self.roles[path] = Colwise(gather_output=True), "output head"
+        return path
+
+    # -------------------------------------------------------------- rules 5-7
+    def _rest(self, skip: list[str]) -> None:
+        total = sum(p.numel() for p in self.model.parameters())
+        for path, m in self.modules.items():
+            if path in self.entries or path in self.roles or any(inside(path, s) for s in skip):
+                continue
+            own = list(m.named_parameters(recurse=False))
+            if not own or path in self.blocks:
+                continue
+            if B.is_norm(m):
+                self.roles[path] = "norm (replicated)"
+            elif isinstance(m, nn.Embedding):
+                self.roles[path] = "auxiliary embedding (positions, types: replicated)"
+            else:
+                for name, q in own:
+                    if q.dim() >= 2 or q.numel() * 100 >= total:
+                        self.uncovered.append(f"{join(path, name)} ({type(m).__name__} {tuple(q.shape)})")
+                        self.param_roles[join(path, name)] = "uncovered (replicated)"
+                    else:
+                        self.param_roles[join(path, name)] = "small parameter (replicated)"

@@ -1,0 +1,245 @@
+"""``auto_plan``'s blocks: the projections of one module paired colwise → rowwise from a traced
+forward, their packing, and the head counts the skeleton must hold divided.
+
+A *block* is the parent of one or more projections (``nn.Linear``, HF ``Conv1D``).  Inside it,
+a projection whose output reaches another projection of the block — through plain tensor ops and
+parameter-free or norm modules of the block, never through a third projection — is colwise; the
+one it reaches is rowwise.  A projection that is both (a chain of three) takes the role its name
+says and is an error if the name says nothing; a name that contradicts the trace is an error;
+a projection that is neither is *unpaired*.  A colwise output that the block splits or slices
+into pieces along its last dim (``split``, ``chunk``, ``qkv[..., :q]``) is packed with those
+pieces as blocks (``Colwise(packed=...)``); a view of it into ``(..., 2|3, H, D)`` packs 2 or 3.
+
+Head counts: the integer attributes (``self.n_heads``, ``self.split_size``…) that fed a shape
+call inside the block, and its 1-D parameters as long as a head count (per-head scales), are the
+candidates; every subset, smallest first (names that say "heads" first among equals), is tried by
+replaying the block alone at the local shapes the styles give (``plan.auto_heads``).  The first
+subset with which the block runs, keeps every per-head size and returns its global output shape
+is the plan (``Heads(attrs=...)``, ``shard_heads``); identical layers are searched once.  When
+none does (heads sliced with numbers from a config, Phi-3's ``qkv``), the block is *gathered*:
+its colwise outputs are all-gathered and its rowwise ones split their replicated input locally
+(HF's ``colwise_gather_output`` / ``rowwise_split_input``).  Heads that do not divide the axis are a ``PlanError`` naming the
+module (query heads, and head-count attributes by name); KV projections with fewer heads than
+ranks (the axis size a multiple of them) stay plain Colwise, with the head-count attributes named
+like heads divided, for the compiler's KV-head replication pass to take over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from ..core.errors import PlanError
+from .auto_heads import inside, join, says_heads, search_heads, splits_last
+from .styles import Colwise, Heads, NoParallel, Rowwise, Style, is_conv1d
+from .trace import ModelTrace
+
+COL_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "c_fc", "wq", "wk", "wv", "query",
+             "key", "value", "q", "k", "v", "fc1", "fc_in", "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1",
+             "qkv_proj", "qkv", "c_attn", "Wqkv", "query_key_value", "in_proj", "gate_up_proj", "w13", "w12"}
+ROW_NAMES = {"o_proj", "out_proj", "down_proj", "w2", "c_proj", "wo", "o", "dense", "fc2", "fc_out",
+             "dense_4h_to_h", "out_lin", "lin2", "proj"}
+KV_NAMES = {"k_proj", "v_proj", "wk", "wv", "key", "value", "k", "v", "k_lin", "v_lin"}
+
+
+def is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A norm-like module: only 1-D parameters of its own, and "norm" in its class name."""
+    own = list(module.parameters(recurse=False))
+    return bool(own) and all(p.dim() == 1 for p in own) and "norm" in type(module).__name__.lower()
+
+
+def out_features(module: nn.Module) -> int:
+    return module.nf if is_conv1d(module) else module.out_features
+
+
+@dataclass
+class Block:
+    """What ``plan_block`` decided for one block: ``styles`` per module path (projections, per-head
+    norms, ``Heads`` on the modules whose head counts are divided), ``roles`` per module path (for
+    the coverage report), ``heads`` (owner path → attributes divided), ``per_head`` parameter FQNs
+    sharded by head, ``gathered`` (see the module docstring), and what to report: ``uncovered``
+    modules, ``notes`` and ``errors``."""
+
+    path: str
+    styles: dict[str, Style] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+    heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    per_head: tuple[str, ...] = ()
+    gathered: bool = False
+    uncovered: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _reached(trace: ModelTrace, start: str, block: str, projections: set[str]) -> tuple[set[str], set[str]]:
+    """(projections of ``block`` that ``start``'s output reaches, modules passed on the way)."""
+    consumers, seen, hit, todo = trace.consumers, set(), set(), [start]
+    while todo:
+        for c in consumers.get(todo.pop(), ()):
+            if c in seen or not inside(c, block):
+                continue
+            seen.add(c)
+            if c in projections:
+                hit.add(c)
+            else:
+                todo.append(c)
+    return hit, seen - hit
+
+
+def packing(trace: ModelTrace, proj: str, width: int) -> int | tuple[int, ...] | None:
+    """The pieces the block cuts ``proj``'s output into along its last dim (None: not packed)."""
+    mine = [c for c in trace.shape_calls if c.sources == {proj} and c.shape_in and c.shape_in[-1] == width]
+    for c in mine:
+        if c.op in ("split", "chunk") and len(c.shapes_out) > 1 and all(s[:-1] == c.shape_in[:-1] for s in c.shapes_out):
+            sizes = tuple(s[-1] for s in c.shapes_out)
+            return len(sizes) if len(set(sizes)) == 1 else sizes
+        if splits_last(c):
+            tail = c.shapes_out[0][len(c.shape_in) - 1:]
+            return tail[0] if len(tail) >= 3 and tail[0] in (2, 3) else None
+    pieces = [c.shapes_out[0][-1] for c in mine if c.op == "getitem" and c.shapes_out
+              and c.shapes_out[0][:-1] == c.shape_in[:-1] and c.shapes_out[0][-1] < width]
+    if len(pieces) > 1 and sum(pieces) == width:
+        return len(pieces) if len(set(pieces)) == 1 else tuple(pieces)
+    return None
+
+
+def heads_of(trace: ModelTrace, proj: str) -> set[int]:
+    """Head counts of ``proj``'s output: the views that split a last dim of it into (..., H, D)."""
+    return {c.shape_in[-1] // c.shapes_out[0][-1] for c in trace.shape_calls
+            if c.sources == {proj} and splits_last(c) and 0 < c.shapes_out[0][-1] <= c.shape_in[-1]}
+
+
+def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], projections: list[str]
+         ) -> tuple[dict[str, str], set[str], list[str]]:
+    """(projection → "colwise"/"rowwise", the modules between them, the unpaired projections)."""
+    reach = {p: _reached(trace, p, block, set(projections)) for p in projections}
+    fed = {q for hit, _ in reach.values() for q in hit}
+    roles, unpaired = {}, []
+    for p in projections:
+        name = p.rpartition(".")[2]
+        col, row = bool(reach[p][0]), p in fed
+        said = "colwise" if name in COL_NAMES else "rowwise" if name in ROW_NAMES else None
+        if col and row:
+            if said is None:
+                raise PlanError(f"auto_plan: {p} both consumes and feeds projections of {block or 'the root'}, and its "
+                                "name says neither colwise nor rowwise; plan it with overrides={...}")
+            roles[p] = said
+        elif col or row:
+            roles[p] = "colwise" if col else "rowwise"
+            if said and said != roles[p]:
+                raise PlanError(f"auto_plan: {p} is named like a {said} projection but the traced forward uses it "
+                                f"{roles[p]} (it {'feeds' if col else 'consumes'} another projection of "
+                                f"{block or 'the root'}); plan it with overrides={{...}}")
+        else:
+            unpaired.append(p)
+    between = {m for p, r in roles.items() if r == "colwise" for m in reach[p][1]}
+    return roles, between, unpaired
+
+
+def check_heads(trace: ModelTrace, cols: list[str], n: int, axis: str) -> list[str]:
+    """Messages for colwise projections whose heads do not divide the axis (KV ones that have
+    fewer heads than ranks are the KV-head pass's)."""
+    bad = []
+    for p in cols:
+        for h in sorted(heads_of(trace, p)):
+            kv = p.rpartition(".")[2] in KV_NAMES and n % h == 0
+            if h % n and not kv:
+                bad.append(f"{p}: {h} heads do not split over {n} ranks of axis {axis!r}")
+    return bad
+
+
+def plan_block(trace: ModelTrace, model: nn.Module, block: str, members: list[str], n: int, axis: str,
+               cache: dict) -> Block:
+    """Rule 4 of ``auto_plan`` for the projections ``members`` of ``block`` (see the module
+    docstring); ``cache`` holds the head search of identical layers, so it runs once per kind."""
+    modules, out = dict(model.named_modules()), Block(block)
+    roles, between, unpaired = pair(trace, block, modules, members)
+    for p in unpaired:
+        why = "not called by the traced forward" if p not in trace.calls else "pairs with no projection of its block"
+        out.uncovered.append(f"{p} ({type(modules[p]).__name__} {tuple(modules[p].weight.shape)}: {why})")
+        out.styles[p], out.roles[p] = NoParallel(), f"uncovered ({why})"
+    if not roles:
+        return out
+    cols = [p for p, r in roles.items() if r == "colwise"]
+    styles: dict[str, Style] = {}
+    for p, r in roles.items():
+        packed = packing(trace, p, out_features(modules[p])) if r == "colwise" else None
+        styles[p] = Colwise(packed=packed) if packed else Colwise() if r == "colwise" else Rowwise()
+        out.roles[p] = f"{r} (packed {packed})" if packed else r
+    norms = {m: NoParallel(reduce_grads=True) for m in sorted(between) if is_norm(modules[m])}
+    for m in sorted(between - set(norms)):
+        if any(True for _ in modules[m].parameters(recurse=False)):
+            out.uncovered.append(f"{m} ({type(modules[m]).__name__}: between colwise and rowwise projections)")
+            out.roles[m] = "uncovered (between colwise and rowwise projections)"
+    attrs = sorted({a for c in trace.shape_calls if c.module == block or inside(c.module, block)
+                    for a in c.attrs if (a[0] == block or inside(a[0], block)) and a[0] not in roles})
+    out.errors = check_heads(trace, cols, n, axis) + _undivided(modules, attrs, n, axis)
+    if out.errors:
+        return out
+    heads = {h for p in cols for h in heads_of(trace, p)} | {getattr(modules[o], a) for o, a in attrs}
+    owned = list(modules[block].named_parameters(recurse=False))
+    per_head = [join(block, name) for name, q in owned if q.dim() == 1 and q.shape[0] in heads]
+    out.uncovered += [f"{join(block, name)} ({tuple(q.shape)}: a parameter of block {block!r})" for name, q in owned
+                      if join(block, name) not in per_head]
+    few_kv = [p for p in cols if any(h < n for h in heads_of(trace, p))]  # check_heads: n % h == 0 for these
+    if few_kv:  # the compiler's KV-head pass replicates them; a replay here cannot model that layout
+        found = (tuple(a for a in attrs if says_heads(("attr", a)) and "split" not in a[1]),
+                 tuple(q for q in per_head if model.get_parameter(q).shape[0] == max(heads)))
+        out.notes.append(f"{block}: {few_kv} have fewer heads than the {n} ranks; left plain Colwise for the "
+                         "compiler's KV-head replication")
+    else:
+        found = _cached_search(trace, model, block, {**styles, **norms}, attrs, per_head, n, axis, cache)
+    if found is None:
+        styles, norms, found, out.gathered = _gathered(roles), {}, ((), ()), True
+        out.roles.update({p: f"{r} (gathered: heads not localisable)" for p, r in roles.items()})
+        out.notes.append(f"{block}: its heads could not be localised (no head count to divide replays it at local "
+                         "shapes); colwise outputs gathered, rowwise inputs split")
+    out.roles.update(dict.fromkeys(norms, "per-head norm (replicated, grads all-reduced)"))
+    out.styles.update({**styles, **norms})
+    for owner, attr in found[0]:
+        out.heads[owner] = (*out.heads.get(owner, ()), attr)
+    for owner, names in out.heads.items():
+        out.styles[owner], out.roles[owner] = Heads(attrs=names), "attention (head counts divided)"
+    out.per_head = tuple(found[1])
+    return out
+
+
+def _undivided(modules: Mapping[str, nn.Module], attrs, n: int, axis: str) -> list[str]:
+    """Head-count attributes (by name) that do not divide the axis (KV counts that the axis size
+    is a multiple of are the KV-head pass's)."""
+    bad = []
+    for owner, attr in attrs:
+        value = getattr(modules[owner], attr)
+        kv = "kv" in attr or "key_value" in attr
+        if says_heads(("attr", (owner, attr))) and "split" not in attr and value % n and not (kv and n % value == 0):
+            bad.append(f"{owner}: {attr}={value} does not divide over {n} ranks of axis {axis!r}")
+    return bad
+
+
+def _cached_search(trace, model, block, styles, attrs, per_head, n, axis, cache):
+    """``search_heads`` once per kind of block: identical layers reuse the first one's result."""
+    m = model.get_submodule(block) if block else model
+    cut = len(block)
+    key = (type(m), tuple((k, tuple(v.shape)) for k, v in m.named_parameters()),
+           tuple((o[cut:], a, getattr(model.get_submodule(o) if o else model, a)) for o, a in attrs),
+           tuple((k[cut:], s) for k, s in styles.items()), tuple(p[cut:] for p in per_head))
+    if key not in cache:
+        cache[key] = (block, search_heads(trace, block, m, styles, axis, n, attrs, per_head))
+    first, found = cache[key]
+    if found is None or first == block:
+        return found
+    move = lambda x: block + x[len(first):]  # noqa: E731 - the first layer's result at this block's paths
+    return tuple((move(o), a) for o, a in found[0]), tuple(move(p) for p in found[1])
+
+
+def _gathered(roles: Mapping[str, str]) -> dict[str, Style]:
+    """The block's projections with colwise outputs gathered and rowwise inputs split locally."""
+    return {p: Colwise(gather_output=True) if r == "colwise" else Rowwise(input_layout=Replicate())
+            for p, r in roles.items()}

@@ -1,0 +1,120 @@
+"""``auto_plan``'s head counts: which integer attributes (``self.n_heads``, ``self.split_size``…)
+and per-head parameters of a block the skeleton must hold divided, found by replaying the block.
+
+The candidates are the attributes whose traced ints fed a shape call inside the block and its
+1-D parameters as long as a head count.  Every subset, smallest first (among equals, those whose
+names say "heads" or "split" first), is tried by replaying the block alone on a meta copy at the
+local shapes its styles give (``trace.replay``, the block's own traced arguments).  A subset
+fits when the replay runs, makes the same shape calls, keeps the trailing (per-head) size of
+every view that splits a last dim, leaves no piece empty that was not, and returns the global
+output shape.  The first that fits wins; None when none does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from .styles import Style
+from .trace import RESHAPES, ModelTrace, ShapeCall, replay
+
+MAX_CANDIDATES = 6  # at most 2**6 replays per distinct block
+
+
+def join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def inside(path: str, block: str) -> bool:
+    return path != block and (not block or path.startswith(block + "."))
+
+
+def splits_last(c: ShapeCall) -> bool:
+    """Whether a shape call splits its input's last dim into several, keeping the leading dims."""
+    k = len(c.shape_in) - 1
+    return (c.op in RESHAPES and bool(c.shapes_out) and len(c.shapes_out[0]) > k + 1
+            and c.shapes_out[0][:k] == c.shape_in[:k])
+
+
+def relative(path: str, block: str) -> str:
+    """``path`` below ``block`` (``block`` itself: "")."""
+    return path[len(block) + 1:] if block and path != block else ("" if path == block else path)
+
+
+def _local(model_block: nn.Module, block: str, styles: Mapping[str, Style], axis: str, n: int):
+    """(local parameter shapes, attributes as the styles leave them) below ``block``."""
+    shapes, attrs = {}, {}
+    for path, style in styles.items():
+        rel = relative(path, block)
+        sub = model_block.get_submodule(rel)
+        spec = style.spec(sub, path, axis)
+        for name, per_axis in spec.params.items():
+            pl, full = per_axis.get(axis), getattr(sub, name)
+            if isinstance(pl, Shard):
+                shape = list(full.shape)
+                shape[pl.dim % len(shape)] //= n
+                shapes[join(rel, name)] = tuple(shape)
+        for attr in spec.divide_attrs:
+            attrs[join(rel, attr)] = getattr(sub, attr) // n
+    return shapes, attrs
+
+
+def _valid(ref, out_ref, calls, out) -> bool:
+    """Whether a local replay keeps every per-head size and the output shape of the global one."""
+    if len(calls) != len(ref) or _first_shape(out) != _first_shape(out_ref):
+        return False
+    for g, mine in zip(ref, calls, strict=True):
+        if g.op != mine.op or len(g.shapes_out) != len(mine.shapes_out):
+            return False
+        for gs, ms in zip(g.shapes_out, mine.shapes_out, strict=True):
+            if len(gs) != len(ms) or any(b == 0 < a for a, b in zip(gs, ms, strict=True)):
+                return False
+        if splits_last(g) and g.shapes_out[0][-1] != mine.shapes_out[0][-1]:
+            return False
+    return True
+
+
+def _first_shape(out):
+    while isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    return tuple(out.shape) if hasattr(out, "shape") else None
+
+
+def search_heads(trace: ModelTrace, block: str, module: nn.Module, styles: Mapping[str, Style], axis: str, n: int,
+                 attrs: list[tuple[str, str]], per_head: list[str]) -> tuple[tuple, tuple] | None:
+    """The smallest (attributes, per-head parameters) to divide with which the block replays at
+    local shapes as it does globally (see the module docstring); None: no subset does."""
+    call = trace.calls.get(block)
+    if call is None:
+        return None
+    ref, out_ref = replay(module, call.args, call.kwargs)
+    shapes, fixed = _local(module, block, styles, axis, n)
+    cands = ([("attr", a) for a in attrs] + [("param", p) for p in per_head])[:MAX_CANDIDATES]
+    subsets = [c for k in range(len(cands) + 1) for c in itertools.combinations(cands, k)]
+    for subset in sorted(subsets, key=lambda c: (len(c), -sum(says_heads(x) for x in c))):
+        values, local = dict(fixed), dict(shapes)
+        for kind, x in subset:
+            if kind == "attr":
+                owner, name = x
+                rel = relative(owner, block)
+                value = getattr(module.get_submodule(rel) if rel else module, name)
+                values[join(rel, name)] = value // n
+            else:
+                rel = relative(x, block)
+                local[rel] = (module.get_parameter(rel).shape[0] // n,)
+        try:
+            calls, out = replay(module, call.args, call.kwargs, shapes=local, attrs=values)
+        except Exception:  # noqa: BLE001 - this subset does not fit; try the next
+            continue
+        if _valid(ref, out_ref, calls, out):
+            return (tuple(x for kind, x in subset if kind == "attr"), tuple(x for kind, x in subset if kind == "param"))
+    return None
+
+
+def says_heads(candidate) -> bool:
+    kind, x = candidate
+    name = (x[1] if kind == "attr" else x.rpartition(".")[2]).lower()
+    return ("head" in name and "dim" not in name) or "split" in name

@@ -159,13 +159,8 @@ def case_matches_unsharded(kind: str, state, sequence_parallel: bool, loss_paral
     return diffs, {k: str(i.placements) for k, i in info.items()}, plan.explain()
 
 
-GPT2_SP = pytest.param("gpt2", True, False, marks=pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "core.collectives.raw_all_gather returns a non-contiguous tensor for dim 1 (movedim), and HF Conv1D's "
-    "forward calls x.view(-1, x.size(-1)) on its input; the plan itself is the Megatron-SP plan")))
-
-
 @pytest.mark.parametrize("kind,sequence_parallel,loss_parallel", [
-    ("custom", False, False), ("custom", True, False), ("gpt2", False, False), GPT2_SP, ("gpt2", False, True),
+    ("custom", False, False), ("custom", True, False), ("gpt2", False, False), ("gpt2", True, False), ("gpt2", False, True),
     ("llama", False, False), ("llama", True, False), ("llama", True, True)])
 def test_auto_plan_matches_unsharded(pool, kind, sequence_parallel, loss_parallel):
     diffs, placements, text = pool.run(case_matches_unsharded, kind, make_state(kind), sequence_parallel,

@@ -125,9 +125,11 @@ def raw_all_reduce(x: Tensor, g: AxisGroup) -> Tensor:
 
 
 def raw_all_gather(x: Tensor, dim: int, g: AxisGroup) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; contiguous, as a module's ``view`` of its input
+    may need (HF ``Conv1D``)."""
     moved = x.movedim(dim, 0).contiguous()
     out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(moved, g.size, g.group_name))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _check_divisible(x: Tensor, dim: int, g: AxisGroup, op: str) -> None:

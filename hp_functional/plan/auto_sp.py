@@ -66,3 +66,20 @@ def sequence_parallel(entries: dict[str, Style], roles: dict[str, str], blocks: 
             if isinstance(s, Rowwise):
                 entries[p] = Rowwise(input_layout=s.input_layout, output_layout=seq)
     entries[head] = Colwise(input_layout=seq, gather_output=True)
+    last = _reshaped_after(trace, entries, head)
+    if last is not None:  # the model reshapes the stream before the head (GPT-2: ``view(-1, seq, hidden)``)
+        entries[last] = SequenceParallel(output_layout=rep)
+        roles[last] = "last norm (SequenceParallel, gathers the sequence: the model reshapes after it)"
+        entries[head] = Colwise(gather_output=True)
+
+
+def _reshaped_after(trace: ModelTrace, entries: Mapping[str, Style], head: str) -> str | None:
+    """The last SequenceParallel norm when a view/reshape outside the head takes its output:
+    that reshape sees the local sequence, so the sequence is gathered at the norm instead."""
+    norms = [p for p in trace.calls if isinstance(entries.get(p), SequenceParallel)]
+    if not norms:
+        return None
+    last = norms[-1]
+    after = [c for c in trace.shape_calls if last in c.sources and c.op in ("view", "reshape")
+             and not (c.module == head or c.module.startswith(f"{head}."))]
+    return last if after else None

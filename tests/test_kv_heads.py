@@ -171,3 +171,21 @@ def case_fsdp(state):
 
 def test_fsdp_over_replicated_kv_heads():
     print(get_pool(4).run(case_fsdp, make_hf_state("llama", num_key_value_heads=1))[0])
+
+
+def case_auto_plan(state, kv: int):
+    """``auto_plan`` emits plain Colwise K/V projections; the compiler's pass replicates them."""
+    model = build_hf("llama", state, num_key_value_heads=kv)
+    apply_fn, params, info = hpf.shard(model, hpf.auto_plan(model, mesh()), mesh())
+    assert info[K].placements == (GroupedShard(0, world() // kv),)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(7))
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    loss, grads = _run(apply_fn, params, info, ids, functional=False)
+    assert_close(loss, ref.loss.detach(), "loss")
+    return max(assert_close(grads[k], p.grad, f"grad {k}") for k, p in model.named_parameters())
+
+
+def test_auto_plan_gets_kv_replication(pool):
+    kv = _kv(pool.world)
+    print(pool.run(case_auto_plan, make_hf_state("llama", num_key_value_heads=kv), kv)[0])

@@ -19,18 +19,10 @@ import hp_functional as hpf
 from hp_functional.tools.models import TINY
 from tests.helpers import assert_close, build_hf, mesh
 from tests.models import MLP
+from tests.titan_llama import RMSNorm
 
 
 # ---------------------------------------------------------------- a decoder of our own
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
 class Attention(nn.Module):
     """Grouped-query attention reshaping with ``self.n_heads``/``self.n_kv_heads``, with a
     learned per-head gain."""

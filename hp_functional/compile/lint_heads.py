@@ -8,15 +8,13 @@ module's forward twice on meta tensors — at global shapes, and at the local sh
 attributes the skeleton would have — and compares every ``view``/``reshape``/``unflatten`` that
 splits a last dim.  A split that fails only at local shapes, or whose trailing (per-head) size
 differs from the global trace's, is an error naming the module and the integer attributes that
-fed it.  Meta copies only (``copy.deepcopy`` with every tensor mapped to a meta tensor): the
-model is read, never run or mutated.  A module whose forward needs more than one tensor argument,
-or that fails at global shapes too, is not traced (HF attention reshapes with ``-1`` and
-``head_dim``, and needs nothing).
+fed it.  Meta copies only (``plan.trace.meta_copy``): the model is read, never run or mutated.
+A module whose forward needs more than one tensor argument, or that fails at global shapes too,
+is not traced (HF attention reshapes with ``-1`` and ``head_dim``, and needs nothing).
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from ..core.placement import local_layout, mesh_placements
 from ..core.program import Planned
 from ..plan.local import Local
 from ..plan.styles import ModuleSpec
+from ..plan.trace import meta_copy
 
 _SPLITS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
 
@@ -70,11 +69,7 @@ class _Recorder(TorchFunctionMode):
 def _trace(module: nn.Module, shapes: Mapping[str, torch.Size], attrs: Mapping[str, int], width: int) -> list[_Split] | None:
     """The splits of one forward of a meta copy of ``module`` whose tensors have ``shapes`` and
     whose attributes ``attrs`` (path → value) are set; None if the forward fails elsewhere."""
-    memo: dict[int, object] = {}
-    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        meta = torch.empty(shapes.get(name, t.shape), dtype=t.dtype, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
-    twin = copy.deepcopy(module, memo)
+    twin = meta_copy(module, shapes)
     for path, value in attrs.items():
         owner, _, attr = path.rpartition(".")
         setattr(twin.get_submodule(owner), attr, value)

@@ -1,6 +1,8 @@
 """Torch's own ParallelStyle plans (the dict ``parallelize_module`` takes) accepted as they are:
 torchtitan's Llama SP plan and a plain Megatron plan on a tiny HF Llama — loss, logits and every
-gradient vs the unsharded model; the same placements as our own plan; bad styles raise."""
+gradient vs the unsharded model; the same placements as our own plan; torchtitan's ``apply_tp``
+plan (gathered head and loss parallel) on a torchtitan-style Llama (``tests/titan_llama.py``) vs
+the unsharded model and torch's ``parallelize_module``; bad styles raise."""
 
 import pytest
 import torch
@@ -191,50 +193,81 @@ def test_bad_torch_styles_raise_on_every_rank(pool):
 
 
 # ---------------------------------------------------------------- torchtitan's own model and plan
-def case_titan(state):
+def case_titan(state, loss_parallel: bool):
     """torchtitan's ``apply_tp`` plan on a torchtitan-style Llama, through ``from_torch`` and through
-    torch's own ``parallelize_module`` (DTensor): logits, loss, every gradient and every placement."""
+    torch's own ``parallelize_module`` (DTensor): logits, loss, every gradient and every placement
+    vs the unsharded model and vs torch.  ``loss_parallel``: torchtitan's vocab-sharded head, the
+    loss taken by ``hpf.vocab_parallel_cross_entropy`` here and under torch's ``loss_parallel()``
+    context there (as torchtitan's train step does)."""
     import copy
 
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tests.titan_llama import Transformer, titan_tp_plan
+    from tests.helpers import rank
+    from tests.titan_llama import VOCAB, Transformer, titan_tp_plan
 
     m, model = mesh(), Transformer()
     model.load_state_dict(state)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7))
 
     def loss_of(logits):
         return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
 
     ref_logits = model(ids)
-    loss_of(ref_logits).backward()
-    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_torch(titan_tp_plan()), m)
-    logits = apply_fn(params, ids)
-    loss_of(logits).backward()
-    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    ref_loss = loss_of(ref_logits)
+    ref_loss.backward()
 
-    theirs = parallelize_module(copy.deepcopy(model), m, titan_tp_plan())
+    plan = titan_tp_plan(loss_parallel)
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_torch(plan), m)  # the one changed line
+    logits = apply_fn(params, ids)
+    if loss_parallel:  # this rank's slice of the vocabulary, never gathered
+        v = VOCAB // world()
+        assert logits.shape == (2, 8, v), logits.shape
+        ref_logits = ref_logits[..., rank() * v:(rank() + 1) * v]
+        loss = hpf.vocab_parallel_cross_entropy(logits.flatten(0, 1), ids.flatten(), m, "tp")
+    else:
+        loss = loss_of(logits)
+    loss.backward()
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    assert set(full) == {k for k, _ in model.named_parameters()}, "every parameter has a gradient"
+
+    theirs = parallelize_module(copy.deepcopy(model), m, plan)
     t_logits = theirs(ids)
-    t_logits = t_logits.full_tensor() if isinstance(t_logits, DTensor) else t_logits
-    loss_of(t_logits).backward()
+    if loss_parallel:
+        assert isinstance(t_logits, DTensor) and t_logits.placements == (Shard(2),), t_logits
+        with torch_loss_parallel():
+            t_loss = loss_of(t_logits)
+            t_loss.backward()
+        t_logits, t_loss = t_logits.to_local(), t_loss.full_tensor()
+    else:
+        t_logits = t_logits.full_tensor() if isinstance(t_logits, DTensor) else t_logits
+        t_loss = loss_of(t_logits)
+        t_loss.backward()
     diffs = {"logits vs unsharded": assert_close(logits, ref_logits.detach(), "logits"),
              "logits vs parallelize_module": assert_close(logits, t_logits.detach(), "logits vs torch"),
+             "loss vs unsharded": assert_close(loss, ref_loss.detach(), "loss"),
+             "loss vs parallelize_module": assert_close(loss, t_loss.detach(), "loss vs torch"),
              "grad vs unsharded": max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters()),
              "grad vs parallelize_module": max(assert_close(full[k], p.grad.full_tensor(), f"torch grad {k}")
                                                for k, p in theirs.named_parameters())}
     placements = {k: (tuple(info[k].placements), tuple(p.placements)) for k, p in theirs.named_parameters()}
     assert all(a == b for a, b in placements.values()), placements
-    return diffs
+    return diffs, {k: str(a) for k, (a, _) in placements.items()}
 
 
-def test_torchtitan_model_and_plan_match_unsharded_and_parallelize_module(pool):
+@pytest.mark.parametrize("loss_parallel", [False, True], ids=["gathered_head", "loss_parallel"])
+def test_torchtitan_model_and_plan_match_unsharded_and_parallelize_module(pool, loss_parallel):
     from tests.titan_llama import make_titan_state
 
-    diffs = pool.run(case_titan, make_titan_state())
-    print(f"world {pool.world}: max diffs {diffs[0]}")
+    out = pool.run(case_titan, make_titan_state(), loss_parallel)
+    p = out[0][1]
+    assert p["tok_embeddings.weight"] == "(Shard(dim=0),)" and p["output.weight"] == "(Shard(dim=0),)"
+    assert p["layers.1.attention.wo.weight"] == p["layers.1.feed_forward.w2.weight"] == "(Shard(dim=1),)"
+    assert p["layers.1.attention_norm.weight"] == p["norm.weight"] == "(Replicate(),)"
+    print(f"world {pool.world} loss_parallel={loss_parallel}: max diffs {[r[0] for r in out]}")
 
 
 def case_no_parallel_beside_torch_styles(state):

@@ -103,14 +103,24 @@ def make_titan_state():
     return model.state_dict()
 
 
-def titan_tp_plan() -> dict:
-    """torchtitan's ``apply_tp`` plan as one dict (torchtitan applies the per-block part to each
-    ``transformer_block``; ``layers.*`` says the same to ``parallelize_module``), float8 off and
-    loss parallel off (``output`` gathers its logits)."""
+def titan_tp_plan(loss_parallel: bool = False) -> dict:
+    """torchtitan's ``apply_tp`` plan as one dict, float8 off.  torchtitan calls
+    ``parallelize_module`` once for the root entries and once per ``transformer_block`` for the
+    rest; ``layers.*.`` says the same in one dict (to ``parallelize_module`` and to us).
+    ``loss_parallel`` as torchtitan's: the head keeps its logits vocab-sharded (a DTensor in torch)
+    for a loss under ``torch.distributed.tensor.parallel.loss_parallel()``.
+
+    Two adaptations, both to this model's signature, none to a layout: the ``attention`` entry
+    lists two positions, ``(x, freqs)`` — torchtitan's current ``Attention.forward(x, freqs_cis,
+    attention_masks, positions)`` lists four, ``(Shard(1), None, None, None)``, and its earlier one
+    ``(x, freqs_cis)`` these two; torchtitan's ``attention.q_norm``/``attention.k_norm`` entries
+    (``SequenceParallel``, for variants with q/k norms) are left out: this Llama has none, and a
+    pattern that matches nothing is an error here."""
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
     }
     block = {
         "attention_norm": SequenceParallel(),

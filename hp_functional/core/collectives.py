@@ -183,18 +183,28 @@ def check_perm(perm: Sequence[tuple[int, int]], g: AxisGroup) -> tuple[tuple[int
     return pairs
 
 
-def raw_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: AxisGroup) -> Tensor:
-    """Send ``x`` from each pair's src to its dst; a rank that receives nothing gets zeros.  One
-    ``all_to_all_single`` with empty splits to everyone else (traceable on every backend)."""
+def start_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: AxisGroup) -> Callable[[], Tensor]:
+    """Issue ``raw_ppermute`` and return its wait: compute placed between the two overlaps the
+    transfer where the backend runs it asynchronously (ring attention's next K/V block)."""
     send = {s: d for s, d in perm}.get(g.rank)
     recv = {d: s for s, d in perm}.get(g.rank)
     flat = x.contiguous().reshape(-1)
     n = flat.numel()
     out_splits = [n if k == recv else 0 for k in range(g.size)]
     in_splits = [n if k == send else 0 for k in range(g.size)]
-    got = _funcol.wait_tensor(_funcol.all_to_all_single(flat if send is not None else flat[:0], out_splits,
-                                                        in_splits, g.group_name))
-    return got.reshape(x.shape) if recv is not None else torch.zeros_like(x)
+    work = _funcol.all_to_all_single(flat if send is not None else flat[:0], out_splits, in_splits, g.group_name)
+
+    def wait() -> Tensor:
+        got = _funcol.wait_tensor(work)
+        return got.reshape(x.shape) if recv is not None else torch.zeros_like(x)
+
+    return wait
+
+
+def raw_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: AxisGroup) -> Tensor:
+    """Send ``x`` from each pair's src to its dst; a rank that receives nothing gets zeros.  One
+    ``all_to_all_single`` with empty splits to everyone else (traceable on every backend)."""
+    return start_ppermute(x, perm, g)()
 
 
 class Replicas(NamedTuple):

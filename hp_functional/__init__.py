@@ -22,11 +22,13 @@ if TYPE_CHECKING:
     from .compile.build import build_program, lint
     from .compile.lint import Finding
     from .core import collectives
+    from .core.cp_layout import cp_positions, cp_shard, cp_unshard
     from .core.errors import CheckpointError, PlanError, PlanMismatchError, PlanWarning, ReplicationError, ShapeError
     from .core.gather import unshard
     from .core.placement import ShardInfo, slice_local, to_dtensor
     from .core.program import Program
     from .plan.auto import auto_plan
+    from .plan.context import ContextParallel
     from .plan.local import Local
     from .plan.plan import ShardingPlan
     from .plan.recipes import llama_sp_plan, megatron_plan
@@ -73,6 +75,9 @@ _LAZY: dict[str, str] = {
     "PlanWarning": ".core.errors",
     "ReplicationError": ".core.errors",
     "ShapeError": ".core.errors",
+    "cp_positions": ".core.cp_layout",
+    "cp_shard": ".core.cp_layout",
+    "cp_unshard": ".core.cp_layout",
     "ShardInfo": ".core.placement",
     "slice_local": ".core.placement",
     "to_dtensor": ".core.placement",
@@ -80,6 +85,7 @@ _LAZY: dict[str, str] = {
     "Program": ".core.program",
     "ShardingPlan": ".plan.plan",
     "auto_plan": ".plan.auto",
+    "ContextParallel": ".plan.context",
     "llama_sp_plan": ".plan.recipes",
     "megatron_plan": ".plan.recipes",
     "Colwise": ".plan.styles",
@@ -129,6 +135,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "Colwise",
+    "ContextParallel",
     "Explanation",
     "Finding",
     "Heads",
@@ -163,6 +170,9 @@ __all__ = [
     "build_program",
     "clip_grad_norm",
     "collectives",
+    "cp_positions",
+    "cp_shard",
+    "cp_unshard",
     "default_handlers",
     "explain",
     "export_hf",

@@ -64,6 +64,7 @@ from ..core.errors import PlanError, PlanWarning
 from ..core.placement import GroupedShard
 from ..core.program import Planned
 from ..core.signature import arg_slots
+from ..plan.context import ContextParallel
 from ..plan.plan import ShardingPlan, most_specific
 from ..plan.styles import ModuleSpec, SequenceParallel
 from .lint_heads import undivided_head_attrs
@@ -91,14 +92,16 @@ def lint_entries(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> tupl
         return [Finding("error", "mesh", "the mesh must be a DeviceMesh with named dims "
                         "(init_device_mesh(device_type, shape, mesh_dim_names=(...)))", "mesh")], None
     findings, good = [], {}
+    def cp_axis(entries: dict) -> str | None:  # a plan of entries without a ContextParallel has no CP
+        return plan.cp_axis if any(isinstance(s, ContextParallel) for s in entries.values()) else None
+
     for pattern, style in plan.entries.items():  # each entry alone: unmatched pattern, unknown axis
         try:
-            ShardingPlan({pattern: style}, tp_axis=plan.tp_axis).resolve(model, mesh)
+            plan.with_entries({pattern: style}, loss_parallel=False, cp_axis=cp_axis({pattern: style})).resolve(model, mesh)
             good[pattern] = style
         except PlanError as exc:
             findings.append(Finding("error", pattern, str(exc), "entry"))
-    usable = ShardingPlan(good, plan.tp_axis, loss_parallel=plan.loss_parallel, special_handlers=plan.special_handlers,
-                          handlers=plan.handlers)
+    usable = plan.with_entries(good, cp_axis=cp_axis(good))
     return findings + _conflicts(model, usable) + shadowed(model, usable), usable
 
 

@@ -17,8 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from ..core.cp_layout import check_layout
 from ..core.errors import PlanError
 from ..core.program import Planned
+from .context import ContextParallel, attention_patterns, context_parallel_root
 from .hf_styles import HF_STYLES
 from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers
 from .torch_styles import ParallelStyle, from_torch_style
@@ -65,7 +67,12 @@ def most_specific(path: str, cands: list[Candidate]) -> tuple[str, Style]:
 
 
 class ShardingPlan:
-    """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default)."""
+    """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default).
+
+    ``cp_axis``: the mesh axis the sequence is sharded over (context parallelism, ``plan.context``):
+    the plan's ``ContextParallel`` entries act on it and a root entry shards the batch in
+    ``cp_layout`` (``"zigzag"`` or ``"contiguous"``).  ``tp_optional``: entries on ``tp_axis`` are
+    dropped when the mesh has no such axis (``from_hf`` with ``cp_axis``: CP alone on a CP mesh)."""
 
     def __init__(
         self,
@@ -73,6 +80,9 @@ class ShardingPlan:
         tp_axis: str = "tp",
         *,
         loss_parallel: bool = False,
+        cp_axis: str | None = None,
+        cp_layout: str = "zigzag",
+        tp_optional: bool = False,
         special_handlers: Mapping[str, str] | None = None,
         handlers: Mapping[str, ParamHandler] | None = None,
     ):
@@ -81,6 +91,8 @@ class ShardingPlan:
         }
         self.tp_axis = tp_axis
         self.loss_parallel = loss_parallel
+        self.cp_axis, self.cp_layout, self.tp_optional = cp_axis, check_layout(cp_layout), tp_optional
+        self._check_context_entries()
         self.special_handlers = dict(special_handlers or {})  # parameter-path pattern -> handler name
         self.handlers = dict(handlers) if handlers is not None else default_handlers()
         for pattern, name in self.special_handlers.items():
@@ -101,23 +113,56 @@ class ShardingPlan:
                 rules[n] = rule
         return rules
 
+    def with_entries(self, entries: Mapping[str, Style | str], **changes) -> ShardingPlan:
+        """A new plan of ``entries`` with this plan's settings (``changes`` override them)."""
+        settings = dict(tp_axis=self.tp_axis, loss_parallel=self.loss_parallel, cp_axis=self.cp_axis,
+                        cp_layout=self.cp_layout, tp_optional=self.tp_optional,
+                        special_handlers=self.special_handlers, handlers=self.handlers)
+        return ShardingPlan(entries, **{**settings, **changes})
+
+    def _check_context_entries(self) -> None:
+        """ContextParallel entries need ``cp_axis`` and agree with its layout; ``cp_axis`` needs them."""
+        context = {p: s for p, s in self.entries.items() if isinstance(s, ContextParallel)}
+        if context and self.cp_axis is None:
+            raise PlanError(f"plan entry {next(iter(context))!r}: ContextParallel needs the plan's cp_axis "
+                            "(ShardingPlan(..., cp_axis='cp'))")
+        if self.cp_axis is not None and not context:
+            raise PlanError(f"cp_axis={self.cp_axis!r}: the plan has no ContextParallel entry (no attention module "
+                            "found to attend over the sharded sequence)")
+        for pattern, style in context.items():
+            if style.layout not in (None, self.cp_layout):
+                raise PlanError(f"plan entry {pattern!r}: ContextParallel layout {style.layout!r} differs from the "
+                                f"plan's cp_layout {self.cp_layout!r} (the root shards the batch in that one)")
+            self.entries[pattern] = replace(style, layout=self.cp_layout)
+
     def __repr__(self) -> str:
-        return f"ShardingPlan({self.entries!r}, tp_axis={self.tp_axis!r}, loss_parallel={self.loss_parallel})"
+        cp = f", cp_axis={self.cp_axis!r}, cp_layout={self.cp_layout!r}" if self.cp_axis else ""
+        return f"ShardingPlan({self.entries!r}, tp_axis={self.tp_axis!r}, loss_parallel={self.loss_parallel}{cp})"
 
     @classmethod
-    def from_hf(cls, model: nn.Module, tp_axis: str = "tp", *, loss_parallel: bool = False) -> ShardingPlan:
+    def from_hf(cls, model: nn.Module, tp_axis: str = "tp", *, loss_parallel: bool = False, cp_axis: str | None = None,
+                cp_strategy: str = "ring", cp_layout: str = "zigzag") -> ShardingPlan:
         """The plan a Hugging Face model declares (``model._tp_plan``, else the config's
         ``base_model_tp_plan`` under ``base_model_prefix``).  An unsupported HF style raises
-        naming the style and the module pattern."""
+        naming the style and the module pattern.  ``cp_axis``: context parallelism too, with
+        ``ContextParallel(cp_strategy)`` on every attention module; then the TP entries apply
+        only when the mesh has ``tp_axis``."""
         raw = dict(getattr(model, "_tp_plan", None) or {})
         if not raw:
             base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
             prefix = getattr(model, "base_model_prefix", "")
             has_prefix = prefix and hasattr(model, prefix)
             raw = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
-        if not raw:
+        if not raw and cp_axis is None:
             raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)")
-        return cls(raw, tp_axis=tp_axis, loss_parallel=loss_parallel)
+        if cp_axis is not None:
+            attention = attention_patterns(model)
+            if not attention:
+                raise PlanError(f"cp_axis={cp_axis!r}: {type(model).__name__} has no attention module (a module class "
+                                "named *Attention with an is_causal attribute) to plan ContextParallel on")
+            raw.update(dict.fromkeys(attention, ContextParallel(cp_strategy)))
+        return cls(raw, tp_axis=tp_axis, loss_parallel=loss_parallel, cp_axis=cp_axis, cp_layout=cp_layout,
+                   tp_optional=cp_axis is not None)
 
     @classmethod
     def from_torch(cls, plan: Mapping[str, ParallelStyle] | ParallelStyle, tp_axis: str = "tp", *,
@@ -135,7 +180,9 @@ class ShardingPlan:
         that matches nothing (with the closest paths), an unknown axis, or a conflict."""
         names = mesh.mesh_dim_names or ()
         modules = dict(model.named_modules())
-        for pattern, style in self.entries.items():
+        if self.cp_axis is not None and self.cp_axis not in names:
+            raise PlanError(f"cp_axis={self.cp_axis!r} is not in the mesh (axes: {list(names)})")
+        for pattern, style in self._entries(names).items():
             if isinstance(style, ModuleSpec):
                 bad = (style.axes or {self.tp_axis}) - set(names)  # a spec naming no axis acts on tp_axis
             else:  # a Local may also name other axes in its layouts
@@ -146,21 +193,24 @@ class ShardingPlan:
                         f"ShardingPlan(..., tp_axis=...) or ShardingPlan.from_hf(model, tp_axis=...)"
                         if axis == self.tp_axis else "")
                 raise PlanError(f"plan entry {pattern!r}: mesh axis {axis!r} is not in the mesh (axes: {list(names)}){hint}")
-        candidates = self.candidates(model)
+        candidates = self.candidates(model, names)
         hit = {c.pattern for cands in candidates.values() for c in cands}
-        for pattern in self.entries:
+        for pattern in self._entries(names):
             if pattern not in hit:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
                 raise PlanError(f"plan entry {pattern!r} matches no module; closest paths: {close}")
         chosen = {path: most_specific(path, cands) for path, cands in candidates.items()}
         head = self.loss_head(model) if self.loss_parallel else None
+        vocab_axis = None
+        if head is not None:
+            vocab_axis = self._axis(self.entries[next(p for p in self.entries if path_matches(p, head))], names)
         out = []
-        if head is not None:  # the loss on the vocab-sharded logits: a Local entry on the root
+        root = self._root(vocab_axis)
+        if root is not None:  # the loss (and, under CP, the batch's sharding) in a Local entry on the root
             if "" in chosen:
-                raise PlanError(f"loss_parallel computes the loss in a Local entry on the root module, which the plan "
-                                f"already plans ({chosen[''][0]!r}: {chosen[''][1]}); drop loss_parallel or that entry")
-            axis = self._axis(self.entries[next(p for p in self.entries if path_matches(p, head))], names)
-            out.append(Planned("", model, loss_parallel_root(axis), axis, "(loss_parallel)"))
+                raise PlanError(f"{root.pattern} computes the loss in a Local entry on the root module, which the "
+                                f"plan already plans ({chosen[''][0]!r}: {chosen[''][1]}); drop that entry")
+            out.append(Planned("", model, root.style, root.axis, root.pattern))
         for path, module in modules.items():
             if path in chosen:
                 pattern, style = chosen[path]
@@ -170,11 +220,29 @@ class ShardingPlan:
                 out.append(Planned(path, module, style, axis, pattern))
         return out
 
-    def candidates(self, model: nn.Module) -> dict[str, list[Candidate]]:
-        """Module path → every entry whose pattern matches it."""
+    def _root(self, vocab_axis: str | None) -> Planned | None:
+        """The root entry the plan adds (module and path filled in by ``resolve``): CP's, which
+        also computes the vocab-parallel loss, or loss parallel's alone."""
+        if self.cp_axis is not None:
+            style = context_parallel_root(self.cp_axis, self.cp_layout, vocab_axis)
+            return Planned("", None, style, self.cp_axis, "(context_parallel)")
+        if vocab_axis is not None:
+            return Planned("", None, loss_parallel_root(vocab_axis), vocab_axis, "(loss_parallel)")
+        return None
+
+    def _entries(self, names) -> dict[str, Style]:
+        """The entries that apply on a mesh with axes ``names`` (``tp_optional``: those on a missing
+        ``tp_axis`` are dropped)."""
+        if not self.tp_optional or self.tp_axis in names:
+            return self.entries
+        return {p: s for p, s in self.entries.items() if self._axis(s, names) != self.tp_axis}
+
+    def candidates(self, model: nn.Module, names=None) -> dict[str, list[Candidate]]:
+        """Module path → every entry whose pattern matches it (on a mesh with axes ``names``)."""
         out: dict[str, list[Candidate]] = {}
+        entries = self.entries if names is None else self._entries(names)
         for path in dict(model.named_modules()):
-            for pattern, style in self.entries.items():
+            for pattern, style in entries.items():
                 if path_matches(pattern, path):
                     out.setdefault(path, []).append(Candidate(pattern.count("*"), pattern, style))
         return out
@@ -184,7 +252,7 @@ class ShardingPlan:
         ModuleSpec names its axes itself (the ``tp_axis`` if it is one, else the first it names)."""
         if isinstance(style, ModuleSpec) and self.tp_axis not in names and style.axes:
             return next(a for a in names if a in style.axes)
-        return getattr(style, "axis", None) or self.tp_axis
+        return getattr(style, "axis", None) or (self.cp_axis if style.axis_role == "cp" else self.tp_axis)
 
     def loss_head(self, model: nn.Module) -> str:
         """The FQN of the output head whose logits stay vocab-sharded under ``loss_parallel``."""

@@ -24,9 +24,11 @@ Key = str | int  # a forward argument (name or position) or an output ("output" 
 
 
 class Style:
-    """Base class of the named styles. ``axis`` None means the plan's ``tp_axis``."""
+    """Base class of the named styles. ``axis`` None means the plan's axis for the style's
+    ``axis_role``: ``"tp"`` (``tp_axis``) for most, ``"cp"`` (``cp_axis``) for context parallelism."""
 
     axis: str | None = None
+    axis_role = "tp"
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         raise NotImplementedError

@@ -18,7 +18,7 @@ class ScheduleRow:
 
     module: str  # planned module FQN, "(loss)", "(parameters)" or "(unplanned)"
     direction: str  # "fwd" or "bwd"
-    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, ppermute (point-to-point: one peer each way)
     axis: str
     bytes: int  # size of the unsharded buffer (see explain's module docstring)
     dtype: str
@@ -102,8 +102,15 @@ class CollectiveRecorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.namespace == "_c10d_functional" and name != "wait_tensor":
             x, op = args[0], _OPS.get(name, name)
+            if op == "all_to_all" and _one_peer(args[1]) and _one_peer(args[2]):
+                op = "ppermute"  # core.collectives.raw_ppermute: a send and a receive (ring attention's steps)
             size = x.numel() * x.element_size() * (args[1] if op == "all_gather" else 1)
             module, direction = self._owner(op)
             self.rows.append(ScheduleRow(module, direction, op, self.axes.get(str(args[-1]), str(args[-1])), size,
                                         str(x.dtype).removeprefix("torch.")))
         return func(*args, **(kwargs or {}))
+
+
+def _one_peer(splits) -> bool:
+    """Whether an ``all_to_all_single`` split list names at most one peer (a point-to-point step)."""
+    return splits is not None and sum(1 for n in splits if n) <= 1

@@ -303,8 +303,7 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
 def _checking_locals(plan: ShardingPlan, on_mismatch: Callable[[ReplicationError], None]) -> ShardingPlan:
     """``plan`` with its ``Local`` entries' replication check reporting to ``on_mismatch`` (a new plan)."""
     entries = {k: dataclasses.replace(s, check=on_mismatch) if isinstance(s, Local) else s for k, s in plan.entries.items()}
-    return ShardingPlan(entries, plan.tp_axis, loss_parallel=plan.loss_parallel, special_handlers=plan.special_handlers,
-                        handlers=plan.handlers)
+    return plan.with_entries(entries)
 
 
 def _entries(boundaries: dict[str, Boundary], ref_out: dict, local_out: dict, axes: list[str], groups) -> list[_Entry]:

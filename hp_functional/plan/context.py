@@ -1,0 +1,177 @@
+"""Context parallelism: the sequence sharded over a ``cp`` mesh axis.
+
+Two plan pieces, both on the plan's ``cp_axis`` (``ShardingPlan(..., cp_axis="cp")`` or
+``ShardingPlan.from_hf(model, cp_axis="cp", cp_strategy=...)``):
+
+* ``ContextParallel`` on each attention module: its ``scaled_dot_product_attention`` calls
+  attend over the whole sequence (``core.ring_attention``: ring or all-gather), and the
+  skeleton's config copy selects HF's ``sdpa`` attention (the user's config keeps its own);
+* the root entry ``context_parallel_root`` (added by the plan): ``apply_fn`` takes the full
+  batch ``[B, S]`` and each rank keeps its positions (``core.cp_layout``; ``cp_sharded=True``:
+  the batch is already this rank's part), passes the *global* ``position_ids`` (rotary
+  embeddings), shifts the labels globally (the label of each rank's last token lives on
+  another rank) and returns the mean loss over the whole sequence.
+
+Everything else (embeddings, norms, MLPs, the head) is per-token and runs unchanged on the
+local chunk, so CP composes with the TP entries of the same plan on a ``(cp, tp)`` mesh and
+with data parallelism on ``(dp, cp)``.  The logits come back in the layout's order
+(``hpf.cp_unshard(out.logits, mesh, 1)`` gives global order).  Parameters are replicated over
+``cp`` and each rank's gradients are its tokens' share: sum them over the axis
+(``hpf.reduce_gradients(grads, info, mesh, axis="cp", op="sum")``, bucketed, as for data
+parallelism — or FSDP over the axis).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..core import collectives as C
+from ..core.collectives import AxisGroup
+from ..core.cp_layout import check_layout, cp_chunks, cp_positions
+from ..core.errors import PlanError
+from ..core.ring_attention import STRATEGIES, ContextAttention
+from .local import Local
+from .styles import ModuleSpec, Style
+from .vocab import vocab_parallel_cross_entropy
+
+IGNORE = -100  # HF's ignored label
+
+
+@dataclass(frozen=True)
+class ContextParallel(Style):
+    """An attention module whose SDPA calls attend over the sequence sharded on the CP axis.
+
+    ``strategy``: ``"ring"`` (K/V blocks passed around the ring; K/V memory independent of the
+    CP degree) or ``"allgather"`` (one all-gather of K/V).  ``layout``: None takes the plan's
+    ``cp_layout``.  ``causal``: None follows the call (``is_causal``) or, when the module
+    passes its own mask, the module's ``is_causal`` attribute (see ``ContextAttention``).
+    The skeleton's copy of the module's ``config`` selects ``_attn_implementation="sdpa"``.
+
+    >>> plan = hpf.ShardingPlan({"model.layers.*.self_attn": hpf.ContextParallel("ring")}, cp_axis="cp")
+    """
+
+    strategy: str = "ring"
+    layout: str | None = None
+    causal: bool | None = None
+    axis: str | None = None  # None: the plan's cp_axis
+    axis_role = "cp"
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"{fqn}: ContextParallel strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+        if self.layout is not None:
+            check_layout(self.layout)
+        return ModuleSpec(varying=False, region=False)  # nothing is stored or placed differently on the axis
+
+    def local_forward(self, module: nn.Module, forward: Callable, *, fqn: str, axis: str,
+                      axes: Mapping[str, AxisGroup]) -> Callable:
+        config = getattr(module, "config", None)  # the skeleton's copy
+        if config is not None and getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+            config._attn_implementation = "sdpa"
+        group, layout, strategy, causal = axes[axis], self.layout or "zigzag", self.strategy, self.causal
+
+        def attend_over_sequence(*args, **kwargs):
+            mode = ContextAttention(module, group, strategy, layout, causal, fqn)
+            with mode:
+                out = forward(*args, **kwargs)
+            if not mode.calls:
+                raise PlanError(f"{fqn}: ContextParallel found no scaled_dot_product_attention call in its forward "
+                                "(its attention would see only the local chunk); plan the module that calls SDPA")
+            return out
+
+        attend_over_sequence.__signature__ = inspect.signature(forward)
+        return attend_over_sequence
+
+
+def _named(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The root forward's arguments by name (``**kwargs`` flattened in)."""
+    sig = inspect.signature(type(module).forward)
+    bound = sig.bind(module, *args, **kwargs).arguments
+    bound.pop(next(iter(sig.parameters)))
+    extra = next((p.name for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+    return {**{k: v for k, v in bound.items() if k != extra}, **bound.get(extra, {})}
+
+
+def _shifted(labels: Tensor) -> Tensor:
+    """HF's causal-LM shift over the whole sequence: the label of position ``t`` is token ``t + 1``."""
+    return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+
+
+@dataclass(frozen=True)
+class ContextParallelForward:
+    """The ``Local`` fn of the root of a CP plan (see the module docstring).  ``vocab_axis``:
+    the TP axis of a ``loss_parallel`` plan (the logits arrive vocab-sharded)."""
+
+    axis: str
+    layout: str
+    vocab_axis: str | None = None
+
+    def __call__(self, module: nn.Module, axes: Mapping[str, AxisGroup], *args, cp_sharded: bool = False, **kwargs):
+        g = axes[self.axis]
+        named = _named(module, args, kwargs)
+        mask = named.pop("attention_mask", None)
+        if mask is not None and not bool(mask.all()):
+            raise PlanError("context parallelism: a padding attention_mask is not supported (the mask of each rank's "
+                            "chunk would have to travel with its K/V); pack the batch without padding, ignore padded "
+                            "positions with labels=-100, and pass attention_mask=None")
+        x = named.get("input_ids") if named.get("input_ids") is not None else named.get("inputs_embeds")
+        if x is None:
+            raise PlanError("context parallelism: the root needs input_ids or inputs_embeds [batch, seq, ...]")
+        labels, shift = named.pop("labels", None), named.pop("shift_labels", None)
+        if cp_sharded and labels is not None:
+            raise PlanError("context parallelism with cp_sharded=True: pass shift_labels=hpf.cp_shard(labels shifted "
+                            "by one over the whole sequence, ...) instead of labels (the next token of a chunk's last "
+                            "position is on another rank)")
+        seq = x.shape[1] * (g.size if cp_sharded else 1)
+        cp_chunks(seq, g.size, self.layout, axis=self.axis)  # a ShapeError on every rank alike
+        positions = cp_positions(g.rank, seq, g.size, self.layout, device=x.device)
+        count = None
+        if not cp_sharded:
+            keep = {k: v.index_select(1, positions) for k in ("input_ids", "inputs_embeds", "position_ids")
+                    if isinstance(v := named.get(k), Tensor)}
+            named.update(keep)
+            if labels is not None or shift is not None:
+                shift = _shifted(labels) if shift is None else shift
+                count = (shift != IGNORE).sum()  # every rank holds the whole batch: no collective
+                shift = shift.index_select(1, positions)
+        if named.get("position_ids") is None:
+            named["position_ids"] = positions.unsqueeze(0).expand(x.shape[0], -1)
+        out = type(module).forward(module, **named)
+        if shift is not None:
+            if count is None:  # the valid tokens of every rank's chunk (no gradient)
+                count = C.raw_all_reduce((shift != IGNORE).sum(), g)
+            out["loss"] = self.loss(out.logits, shift, count, axes, g)
+        return out
+
+    def loss(self, logits: Tensor, shift: Tensor, count: Tensor, axes: Mapping[str, AxisGroup],
+             g: AxisGroup) -> Tensor:
+        """The mean over the ``count`` valid tokens of the whole sequence: this rank's sum over that
+        count, summed over the axis (``reduce_from``: each rank's share gets the full gradient)."""
+        if self.vocab_axis is not None:
+            tp = axes[self.vocab_axis]
+            total = vocab_parallel_cross_entropy(logits, shift, tp, reduction="sum",
+                                                 vocab_start=tp.rank * logits.shape[-1])
+        else:
+            total = F.cross_entropy(logits.float().flatten(0, -2), shift.flatten(), ignore_index=IGNORE,
+                                    reduction="sum")
+        return C.reduce_from(total / count, g)
+
+
+def context_parallel_root(axis: str, layout: str, vocab_axis: str | None = None) -> Local:
+    """The root entry a plan with ``cp_axis`` adds (``ShardingPlan.resolve``)."""
+    return Local(ContextParallelForward(axis, check_layout(layout), vocab_axis), varying=False, axis=axis)
+
+
+def attention_patterns(model: nn.Module) -> list[str]:
+    """The HF attention modules of ``model`` (class names ending in ``Attention`` with an
+    ``is_causal`` attribute) as plan patterns, layer indices as ``*``."""
+    out = {}
+    for name, m in model.named_modules():
+        if name and type(m).__name__.endswith("Attention") and hasattr(m, "is_causal"):
+            out[".".join("*" if part.isdigit() else part for part in name.split("."))] = None
+    return list(out)

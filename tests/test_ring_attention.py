@@ -96,6 +96,33 @@ def test_context_attention_routes_sdpa(pool, strategy):
     print(max(pool.run(case_context_attention, strategy)))
 
 
+def case_higher_order():
+    """Grad of grad through ring attention raises (autograd and torch.func), never silently
+    wrong; all-gather's runs (SDPA's math backend is a composite of differentiable ops)."""
+    g = _group()
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    errors = []
+    for strategy in ("ring", "allgather"):
+        def f(x, attend=STRATEGIES[strategy]):
+            return attend(x, x, x, g).square().sum()
+
+        for second in (lambda: torch.func.grad(lambda x: torch.func.grad(f)(x).sum())(q),
+                       lambda: torch.autograd.grad(torch.autograd.grad(f(x := q.clone().requires_grad_()), x,
+                                                                       create_graph=True)[0].sum(), x)):
+            try:
+                second()
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(str(e)[:80])
+    return errors
+
+
+def test_ring_attention_refuses_second_order():
+    errors = get_pool(2).run(case_higher_order)[0]
+    assert "no higher-order derivatives" in errors[0] and errors[1] is not None, errors  # never silently wrong
+    assert errors[2:] == [None, None], errors
+
+
 def case_layouts():
     g = _group()
     x = torch.arange(2 * 4 * g.size * 3.0).view(2, 4 * g.size, 3)

@@ -23,11 +23,13 @@ models that call SDPA (Hugging Face's ``sdpa`` attention among them) run unchang
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from . import collectives as C
@@ -85,10 +87,16 @@ class _Ring:
         return _block_mask(self.mine, cp_ranges(src, self.seq, self.g.size, self.layout), self.causal, self.device)
 
 
+_NO_HIGHER_ORDER = ("ring attention has no higher-order derivatives (its backward uses the saved log-sum-exp); "
+                    "use cp_strategy='allgather' (on CPU its local kernel, SDPA's math backend, is differentiable "
+                    "at every order)")
+
+
 class RingAttention(torch.autograd.Function):
     """``ring_attention`` as one autograd.Function (see the module docstring); works under
     ``.backward()`` and ``torch.func.grad``/``vjp``.  The backward is not itself differentiable
-    (no ``grad`` of ``grad`` through it): the merged log-sum-exp is saved, not recomputed."""
+    (the merged log-sum-exp is saved, not recomputed): ``grad`` of ``grad`` through it raises,
+    under autograd (``once_differentiable``) and under ``torch.func`` alike."""
 
     @staticmethod
     def forward(q, k, v, group: AxisGroup, layout: str, causal: bool, scale: float):
@@ -126,6 +134,8 @@ class RingAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        if torch._C._functorch.maybe_get_level(dout) > 1:  # inside another transform: grad of grad (hessian)
+            raise RuntimeError(_NO_HIGHER_ORDER)
         g, scale = ctx.group, ctx.scale
         ring, groups, dtype = _Ring(q, g, ctx.layout, ctx.causal), q.shape[1] // k.shape[1], _compute_dtype(q)
         qc, do = q.to(dtype), dout.to(dtype)
@@ -160,7 +170,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: AxisGroup, *, layout:
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: AxisGroup, *, layout: str = "zigzag",
                         causal: bool = True, scale: float | None = None) -> Tensor:
     """Attention after one all-gather of K/V over the axis (backward: reduce-scatter), masked
-    over global positions; SDPA is the local kernel."""
+    over global positions; SDPA is the local kernel (its math backend on CPU: a composite of
+    differentiable ops, so derivatives of every order are exact)."""
     _check_heads(q, k, v)
     seq = q.shape[2] * group.size
     kv = C.all_gather(torch.stack([k, v]), 3, group)  # [2, B, H_kv, seq, D] in rank order
@@ -169,8 +180,9 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: AxisGroup, *, la
         q_pos = cp_positions(group.rank, seq, group.size, layout, device=q.device)
         k_pos = torch.cat([cp_positions(r, seq, group.size, layout, device=q.device) for r in range(group.size)])
         mask = q_pos[:, None] >= k_pos[None, :]
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    with sdpa_kernel(SDPBackend.MATH) if q.device.type == "cpu" else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -215,3 +215,25 @@ def test_bad_input_raises_before_any_collective():
     for errs in errors:
         for what, text in expect.items():
             assert what in errs and text in errs[what][1], (what, errs.get(what))
+
+
+def case_sliding_window(state):
+    """Mistral: a window at least the sequence is causal (matches); a shorter one raises."""
+    out = {}
+    for window in (SEQ, SEQ // 2):
+        model = build_hf("mistral", state, sliding_window=window)
+        m = mesh((world(),), ("cp",))
+        apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model, cp_axis="cp"), m)
+        ids = _ids()
+        try:
+            ref, ref_grads = _reference(model, ids, ids)
+            out[window] = _compare(apply_fn, params, info, m, ref, ref_grads, dict(input_ids=ids, labels=ids))
+        except hpf.PlanError as e:
+            out[window] = str(e)
+    return out
+
+
+def test_mistral_sliding_window():
+    out = get_pool(2).run(case_sliding_window, make_hf_state("mistral"))[0]
+    assert isinstance(out[SEQ], dict), out
+    assert "sliding-window attention (window 8)" in out[SEQ // 2], out

@@ -191,6 +191,13 @@ def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
                          f"== 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
+def _sliding_window(module) -> int | None:
+    """An HF attention module's sliding window (its own attribute, else its config's), or None."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(getattr(module, "config", None), "sliding_window", None)
+
+
 #: The attention strategies a ``ContextParallel`` entry may name.
 STRATEGIES: dict[str, Callable[..., Tensor]] = {"ring": ring_attention, "allgather": allgather_attention}
 
@@ -204,7 +211,8 @@ class ContextAttention(TorchFunctionMode):
     or, when the call passes a mask, the module's ``is_causal`` attribute — Hugging Face
     attention modules have one).  K/V that the caller repeated for GQA (its K/V heads equal
     to the query heads while the module states ``num_key_value_groups > 1``) are taken once per
-    group, so the ring carries each K/V head once; the repeat's backward sums their gradients."""
+    group, so the ring carries each K/V head once; the repeat's backward sums their gradients.
+    A sliding window shorter than the sequence raises (a window at least as long is causal)."""
 
     def __init__(self, module, group: AxisGroup, strategy: str, layout: str, causal: bool | None, fqn: str):
         super().__init__()
@@ -231,6 +239,11 @@ class ContextAttention(TorchFunctionMode):
                                 "parallelism covers only the local chunk; state the mask: ContextParallel(causal=True "
                                 "or False)")
             causal = bool(is_causal or (attn_mask is not None and module_causal))
+        window = _sliding_window(self.module)
+        if window is not None and query.shape[2] * self.group.size > window:
+            raise PlanError(f"{self.fqn}: a sliding-window attention (window {window}) over a sequence of "
+                            f"{query.shape[2] * self.group.size} positions is not supported under context parallelism; "
+                            "only full causal or unmasked attention is")
         groups = int(getattr(self.module, "num_key_value_groups", 1) or 1)
         if groups > 1 and key.shape[1] == query.shape[1]:  # repeated by the caller: each K/V head once
             key, value = key[:, ::groups], value[:, ::groups]

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .core.program import Program
     from .plan.auto import auto_plan
     from .plan.context import ContextParallel
+    from .plan.experts import Experts
     from .plan.local import Local
     from .plan.plan import ShardingPlan
     from .plan.recipes import llama_sp_plan, megatron_plan
@@ -86,6 +87,7 @@ _LAZY: dict[str, str] = {
     "ShardingPlan": ".plan.plan",
     "auto_plan": ".plan.auto",
     "ContextParallel": ".plan.context",
+    "Experts": ".plan.experts",
     "llama_sp_plan": ".plan.recipes",
     "megatron_plan": ".plan.recipes",
     "Colwise": ".plan.styles",
@@ -136,6 +138,7 @@ __all__ = [
     "CheckpointError",
     "Colwise",
     "ContextParallel",
+    "Experts",
     "Explanation",
     "Finding",
     "Heads",

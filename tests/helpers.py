@@ -50,3 +50,16 @@ def make_hf_state(family: str = "llama", **overrides):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model.state_dict()
+
+
+def uneven_splits(total: int, n: int) -> list[int]:
+    """``n`` split sizes summing to ``total``, uneven and with a zero: ``[0, 1, 2, ..., rest]``."""
+    base = list(range(n - 1))
+    return [*base, total - sum(base)]
+
+
+def cyclic_splits(total: int, n: int, r: int) -> tuple[list[int], list[int]]:
+    """(send, recv) of rank ``r`` in a variable all-to-all where rank ``k`` sends ``base[(j - k) % n]``
+    slices to rank ``j``: uneven splits, yet every rank receives ``total`` (shapes stay equal)."""
+    base = uneven_splits(total, n)
+    return [base[(j - r) % n] for j in range(n)], [base[(r - k) % n] for k in range(n)]

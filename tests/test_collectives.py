@@ -6,7 +6,7 @@ import torch
 from torch.func import grad, jvp, vmap
 
 from hp_functional import collectives as C
-from tests.helpers import assert_close, mesh, rank, world
+from tests.helpers import assert_close, cyclic_splits, mesh, rank, world
 
 SHAPE = (4, 8, 12)  # every split dim divisible by 2 and 4
 
@@ -38,6 +38,8 @@ def _cases(dim: int):
             lambda xs, r: torch.cat([xs[j].chunk(n, dim)[r] for j in range(n)], 0),
         ),
         "ppermute": (lambda x, g: C.ppermute(x, C.ring(n, 1), g), lambda xs, r: xs[(r - 1) % n]),
+        "all_to_all_v": (lambda x, g: C.all_to_all_v(x, dim, *cyclic_splits(x.shape[dim], n, g.rank), g),
+                         lambda xs, r: torch.cat([_segment(xs[k], dim, k, r) for k in range(n)], dim)),
         "ppermute(partial)": (lambda x, g: C.ppermute(x, [(0, n - 1)], g),
                               lambda xs, r: xs[0] if r == n - 1 else torch.zeros_like(xs[r])),
         "shift(-1)": (lambda x, g: g.shift(x, -1), lambda xs, r: xs[(r + 1) % n]),
@@ -46,6 +48,12 @@ def _cases(dim: int):
         "copy_to_replicas": (lambda x, g: C.copy_to_replicas(x, PAIRS, g), lambda xs, r: xs[r]),
         "reduce_from_replicas": (lambda x, g: C.reduce_from_replicas(x, PAIRS, g), lambda xs, r: _group_sum(xs, r)),
     }
+
+
+def _segment(x, dim, src, dst):
+    """The slices of rank ``src``'s ``x`` that ``cyclic_splits`` sends to rank ``dst``."""
+    send, _ = cyclic_splits(x.shape[dim], world(), src)
+    return x.narrow(dim, sum(send[:dst]), send[dst])
 
 
 PAIRS = C.Replicas(2)  # groups of 2 consecutive ranks: one group at world size 2, two at 4
@@ -86,6 +94,13 @@ def _expected_grad(name, xs, ws, r, dim):
         return ws[n - 1] if r == 0 else torch.zeros_like(ws[r])
     if name == "shift(-1)":
         return ws[(r - 1) % n]
+    if name == "all_to_all_v":  # the slices of every y_k that came from rank r, in k order
+        total = xs[r].shape[dim]
+        pieces = []
+        for k in range(n):
+            _, recv = cyclic_splits(total, n, k)
+            pieces.append(ws[k].narrow(dim, sum(recv[:r]), recv[r]))
+        return torch.cat(pieces, dim)
     if name == "all_to_all":  # y_j = cat_k x_k.chunk(dim)[j] on dim 0; grad flows back by the reverse
         return torch.cat([ws[j].chunk(n, 0)[r] for j in range(n)], dim)
     raise KeyError(name)
@@ -138,6 +153,8 @@ _DIM_OPS = {"all_gather", "reduce_scatter", "gather_from", "split_to"}
 def _sample_args(name: str) -> tuple:
     if name == "ppermute":
         return ((0, 1), (1, 2), (2, 0)), "group"
+    if name == "all_to_all_v":
+        return 1, (0, 3, 5), (2, 2, 4), "group"
     if name.endswith("_replicas"):
         return PAIRS, "group"
     return (1, 0, "group") if name == "all_to_all" else (1, "group") if name in _DIM_OPS else ("group",)
@@ -146,7 +163,7 @@ def _sample_args(name: str) -> tuple:
 def test_transpose_pairs_are_closed():
     """The one table of conjugate pairs: for every collective C with backward B, B's backward is
     C again, B's type is C's reversed (I→V ↔ V→I), and B's arguments map back to C's."""
-    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 13
+    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 14
     for name, c in C.COLLECTIVES.items():
         assert c.name == name and callable(getattr(C, name))
         b = C.COLLECTIVES[c.transpose]
@@ -157,6 +174,7 @@ def test_transpose_pairs_are_closed():
         assert b.transpose_args(*c.transpose_args(*args)) == args, name
     assert C.AllToAll.transpose_args(1, 0, "group") == (0, 1, "group")  # the reverse all-to-all
     assert C.Ppermute.transpose_args(((0, 1), (1, 2)), "group") == (((1, 0), (2, 1)), "group")  # sent back
+    assert C.AllToAllV.transpose_args(0, (1, 2), (3, 0), "group") == (0, (3, 0), (1, 2), "group")  # the reverse
 
 
 def test_docstring_table_states_the_pairs():

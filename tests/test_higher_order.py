@@ -35,7 +35,7 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp,
 import hp_functional as hpf
 from hp_functional import collectives as C
 from tests.conftest import get_pool
-from tests.helpers import assert_close, mesh, rank, world
+from tests.helpers import assert_close, cyclic_splits, mesh, rank, world
 from tests.models import MLP, build_llama, make_llama_state
 
 TOL = {"atol": 1e-9, "rtol": 1e-9}  # fp64 throughout
@@ -63,7 +63,7 @@ def _close_tree(actual, expected, what: str, **tol) -> None:
 def _apply(name: str, x: torch.Tensor, g: C.AxisGroup) -> torch.Tensor:
     args = {"all_gather": (1,), "reduce_scatter": (1,), "gather_from": (1,), "split_to": (1,), "all_to_all": (1, 0),
             "ppermute": (C.ring(g.size, 1),), "copy_to_replicas": (C.Replicas(2),),
-            "reduce_from_replicas": (C.Replicas(2),)}
+            "reduce_from_replicas": (C.Replicas(2),), "all_to_all_v": (1, *cyclic_splits(x.shape[1], g.size, g.rank))}
     return getattr(C, name)(x, *args.get(name, ()), g)
 
 

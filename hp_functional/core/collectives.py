@@ -29,6 +29,7 @@ function                  type   forward              backward = transpose      
 ``reduce_scatter``        V → V  reduce-scatter       ``all_gather`` (AG)                  ``reduce_scatter``
 ``all_to_all``            V → V  all-to-all           ``all_to_all`` (reverse)             ``all_to_all``
 ``ppermute``              V → V  send to perm's dst   ``ppermute`` (inverse perm)          ``ppermute``
+``all_to_all_v``          V → V  variable all-to-all  ``all_to_all_v`` (splits swapped)    ``all_to_all_v``
 ``copy_to``               I → V  identity             ``reduce_from`` (all-reduce)         ``copy_to``
 ``reduce_from``           V → I  all-reduce           ``copy_to`` (identity)               ``reduce_from``
 ``gather_from``           V → I  all-gather           ``split_to`` (local chunk)           ``gather_from``
@@ -107,6 +108,10 @@ class AxisGroup:
         """``ppermute(x, perm, self)``; backward the inverse permutation."""
         return ppermute(x, perm, self)
 
+    def all_to_all_v(self, x: Tensor, dim: int, send: Sequence[int], recv: Sequence[int]) -> Tensor:
+        """``all_to_all_v(x, dim, send, recv, self)``; backward the reverse exchange."""
+        return all_to_all_v(x, dim, send, recv, self)
+
     def shift(self, x: Tensor, offset: int = 1) -> Tensor:
         """Ring step: rank ``i``'s ``x`` goes to rank ``(i + offset) % size``; backward ``shift(-offset)``."""
         return ppermute(x, ring(self.size, offset), self)
@@ -164,6 +169,18 @@ def raw_all_to_all(x: Tensor, split_dim: int, concat_dim: int, g: AxisGroup) -> 
     got = got.reshape(pieces.shape).movedim(1, split_dim + 1)  # (n, *x-shape with split_dim/n)
     got = got.movedim(0, concat_dim)
     return got.flatten(concat_dim, concat_dim + 1)
+
+
+def raw_all_to_all_v(x: Tensor, dim: int, send: tuple[int, ...], recv: tuple[int, ...], g: AxisGroup) -> Tensor:
+    """Variable-split all-to-all along ``dim``: the first ``send[0]`` slices go to rank 0, the
+    next ``send[1]`` to rank 1, ...; ``recv[k]`` slices arrive from rank k, concatenated in rank
+    order (MoE token dispatch: the split sizes are exchanged first, ``raw_all_to_all``)."""
+    moved = x.movedim(dim, 0)
+    if moved.shape[0] != sum(send) or len(send) != g.size or len(recv) != g.size:
+        raise ValueError(f"all_to_all_v on mesh axis {g.axis!r} (size {g.size}): send splits {list(send)} do not cover "
+                         f"dim {dim} of shape {tuple(x.shape)}, or a split list is not one entry per rank")
+    got = _funcol.wait_tensor(_funcol.all_to_all_single(moved.contiguous(), list(recv), list(send), g.group_name))
+    return got.movedim(0, dim)
 
 
 def ring(size: int, offset: int = 1) -> tuple[tuple[int, int], ...]:
@@ -251,6 +268,10 @@ def _invert_perm(perm, group):
     return tuple((d, s) for s, d in perm), group
 
 
+def _swap_splits(dim, send, recv, group):
+    return dim, recv, send, group
+
+
 class Collective(NamedTuple):
     """One collective as two ``autograd.Function`` classes with the same forward and backward:
     ``eager`` also has the forward-mode ``jvp`` and the ``vmap`` rule; ``traced`` has neither,
@@ -330,6 +351,7 @@ _TABLE: dict[str, tuple[Callable[..., Tensor], str, str]] = {
     "reduce_scatter": (raw_reduce_scatter, "V→V", "all_gather"),
     "all_to_all": (raw_all_to_all, "V→V", "all_to_all"),
     "ppermute": (raw_ppermute, "V→V", "ppermute"),
+    "all_to_all_v": (raw_all_to_all_v, "V→V", "all_to_all_v"),
     "copy_to": (_identity, "I→V", "reduce_from"),
     "reduce_from": (raw_all_reduce, "V→I", "copy_to"),
     "gather_from": (raw_all_gather, "V→I", "split_to"),
@@ -341,7 +363,8 @@ _TABLE: dict[str, tuple[Callable[..., Tensor], str, str]] = {
 }
 
 #: How a collective's arguments map to its transpose's (the rest keep theirs).
-_TRANSPOSE_ARGS: dict[str, Callable[..., tuple]] = {"all_to_all": _swap_dims, "ppermute": _invert_perm}
+_TRANSPOSE_ARGS: dict[str, Callable[..., tuple]] = {"all_to_all": _swap_dims, "ppermute": _invert_perm,
+                                                    "all_to_all_v": _swap_splits}
 
 #: Every collective of this module by its public function's name.
 COLLECTIVES: dict[str, Collective] = {
@@ -350,8 +373,8 @@ COLLECTIVES: dict[str, Collective] = {
 }
 #: Each collective's transpose (the collective its backward applies), by name.
 TRANSPOSE: dict[str, str] = {name: c.transpose for name, c in COLLECTIVES.items()}
-(AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, CopyTo, ReduceFrom, GatherFrom, SplitTo, PartialFrom, LeaveRegion,
- CopyToReplicas, ReduceFromReplicas) = COLLECTIVES.values()
+(AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, AllToAllV, CopyTo, ReduceFrom, GatherFrom, SplitTo,
+ PartialFrom, LeaveRegion, CopyToReplicas, ReduceFromReplicas) = COLLECTIVES.values()
 
 
 # ---------------------------------------------------------------- public functional API
@@ -381,6 +404,12 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], group: AxisGroup) -> Te
     cotangents back along the inverse pairs (``ppermute`` again).  ``ring(size, k)`` is the ring
     step of ring attention (``AxisGroup.shift``)."""
     return Ppermute.apply(x, check_perm(perm, group), group)
+
+
+def all_to_all_v(x: Tensor, dim: int, send: Sequence[int], recv: Sequence[int], group: AxisGroup) -> Tensor:
+    """Variable-split all-to-all along ``dim`` (``send[k]`` slices to rank k, ``recv[k]`` from it);
+    backward is the reverse exchange (``all_to_all_v`` with the splits swapped)."""
+    return AllToAllV.apply(x, dim, tuple(int(n) for n in send), tuple(int(n) for n in recv), group)
 
 
 def copy_to(x: Tensor, group: AxisGroup) -> Tensor:

@@ -36,7 +36,7 @@ from ..core.cp_layout import check_layout, cp_chunks, cp_positions
 from ..core.errors import PlanError
 from ..core.ring_attention import STRATEGIES, ContextAttention
 from .local import Local
-from .styles import ModuleSpec, Style
+from .styles import ModuleSpec, Style, layer_patterns
 from .vocab import vocab_parallel_cross_entropy
 
 IGNORE = -100  # HF's ignored label
@@ -170,8 +170,5 @@ def context_parallel_root(axis: str, layout: str, vocab_axis: str | None = None)
 def attention_patterns(model: nn.Module) -> list[str]:
     """The HF attention modules of ``model`` (class names ending in ``Attention`` with an
     ``is_causal`` attribute) as plan patterns, layer indices as ``*``."""
-    out = {}
-    for name, m in model.named_modules():
-        if name and type(m).__name__.endswith("Attention") and hasattr(m, "is_causal"):
-            out[".".join("*" if part.isdigit() else part for part in name.split("."))] = None
-    return list(out)
+    return layer_patterns(name for name, m in model.named_modules()
+                          if name and type(m).__name__.endswith("Attention") and hasattr(m, "is_causal"))

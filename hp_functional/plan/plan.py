@@ -21,8 +21,9 @@ from ..core.cp_layout import check_layout
 from ..core.errors import PlanError
 from ..core.program import Planned
 from .context import ContextParallel, attention_patterns, context_parallel_root
+from .experts import Experts, hf_ep_entries
 from .hf_styles import HF_STYLES
-from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers
+from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers, path_matches
 from .torch_styles import ParallelStyle, from_torch_style
 from .vocab import loss_parallel_root
 
@@ -33,14 +34,6 @@ class Candidate(NamedTuple):
     stars: int
     pattern: str
     style: Style
-
-
-def path_matches(pattern: str, path: str) -> bool:
-    """Whether a dot-path ``pattern`` (``*``: exactly one segment) matches module/parameter ``path``."""
-    if not path or not pattern:  # the root module is addressed by the empty path only
-        return pattern == path
-    p, q = pattern.split("."), path.split(".")
-    return len(p) == len(q) and all(a == "*" or a == b for a, b in zip(p, q, strict=True))
 
 
 def _as_style(value: object, where: str) -> Style:
@@ -71,8 +64,10 @@ class ShardingPlan:
 
     ``cp_axis``: the mesh axis the sequence is sharded over (context parallelism, ``plan.context``):
     the plan's ``ContextParallel`` entries act on it and a root entry shards the batch in
-    ``cp_layout`` (``"zigzag"`` or ``"contiguous"``).  ``tp_optional``: entries on ``tp_axis`` are
-    dropped when the mesh has no such axis (``from_hf`` with ``cp_axis``: CP alone on a CP mesh)."""
+    ``cp_layout`` (``"zigzag"`` or ``"contiguous"``).  ``ep_axis``: the mesh axis routed experts
+    are sharded over (``Experts`` entries, ``plan.experts``).  ``tp_optional``: entries on
+    ``tp_axis`` are dropped when the mesh has no such axis (``from_hf`` with ``cp_axis`` or
+    ``ep_axis``: CP or EP alone on a mesh without ``tp``)."""
 
     def __init__(
         self,
@@ -82,6 +77,7 @@ class ShardingPlan:
         loss_parallel: bool = False,
         cp_axis: str | None = None,
         cp_layout: str = "zigzag",
+        ep_axis: str | None = None,
         tp_optional: bool = False,
         special_handlers: Mapping[str, str] | None = None,
         handlers: Mapping[str, ParamHandler] | None = None,
@@ -92,7 +88,12 @@ class ShardingPlan:
         self.tp_axis = tp_axis
         self.loss_parallel = loss_parallel
         self.cp_axis, self.cp_layout, self.tp_optional = cp_axis, check_layout(cp_layout), tp_optional
+        self.ep_axis = ep_axis
         self._check_context_entries()
+        experts = next((p for p, s in self.entries.items() if isinstance(s, Experts)), None)
+        if experts is not None and ep_axis is None and not any(s.axis for s in self.entries.values()
+                                                                  if isinstance(s, Experts)):
+            raise PlanError(f"plan entry {experts!r}: Experts needs the plan's ep_axis (ShardingPlan(..., ep_axis='ep'))")
         self.special_handlers = dict(special_handlers or {})  # parameter-path pattern -> handler name
         self.handlers = dict(handlers) if handlers is not None else default_handlers()
         for pattern, name in self.special_handlers.items():
@@ -116,7 +117,7 @@ class ShardingPlan:
     def with_entries(self, entries: Mapping[str, Style | str], **changes) -> ShardingPlan:
         """A new plan of ``entries`` with this plan's settings (``changes`` override them)."""
         settings = dict(tp_axis=self.tp_axis, loss_parallel=self.loss_parallel, cp_axis=self.cp_axis,
-                        cp_layout=self.cp_layout, tp_optional=self.tp_optional,
+                        cp_layout=self.cp_layout, ep_axis=self.ep_axis, tp_optional=self.tp_optional,
                         special_handlers=self.special_handlers, handlers=self.handlers)
         return ShardingPlan(entries, **{**settings, **changes})
 
@@ -137,22 +138,27 @@ class ShardingPlan:
 
     def __repr__(self) -> str:
         cp = f", cp_axis={self.cp_axis!r}, cp_layout={self.cp_layout!r}" if self.cp_axis else ""
+        cp += f", ep_axis={self.ep_axis!r}" if self.ep_axis else ""
         return f"ShardingPlan({self.entries!r}, tp_axis={self.tp_axis!r}, loss_parallel={self.loss_parallel}{cp})"
 
     @classmethod
     def from_hf(cls, model: nn.Module, tp_axis: str = "tp", *, loss_parallel: bool = False, cp_axis: str | None = None,
-                cp_strategy: str = "ring", cp_layout: str = "zigzag") -> ShardingPlan:
+                cp_strategy: str = "ring", cp_layout: str = "zigzag", ep_axis: str | None = None) -> ShardingPlan:
         """The plan a Hugging Face model declares (``model._tp_plan``, else the config's
         ``base_model_tp_plan`` under ``base_model_prefix``).  An unsupported HF style raises
         naming the style and the module pattern.  ``cp_axis``: context parallelism too, with
         ``ContextParallel(cp_strategy)`` on every attention module; then the TP entries apply
-        only when the mesh has ``tp_axis``."""
+        only when the mesh has ``tp_axis``.  ``ep_axis``: expert parallelism too, from the config's
+        ``base_model_ep_plan`` (``plan.experts.hf_ep_entries``: ``Experts`` on the routed experts,
+        TP on shared experts); the TP entries again apply only when the mesh has ``tp_axis``."""
         raw = dict(getattr(model, "_tp_plan", None) or {})
         if not raw:
             base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
             prefix = getattr(model, "base_model_prefix", "")
             has_prefix = prefix and hasattr(model, prefix)
             raw = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
+        if ep_axis is not None:
+            raw = hf_ep_entries(model, raw)
         if not raw and cp_axis is None:
             raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)")
         if cp_axis is not None:
@@ -162,7 +168,7 @@ class ShardingPlan:
                                 "named *Attention with an is_causal attribute) to plan ContextParallel on")
             raw.update(dict.fromkeys(attention, ContextParallel(cp_strategy)))
         return cls(raw, tp_axis=tp_axis, loss_parallel=loss_parallel, cp_axis=cp_axis, cp_layout=cp_layout,
-                   tp_optional=cp_axis is not None)
+                   ep_axis=ep_axis, tp_optional=cp_axis is not None or ep_axis is not None)
 
     @classmethod
     def from_torch(cls, plan: Mapping[str, ParallelStyle] | ParallelStyle, tp_axis: str = "tp", *,
@@ -180,8 +186,9 @@ class ShardingPlan:
         that matches nothing (with the closest paths), an unknown axis, or a conflict."""
         names = mesh.mesh_dim_names or ()
         modules = dict(model.named_modules())
-        if self.cp_axis is not None and self.cp_axis not in names:
-            raise PlanError(f"cp_axis={self.cp_axis!r} is not in the mesh (axes: {list(names)})")
+        for what, axis in (("cp_axis", self.cp_axis), ("ep_axis", self.ep_axis)):
+            if axis is not None and axis not in names:
+                raise PlanError(f"{what}={axis!r} is not in the mesh (axes: {list(names)})")
         for pattern, style in self._entries(names).items():
             if isinstance(style, ModuleSpec):
                 bad = (style.axes or {self.tp_axis}) - set(names)  # a spec naming no axis acts on tp_axis
@@ -252,7 +259,8 @@ class ShardingPlan:
         ModuleSpec names its axes itself (the ``tp_axis`` if it is one, else the first it names)."""
         if isinstance(style, ModuleSpec) and self.tp_axis not in names and style.axes:
             return next(a for a in names if a in style.axes)
-        return getattr(style, "axis", None) or (self.cp_axis if style.axis_role == "cp" else self.tp_axis)
+        roles = {"tp": self.tp_axis, "cp": self.cp_axis, "ep": self.ep_axis}
+        return getattr(style, "axis", None) or roles[style.axis_role]
 
     def loss_head(self, model: nn.Module) -> str:
         """The FQN of the output head whose logits stay vocab-sharded under ``loss_parallel``."""

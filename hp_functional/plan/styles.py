@@ -94,6 +94,20 @@ class ModuleSpec(Style):
         return {a for m in maps for per_axis in m.values() for a in per_axis}
 
 
+def path_matches(pattern: str, path: str) -> bool:
+    """Whether a dot-path ``pattern`` (``*``: exactly one segment) matches module/parameter ``path``."""
+    if not path or not pattern:  # the root module is addressed by the empty path only
+        return pattern == path
+    p, q = pattern.split("."), path.split(".")
+    return len(p) == len(q) and all(a == "*" or a == b for a, b in zip(p, q, strict=True))
+
+
+def layer_patterns(paths) -> list[str]:
+    """Module paths as plan patterns, layer indices as ``*`` (``model.layers.3.mlp`` →
+    ``model.layers.*.mlp``), each pattern once, in first-seen order."""
+    return list(dict.fromkeys(".".join("*" if part.isdigit() else part for part in p.split(".")) for p in paths))
+
+
 def _require(module: nn.Module, kinds: tuple[type, ...], style: Style, fqn: str) -> None:
     if not isinstance(module, kinds):
         names = " or ".join(k.__name__ for k in kinds)

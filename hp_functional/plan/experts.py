@@ -1,0 +1,189 @@
+"""Expert parallelism: a mixture-of-experts layer's routed experts sharded over an ``ep`` axis.
+
+``Experts`` on an experts module (HF's fused ``[num_experts, ...]`` tensors: Mixtral's
+``MixtralExperts``, Qwen2-MoE's ``Qwen2MoeExperts``, any module called as
+``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``) stores every
+``[num_experts, ...]`` parameter ``Shard(0)``: rank ``r`` of the axis holds experts
+``r·E/ep … (r+1)·E/ep − 1``.  The router stays replicated.  One call, on every rank:
+
+1. the ``T`` tokens (replicated over ``ep``) are split: each rank routes ``T / ep`` of them
+   (``split_to``, backward all-gather);
+2. each rank sorts its (token, expert) assignments by expert and exchanges the counts per
+   expert (one small all-to-all), so every rank knows how many rows it sends and receives;
+3. **dispatch**: the rows go to the ranks owning their experts (``all_to_all_v``, a
+   variable-split all-to-all whose backward is the reverse exchange);
+4. the owner runs the module's own forward on what it received, as ``top_k = 1`` with unit
+   weights: the experts' math is the model's (grouped by expert, one matmul per local expert);
+5. **combine**: the results go back (``all_to_all_v`` again), are weighted by the routing
+   weights and summed per token in the original order; the tokens are gathered back
+   (``gather_from``).
+
+No token is dropped by default, so the result equals the unsharded layer.  ``capacity_factor=c``
+keeps at most ``ceil(c · T_local · k / E)`` assignments per expert from each rank (the first
+ones in token order; deterministic) and drops the rest — their expert term is zero, as in
+Switch/GShard; ``on_drop(fqn, count)`` receives the number dropped on this rank per call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import Replicate, Shard
+
+from ..core import collectives as C
+from ..core.collectives import AxisGroup
+from ..core.errors import PlanError
+from .local import Local
+from .styles import ModuleSpec, Style, layer_patterns, path_matches
+
+#: ``on_drop(fqn, count)``: the assignments a capacity factor dropped on this rank in one call.
+OnDrop = Callable[[str, Tensor], None]
+
+
+def expert_weights(module: nn.Module) -> list[str]:
+    """The module's own stacked expert parameters: 3-D, leading dim ``num_experts``."""
+    n = getattr(module, "num_experts", None)
+    return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] == n]
+
+
+def _localise(module: nn.Module, axes: Mapping[str, AxisGroup], *, axis: str) -> None:
+    """The skeleton's copy holds this rank's experts: its ``num_experts`` is the local count."""
+    module.num_experts //= axes[axis].size
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _route(idx: Tensor, w: Tensor, experts: int, capacity: int | None):
+    """(token of each kept assignment, its weight, rows per expert, dropped), sorted by expert."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by expert, token order kept within an expert
+    by_expert = flat[order]
+    counts = flat.new_zeros(experts).scatter_add_(0, flat, torch.ones_like(flat))  # bincount, but a fixed size
+    dropped = counts.new_zeros(())
+    if capacity is not None:
+        starts = torch.cumsum(counts, 0) - counts
+        keep = torch.arange(flat.numel(), device=flat.device) - starts[by_expert] < capacity
+        order, dropped = order[keep], (~keep).sum()
+        counts = counts.clamp(max=capacity)
+    return order // idx.shape[-1], w.reshape(-1)[order], counts, dropped
+
+
+def _connected(out: Tensor, rows: Tensor, module: nn.Module) -> Tensor:
+    """``out`` (equal) made to depend on ``rows`` and on every local expert weight: HF's experts
+    forward returns fresh zeros when no row arrives, and then the backward's reverse all-to-alls
+    would run on the other ranks only (a hang) and the weights would get no gradient at all."""
+    zero = sum(p.reshape(-1)[:1].sum() for p in module.parameters(recurse=False)) * 0
+    return out + rows[:, :1] * 0 + zero
+
+
+def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: Tensor, top_k_index: Tensor,
+                     top_k_weights: Tensor, *, axis: str, fqn: str, capacity_factor: float | None,
+                     on_drop: OnDrop | None) -> Tensor:
+    """This rank's tokens through their experts on whichever ranks own them (module docstring)."""
+    g = axes[axis]
+    local = module.num_experts  # localised
+    experts = local * g.size
+    tokens, k = top_k_index.shape
+    capacity = None if capacity_factor is None else math.ceil(capacity_factor * tokens * k / experts)
+    token, weight, counts, dropped = _route(top_k_index, top_k_weights, experts, capacity)
+    if on_drop is not None:
+        on_drop(fqn, dropped)
+    per_rank = counts.view(g.size, local)
+    received = C.raw_all_to_all(per_rank, 0, 0, g)  # [source rank, local expert]: the rows this rank receives
+    if _is_fake(counts):  # explain/simulate: shapes only, so routing is taken as balanced
+        n = token.shape[0]
+        send = recv = [n // g.size] * (g.size - 1) + [n - n // g.size * (g.size - 1)]
+        rows_expert = None
+    else:
+        send, recv = per_rank.sum(1).tolist(), received.sum(1).tolist()
+        rows_expert = torch.arange(local, device=counts.device).repeat(g.size).repeat_interleave(received.reshape(-1))
+    rows = C.all_to_all_v(hidden[token], 0, send, recv, g)
+    if rows_expert is None:
+        out = rows.clone()
+    else:
+        ones = rows.new_ones((rows.shape[0], 1), dtype=top_k_weights.dtype)
+        out = _connected(type(module).forward(module, rows, rows_expert[:, None], ones), rows, module)
+    back = C.all_to_all_v(out, 0, recv, send, g)
+    weighted = (back * weight[:, None]).to(hidden.dtype)
+    return hidden.new_zeros(hidden.shape).index_add(0, token, weighted)
+
+
+@dataclass(frozen=True)
+class Experts(Style):
+    """Routed experts sharded over the plan's ``ep_axis`` (see the module docstring).
+
+    >>> plan = hpf.ShardingPlan({"model.layers.*.mlp.experts": hpf.Experts()}, ep_axis="ep")
+    """
+
+    capacity_factor: float | None = None
+    on_drop: OnDrop | None = None
+    axis: str | None = None  # None: the plan's ep_axis
+    axis_role = "ep"
+
+    def local(self, module: nn.Module, fqn: str, axis: str) -> Local:
+        """The ``Local`` this style is on ``module``."""
+        names = expert_weights(module)
+        fn = partial(dispatch_combine, axis=axis, fqn=fqn, capacity_factor=self.capacity_factor, on_drop=self.on_drop)
+        tokens_in = {i: Replicate() for i in range(3)}
+        return Local(fn, in_src=tokens_in, in_dst={i: Shard(0) for i in range(3)},
+                     out_src={"output": Shard(0)}, out_dst={"output": Replicate()},
+                     params={n: Shard(0) for n in names}, setup=partial(_localise, axis=axis), axis=axis)
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        if not expert_weights(module):
+            own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
+            raise PlanError(f"{fqn}: Experts needs stacked expert weights ([num_experts, ...] parameters and a "
+                            f"num_experts attribute, as HF's fused experts); {type(module).__name__} has {own}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise PlanError(f"{fqn}: Experts capacity_factor must be positive, got {self.capacity_factor!r}")
+        return self.local(module, fqn, axis).spec(module, fqn, axis)
+
+    def local_forward(self, module, forward, *, fqn, axis, axes):
+        return self.local(module, fqn, axis).local_forward(module, forward, fqn=fqn, axis=axis, axes=axes)
+
+    def __hash__(self) -> int:
+        return hash((self.capacity_factor, self.axis))
+
+
+#: Hugging Face ``ep_plan`` strings: the experts module's style, or a parameter the style shards.
+_HF_EP = {"ep_dispatch_experts": "experts", "grouped_gemm": "parameter"}
+#: Shared (dense) experts' projections and their TP styles (Qwen2-MoE, DeepSeek).
+_SHARED = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+
+
+def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object]) -> dict[str, object]:
+    """An HF MoE model's plan entries for ``from_hf(..., ep_axis=)``: its ``tp_plan`` entries that
+    match a module (a family's plan names dense-MLP paths that an all-MoE config lacks), the
+    config's ``base_model_ep_plan`` experts as ``Experts()``, and TP on the shared experts'
+    projections.  Models without an ``ep_plan`` get ``Experts()`` on every module holding
+    stacked expert weights."""
+    modules = dict(model.named_modules())
+    entries = {p: s for p, s in tp_entries.items() if any(path_matches(p, m) for m in modules)}
+    ep = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    for pattern, style in ep.items():
+        if style not in _HF_EP:
+            raise PlanError(f"ep_plan entry {pattern!r}: style {style!r} is not supported (supported: {sorted(_HF_EP)})")
+        if _HF_EP[style] == "experts":
+            entries[prefix + pattern] = Experts()
+    if not any(isinstance(s, Experts) for s in entries.values()):
+        found = [n for n, m in modules.items() if n and expert_weights(m)]
+        if not found:
+            raise PlanError(f"ep_axis: {type(model).__name__} has no experts to shard (no base_model_ep_plan and no "
+                            "module with stacked [num_experts, ...] weights)")
+        entries.update(dict.fromkeys(layer_patterns(found), Experts()))
+    shared = [n for n, m in modules.items() if n.rpartition(".")[2] in ("shared_expert", "shared_experts")
+              and all(isinstance(getattr(m, c, None), nn.Linear) for c in _SHARED)]
+    for pattern in layer_patterns(shared):
+        entries.update({f"{pattern}.{child}": style for child, style in _SHARED.items()})
+    return entries

@@ -1,0 +1,244 @@
+"""Expert parallelism against the unsharded model (fp32, gloo).
+
+HF ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (shared expert) at ep 2, ep 4 and
+ep 2 × tp 2: logits, loss (router auxiliary loss included) and every gradient within 1e-5, with
+``.backward()`` and ``torch.func.grad``.  On the experts module itself: every token routed to
+one expert (the other ranks receive nothing), the capacity factor's deterministic drops and
+their count, and the variable all-to-all's split sizes.  ``explain`` shows the all-to-alls;
+bad input raises on every rank before any collective."""
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.func import grad_and_value
+
+import hp_functional as hpf
+from tests.conftest import get_pool
+from tests.helpers import assert_close, mesh, world
+from tests.snapshot import assert_unchanged, snapshot
+
+LAYERS = 2
+
+
+def moe_config(family: str, **overrides):
+    """A tiny HF MoE config: 4 experts, top-2, router aux loss on, eager attention."""
+    from transformers import AutoConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=8,
+              num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+              output_router_logits=True, router_aux_loss_coef=0.02, num_experts_per_tok=2)
+    if family == "mixtral":
+        kw.update(num_local_experts=4)
+    else:
+        kw.update(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1)
+    kw.update(overrides)
+    config = AutoConfig.for_model(family, **kw)
+    config._attn_implementation = "eager"
+    return config
+
+
+def build_moe(family: str, state=None, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(moe_config(family, **overrides))
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def make_moe_state(family: str, **overrides):
+    torch.manual_seed(0)
+    model = build_moe(family, **overrides)
+    with torch.no_grad():  # experts initialised at HF's std are ~0: make their contribution visible
+        for name, p in model.named_parameters():
+            if "experts" in name or "norm" in name:
+                p.normal_(0, 0.1) if "experts" in name else p.uniform_(0.5, 1.5)
+    return model.state_dict()
+
+
+def case_model(family: str, state, shape: tuple, names: tuple):
+    model = build_moe(family, state)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(7))
+    model(input_ids=ids)  # HF installs its router-logit recording hooks on the first call: not ours
+    before = snapshot(model)
+    m = mesh(shape, names)
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m)
+    ep = m["ep"].size()
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert tuple(params[key].shape)[0] == 4 // ep  # each rank holds its experts only
+    assert info[key].placements == tuple(Shard(0) if n == "ep" else Replicate() for n in names)
+    if "tp" in names and family == "qwen2_moe":  # the shared expert takes the TP plan
+        assert info["model.layers.0.mlp.shared_expert.gate_proj.weight"].placements[names.index("tp")] == Shard(0)
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    assert ref.aux_loss is not None and ref.aux_loss > 0
+    diffs = {}
+    for functional in (False, True):
+        if functional:
+            grads, (loss, aux) = grad_and_value(
+                lambda p: (lambda o: (o.loss, o.aux_loss))(apply_fn(p, input_ids=ids, labels=ids)),
+                has_aux=True)(params)
+        else:
+            out = apply_fn(params, input_ids=ids, labels=ids)
+            loss, aux = out.loss, out.aux_loss
+            loss.backward()
+            grads = {k: p.grad for k, p in params.items()}
+        full = hpf.unshard(grads, info)
+        diffs[f"loss {functional}"] = assert_close(loss.detach(), ref.loss.detach(), "loss")
+        diffs[f"aux {functional}"] = assert_close(aux.detach(), ref.aux_loss.detach(), "aux loss")
+        diffs[f"grads {functional}"] = max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters())
+    logits = apply_fn(params, input_ids=ids).logits
+    diffs["logits"] = assert_close(logits, ref.logits.detach(), "logits")
+    model.zero_grad(set_to_none=True)
+    assert_unchanged(before, snapshot(model))
+    return diffs
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_models_ep(pool, family):
+    diffs = pool.run(case_model, family, make_moe_state(family), (pool.world,), ("ep",))
+    print(f"{family} ep {pool.world}: {diffs[0]}")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_models_ep_times_tp(family):
+    diffs = get_pool(4).run(case_model, family, make_moe_state(family), (2, 2), ("ep", "tp"))
+    print(f"{family} ep 2 x tp 2: {diffs[0]}")
+
+
+def _experts_module(state=None):
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    module = MixtralExperts(moe_config("mixtral"))
+    if state is None:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0, 0.1)
+    else:
+        module.load_state_dict(state)
+    return module
+
+
+def _keep_mask(index: torch.Tensor, ep: int, experts: int, capacity: int) -> torch.Tensor:
+    """The capacity rule by hand: per source rank (a contiguous chunk of tokens) and expert, the
+    first ``capacity`` assignments in token order are kept."""
+    keep = torch.zeros(index.shape, dtype=torch.bool)
+    for chunk in torch.arange(index.shape[0]).chunk(ep):
+        seen = [0] * experts
+        for t in chunk.tolist():
+            for j, e in enumerate(index[t].tolist()):
+                keep[t, j] = seen[e] < capacity
+                seen[e] += 1
+    return keep
+
+
+def case_routing(state, index, capacity_factor):
+    """The experts module alone: fixed routing, outputs and gradients (hidden, weights, experts)."""
+    module = _experts_module(state)
+    drops = []
+    plan = hpf.ShardingPlan({"": hpf.Experts(capacity_factor=capacity_factor,
+                                             on_drop=lambda fqn, n: drops.append(int(n)))}, ep_axis="ep")
+    m = mesh((world(),), ("ep",))
+    apply_fn, params, info = hpf.shard(module, plan, m)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(index.shape[0], 64, generator=gen)
+    weights = torch.rand(index.shape, generator=gen)
+    ref_weights = weights
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * (index.shape[0] // world()) * index.shape[1] / 4)
+        ref_weights = weights * _keep_mask(index, world(), 4, capacity)
+    h, w = hidden.clone().requires_grad_(), ref_weights.clone().requires_grad_()
+    ref = module(h, index, w)
+    ref.square().sum().backward()
+    h2, w2 = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+    out = apply_fn(params, h2, index, w2)
+    out.square().sum().backward()
+    worst = assert_close(out.detach(), ref.detach(), "output")
+    worst = max(worst, assert_close(h2.grad, h.grad, "d hidden"))
+    if capacity_factor is None:
+        worst = max(worst, assert_close(w2.grad, w.grad, "d weights"))
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    worst = max(worst, *(assert_close(full[k], p.grad, f"grad {k}") for k, p in module.named_parameters()))
+    grads = torch.func.grad(lambda p: apply_fn(p, hidden, index, weights).square().sum())(params)
+    full = hpf.unshard(grads, info)
+    worst = max(worst, *(assert_close(full[k], p.grad, f"func grad {k}") for k, p in module.named_parameters()))
+    return worst, drops
+
+
+def _state():
+    return _experts_module().state_dict()
+
+
+def test_all_tokens_to_one_expert_other_ranks_receive_nothing(pool):
+    """Every token's top-2 is experts 0 and 1, both on rank 0: the other ranks receive no rows."""
+    index = torch.tensor([[0, 1]] * 8)
+    worst, _ = pool.run(case_routing, _state(), index, None)[0]
+    print(f"ep {pool.world}, all to experts 0/1: {worst}")
+
+
+def test_random_routing_matches(pool):
+    index = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(t))[:2] for t in range(8)])
+    print(pool.run(case_routing, _state(), index, None)[0])
+
+
+def test_capacity_factor_drops_deterministically():
+    """Capacity 1.0 over unbalanced routing: the first assignments per (rank, expert) are kept,
+    the rest contribute nothing; each rank reports what it dropped."""
+    index = torch.tensor([[0, 1]] * 6 + [[2, 3], [0, 2]])
+    results = get_pool(2).run(case_routing, _state(), index, 1.0)
+    # 4 tokens x 2 per rank over 4 experts: capacity 2.  Rank 0's tokens send 4 to expert 0 and 4
+    # to expert 1 (2 + 2 dropped); rank 1's send 3 to expert 0 (1 dropped).  One report per call.
+    assert [r[1] for r in results] == [[4, 4], [1, 1]], results
+    print(results[0][0])
+
+
+def case_explain():
+    with torch.device("meta"):
+        model = build_moe("mixtral")
+    e = hpf.explain(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), mesh((world(),), ("ep",)), batch=2, seq=8)
+    s = e.schedule
+    return str(e), s.count(op="all_to_all", direction="fwd"), s.count(op="all_to_all", direction="bwd"), e.memory.per_rank
+
+
+def test_explain_shows_dispatch_and_combine():
+    text, fwd, bwd, per_rank = get_pool(2).run(case_explain)[0]
+    # forward: the split sizes, dispatch and combine per MoE layer; backward: the two reversed
+    assert (fwd, bwd) == (3 * LAYERS, 2 * LAYERS), (fwd, bwd)
+    assert "Experts" in text, text
+    print(text)
+
+
+def case_bad_input(state):
+    model = build_moe("mixtral", state)
+    m = mesh((world(),), ("ep",))
+    errors = {}
+    for what, make in {
+        "experts % ep": lambda: hpf.shard(build_moe("mixtral", None, num_local_experts=6),
+                                          hpf.ShardingPlan.from_hf(build_moe("mixtral", None, num_local_experts=6),
+                                                                   ep_axis="ep"), m),
+        "no ep axis": lambda: hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="experts"), m),
+        "no experts": lambda: hpf.shard(model, hpf.ShardingPlan({"model.layers.0.self_attn": hpf.Experts()},
+                                                                ep_axis="ep"), m),
+        "no ep_axis": lambda: hpf.ShardingPlan({"model.layers.*.mlp.experts": hpf.Experts()}),
+        "tokens": lambda: hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m)[0](
+            hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m)[1],
+            input_ids=torch.zeros(1, 2 * world() + 1, dtype=torch.long)),
+    }.items():
+        try:
+            make()
+        except hpf.PlanError as e:
+            errors[what] = (type(e).__name__, str(e))
+    return errors
+
+
+def test_bad_input():
+    errors = get_pool(4).run(case_bad_input, make_moe_state("mixtral"))
+    expect = {"experts % ep": "gate_up_proj", "no ep axis": "'experts' is not in the mesh",
+              "no experts": "Experts needs stacked expert weights", "no ep_axis": "needs the plan's ep_axis",
+              "tokens": "mlp.experts"}
+    for errs in errors:
+        for what, text in expect.items():
+            assert what in errs and text in errs[what][1], (what, errs.get(what))

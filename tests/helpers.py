@@ -63,3 +63,23 @@ def cyclic_splits(total: int, n: int, r: int) -> tuple[list[int], list[int]]:
     slices to rank ``j``: uneven splits, yet every rank receives ``total`` (shapes stay equal)."""
     base = uneven_splits(total, n)
     return [base[(j - r) % n] for j in range(n)], [base[(r - k) % n] for k in range(n)]
+
+
+def plan_errors(makers) -> dict[str, tuple[str, str]]:
+    """``{what: (error type, message)}`` of every ``makers[what]()`` that raises a PlanError."""
+    from hp_functional import PlanError
+
+    errors = {}
+    for what, make in makers.items():
+        try:
+            make()
+        except PlanError as e:
+            errors[what] = (type(e).__name__, str(e))
+    return errors
+
+
+def assert_errors(per_rank, expect: dict[str, str]) -> None:
+    """Every rank raised each expected error, its message holding the expected text."""
+    for errs in per_rank:
+        for what, text in expect.items():
+            assert what in errs and text in errs[what][1], (what, errs.get(what))

@@ -234,3 +234,36 @@ def test_bad_input():
               "no experts": "Experts needs stacked expert weights", "no ep_axis": "needs the plan's ep_axis",
               "tokens": "mlp.experts"}
     assert_errors(errors, expect)
+
+
+def case_dp_ep(state):
+    """dp 2 × ep 2: each dp rank routes its own rows; gradients averaged over dp
+    (``reduce_gradients``, or ``hpf.fsdp`` over dp on top of the expert sharding) equal the
+    unsharded model's mean over the dp batches (the aux loss is per batch, as under any DP).
+    Checkpointed blocks would lose the aux loss's gradient: refused, not silently wrong."""
+    model = build_moe("mixtral", state)
+    m = mesh((2, 2), ("dp", "ep"))
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m)
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(7))
+    halves = ids.chunk(2)
+    (sum(model(input_ids=h, labels=h).loss for h in halves) / 2).backward()
+    rows = halves[m["dp"].get_local_rank()]
+    worst = {}
+    grads = torch.func.grad(lambda p: apply_fn(p, input_ids=rows, labels=rows).loss)(params)
+    full = hpf.unshard(hpf.reduce_gradients(grads, info, m, axis="dp"), info)
+    worst["dp"] = max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters())
+    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, axis="dp", reshard_after_forward=False)
+    assert f_info["model.layers.0.mlp.experts.gate_up_proj"].axes["ep"] == Shard(0)
+    grads = torch.func.grad(lambda p: f_apply(p, input_ids=rows, labels=rows).loss)(f_params)
+    full = hpf.unshard(grads, f_info)
+    worst["fsdp"] = max(assert_close(full[k], p.grad, f"fsdp grad {k}") for k, p in model.named_parameters())
+    errors = plan_errors({"fsdp reshard": lambda: hpf.fsdp(apply_fn, params, info, m, axis="dp"),
+                          "checkpoint": lambda: hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m,
+                                                          checkpoint=True)})
+    return worst, errors
+
+
+def test_dp_times_ep_and_fsdp():
+    results = get_pool(4).run(case_dp_ep, make_moe_state("mixtral"))
+    assert_errors([r[1] for r in results], {"fsdp reshard": "output_router_logits", "checkpoint": "output_router_logits"})
+    print(results[0][0])

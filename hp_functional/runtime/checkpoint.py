@@ -175,6 +175,18 @@ def resolve_checkpoint(model: nn.Module, checkpoint: object) -> CheckpointPlan |
     return CheckpointPlan(tuple(blocks), policy.preserve_rng) if blocks else None
 
 
+def check_recorded_outputs(model: nn.Module, who: str, instead: str) -> None:
+    """A PlanError when the model records block internals by forward hooks that a loss is
+    differentiated through: Hugging Face MoE models with ``output_router_logits`` compute the
+    router's auxiliary loss from router logits recorded inside each decoder layer, and a block
+    recomputed in the backward yields those records without a gradient (the aux loss's gradient
+    would be silently lost)."""
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise PlanError(f"{who}: {type(model).__name__} has config.output_router_logits=True: its auxiliary loss reads "
+                        "router logits recorded inside each decoder layer, whose gradient a recomputed (checkpointed) "
+                        f"block cannot carry; {instead}, or set config.output_router_logits=False (no aux loss)")
+
+
 def neutralise_hf_checkpointing(skeleton: nn.Module) -> None:
     """Turn off Hugging Face's own checkpointing on the private skeleton (its recompute would
     meet meta placeholders) and drop the input-require-grads hook that

@@ -26,7 +26,14 @@ from ..core.program import Program
 from ..plan.plan import ShardingPlan
 from .apply_fn import make_apply_fn
 from .boundary import ConversionCache, install_boundary
-from .checkpoint import Checkpoint, CheckpointPlan, install_checkpoints, neutralise_hf_checkpointing, resolve_checkpoint
+from .checkpoint import (
+    Checkpoint,
+    CheckpointPlan,
+    check_recorded_outputs,
+    install_checkpoints,
+    neutralise_hf_checkpointing,
+    resolve_checkpoint,
+)
 from .skeleton import build_skeleton
 from .values import Values
 
@@ -111,6 +118,8 @@ def shard(
     """
     program = build_program(model, plan, mesh)
     blocks = resolve_checkpoint(model, checkpoint)
+    if blocks is not None:
+        check_recorded_outputs(model, "shard(checkpoint=...)", "drop checkpoint=")
     values = Values.prepare(model, program, weights, seed)
     runtime = {"checkpoint": repr(blocks), **values.fingerprint}  # ranks that recompute different blocks would hang
     agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout),

@@ -60,7 +60,7 @@ from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import RowSplit, ShardInfo, fmt_placements
 from ..core.program import Program
-from ..runtime.checkpoint import Checkpoint, CheckpointedForward, resolve_checkpoint
+from ..runtime.checkpoint import Checkpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
 from .fsdp_bucket import Bucket, Piece, Sync
 from .fsdp_forwards import CallState, GatherOnUse, ReshardedBlock
 
@@ -207,6 +207,8 @@ def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[s
     ``param_dtype``, ``reduce_dtype``: see the module docstring.  Bad input raises ``PlanError``
     on every rank before any collective."""
     runtime = _check(apply_fn, params, shard_info, mesh, axis, param_dtype, reduce_dtype)
+    if reshard_after_forward:  # resharded blocks are recomputed in the backward
+        check_recorded_outputs(runtime.template, "fsdp(reshard_after_forward=True)", "pass reshard_after_forward=False")
     program: Program = runtime.program
     keys = tuple(program.infos)
     block_paths = _blocks(runtime.template, blocks)

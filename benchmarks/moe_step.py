@@ -6,13 +6,15 @@
 Per variant, measured in the same run on every rank (``bench_measure``): the median step time
 (forward + backward, the slowest rank per step), the collectives per step and their bytes (the
 process group's own events), the step's peak memory above its start, and the parameter bytes
-a rank holds: all of them and the routed experts' alone, which fall as ``1/ep``.  The
+a rank holds: all of them and the routed experts' alone, which fall as ``1/ep`` (``1/(ep·tp)``
+with TP inside the experts).  The
 unsharded model runs on every rank beside the sharded one (the peer of the ratio).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -73,9 +75,11 @@ def report(world: int, rows: dict) -> None:
         p = r["profile"]
         print(f"{r['label']:>18} {r['ms']:8.1f} {sum(p.collectives.values()):12d} {p.bytes / mib:10.2f} "
               f"{p.peak_mib:9.1f} {r['params'] / mib:11.2f} {r['experts'] / mib:12.2f}")
-    ep = MESHES[world][0][0]
+    shape, names = MESHES[world]
+    share = 1 / math.prod(shape)  # experts over ep, and inside each expert over tp
     print(f"step time ep/unsharded: {ratio(rows, 'ep', 'unsharded')}; expert bytes per rank "
-          f"{rows['ep']['experts'] / rows['unsharded']['experts']:.3f} of the model's (1/ep = {1 / ep:.3f})")
+          f"{rows['ep']['experts'] / rows['unsharded']['experts']:.3f} of the model's "
+          f"(1/({'·'.join(names)}) = {share:.3f})")
 
 
 def main() -> int:

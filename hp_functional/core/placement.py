@@ -151,15 +151,18 @@ def local_layout(
 
 
 # ---------------------------------------------------------------- packed parameters
-# A packed parameter (fused gate_up_proj / qkv_proj) is ``blocks`` sub-blocks along its one
-# sharded dim, each sharded separately: the local shard is the rank's slice of every block,
-# concatenated.  All of the block arithmetic lives here.
+# A packed parameter (fused gate_up_proj / qkv_proj) is ``blocks`` sub-blocks along its
+# innermost sharded dim, each sharded separately: the local shard is the rank's slice of every
+# block, concatenated.  Other axes may shard outer dims whole (experts over ``ep``, their fused
+# gate/up over ``tp``).  All of the block arithmetic lives here.
 def packed_dim(placements: Sequence[Placement], ndim: int, where: str) -> int:
-    """The tensor dim a packed parameter is sharded on (exactly one Shard placement)."""
+    """The tensor dim a packed parameter's blocks lie along: its innermost sharded dim, sharded
+    by exactly one axis."""
     dims = [p.dim % ndim for p in placements if isinstance(p, Shard)]
-    if len(dims) != 1:
-        raise PlanError(f"{where}: packed blocks need exactly one sharded dim, got {fmt_placements(placements)}")
-    return dims[0]
+    if not dims or dims.count(max(dims)) != 1:
+        raise PlanError(f"{where}: packed blocks need one axis sharding their dim (the innermost sharded one), "
+                        f"got {fmt_placements(placements)}")
+    return max(dims)
 
 
 def packed_layout(

@@ -18,6 +18,11 @@
    weights and summed per token in the original order; the tokens are gathered back
    (``gather_from``).
 
+``tp_axis`` adds TP inside every expert (HF's ``moe_tp_experts``): the fused ``gate_up_proj``
+``[E, 2I, H]`` is colwise over ``tp`` (dim 1, packed, so each rank holds matching gate and up
+rows), ``down_proj`` ``[E, H, I]`` rowwise (dim 2), and the experts' output leaves as partial
+sums reduced over ``tp`` once; expert memory is then ``1/(ep·tp)``.
+
 No token is dropped by default, so the result equals the unsharded layer.  ``capacity_factor=c``
 keeps at most ``ceil(c · T_local · k / E)`` assignments per expert from each rank (the first
 ones in token order; deterministic) and drops the rest — their expert term is zero, as in
@@ -28,12 +33,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..core import collectives as C
 from ..core.collectives import AxisGroup
@@ -126,17 +131,26 @@ class Experts(Style):
 
     capacity_factor: float | None = None
     on_drop: OnDrop | None = None
+    tp_axis: str | None = None
     axis: str | None = None  # None: the plan's ep_axis
     axis_role = "ep"
+
+    def on_mesh(self, names: tuple[str, ...]) -> Experts:
+        """Without TP inside the experts when the mesh has no ``tp_axis`` (``from_hf`` names it)."""
+        return self if self.tp_axis is None or self.tp_axis in names else replace(self, tp_axis=None)
 
     def local(self, module: nn.Module, fqn: str, axis: str) -> Local:
         """The ``Local`` this style is on ``module``."""
         names = expert_weights(module)
         fn = partial(dispatch_combine, axis=axis, fqn=fqn, capacity_factor=self.capacity_factor, on_drop=self.on_drop)
-        tokens_in = {i: Replicate() for i in range(3)}
-        return Local(fn, in_src=tokens_in, in_dst={i: Shard(0) for i in range(3)},
-                     out_src={"output": Shard(0)}, out_dst={"output": Replicate()},
-                     params={n: Shard(0) for n in names}, setup=partial(_localise, axis=axis), axis=axis)
+        tp = self.tp_axis
+        tokens, whole = {axis: Shard(0)}, {axis: Replicate()}
+        if tp is not None:
+            tokens, whole = {**tokens, tp: Replicate()}, {**whole, tp: Replicate()}
+        params = {n: {axis: Shard(0), **({tp: _TP_EXPERTS[_tp_role(n, fqn)]} if tp else {})} for n in names}
+        return Local(fn, in_src=dict.fromkeys(range(3), whole), in_dst=dict.fromkeys(range(3), tokens),
+                     out_src={"output": {axis: Shard(0), **({tp: Partial()} if tp else {})}},
+                     out_dst={"output": whole}, params=params, setup=partial(_localise, axis=axis), axis=axis)
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         if not expert_weights(module):
@@ -145,13 +159,31 @@ class Experts(Style):
                             f"num_experts attribute, as HF's fused experts); {type(module).__name__} has {own}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise PlanError(f"{fqn}: Experts capacity_factor must be positive, got {self.capacity_factor!r}")
-        return self.local(module, fqn, axis).spec(module, fqn, axis)
+        spec = self.local(module, fqn, axis).spec(module, fqn, axis)
+        if self.tp_axis is None:
+            return spec
+        packed = {n: 2 for n in expert_weights(module) if _tp_role(n, fqn) == "gate_up"}
+        return replace(spec, param_blocks=packed)
 
     def local_forward(self, module, forward, *, fqn, axis, axes):
         return self.local(module, fqn, axis).local_forward(module, forward, fqn=fqn, axis=axis, axes=axes)
 
     def __hash__(self) -> int:
-        return hash((self.capacity_factor, self.axis))
+        return hash((self.capacity_factor, self.tp_axis, self.axis))
+
+
+#: TP inside each expert (HF ``moe_tp_experts``): the fused gate/up colwise (packed: each rank
+#: holds matching gate and up rows), the down projection rowwise (partial sums over ``tp``).
+_TP_EXPERTS = {"gate_up": Shard(1), "down": Shard(2)}
+
+
+def _tp_role(name: str, fqn: str) -> str:
+    if name.endswith("gate_up_proj"):
+        return "gate_up"
+    if name.endswith("down_proj"):
+        return "down"
+    raise PlanError(f"{fqn}: TP inside experts shards gate_up_proj (colwise, packed) and down_proj (rowwise); "
+                    f"{name!r} is neither: plan Experts(tp_axis=None) for this module")
 
 
 #: Hugging Face ``ep_plan`` strings: the experts module's style, or a parameter the style shards.
@@ -160,12 +192,13 @@ _HF_EP = {"ep_dispatch_experts": "experts", "grouped_gemm": "parameter"}
 _SHARED = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 
 
-def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object]) -> dict[str, object]:
+def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object],
+                  tp_axis: str | None = None) -> dict[str, object]:
     """An HF MoE model's plan entries for ``from_hf(..., ep_axis=)``: its ``tp_plan`` entries that
     match a module (a family's plan names dense-MLP paths that an all-MoE config lacks), the
-    config's ``base_model_ep_plan`` experts as ``Experts()``, and TP on the shared experts'
-    projections.  Models without an ``ep_plan`` get ``Experts()`` on every module holding
-    stacked expert weights."""
+    config's ``base_model_ep_plan`` experts as ``Experts(tp_axis=tp_axis)`` (TP inside each
+    expert where the mesh has that axis), and TP on the shared experts' projections.  Models
+    without an ``ep_plan`` get the same ``Experts`` on every module holding stacked expert weights."""
     modules = dict(model.named_modules())
     entries = {p: s for p, s in tp_entries.items() if any(path_matches(p, m) for m in modules)}
     ep = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
@@ -175,13 +208,13 @@ def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object]) -> dict[st
         if style not in _HF_EP:
             raise PlanError(f"ep_plan entry {pattern!r}: style {style!r} is not supported (supported: {sorted(_HF_EP)})")
         if _HF_EP[style] == "experts":
-            entries[prefix + pattern] = Experts()
+            entries[prefix + pattern] = Experts(tp_axis=tp_axis)
     if not any(isinstance(s, Experts) for s in entries.values()):
         found = [n for n, m in modules.items() if n and expert_weights(m)]
         if not found:
             raise PlanError(f"ep_axis: {type(model).__name__} has no experts to shard (no base_model_ep_plan and no "
                             "module with stacked [num_experts, ...] weights)")
-        entries.update(dict.fromkeys(layer_patterns(found), Experts()))
+        entries.update(dict.fromkeys(layer_patterns(found), Experts(tp_axis=tp_axis)))
     shared = [n for n, m in modules.items() if n.rpartition(".")[2] in ("shared_expert", "shared_experts")
               and all(isinstance(getattr(m, c, None), nn.Linear) for c in _SHARED)]
     for pattern in layer_patterns(shared):

@@ -158,7 +158,7 @@ class ShardingPlan:
             has_prefix = prefix and hasattr(model, prefix)
             raw = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
         if ep_axis is not None:
-            raw = hf_ep_entries(model, raw)
+            raw = hf_ep_entries(model, raw, tp_axis)
         if not raw and cp_axis is None:
             raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)")
         if cp_axis is not None:
@@ -224,7 +224,7 @@ class ShardingPlan:
                 axis = self._axis(style, names)
                 if path == head:  # loss parallel: the head keeps its logits vocab-sharded
                     style = replace(style, gather_output=False, output_layout=Shard(-1))
-                out.append(Planned(path, module, style, axis, pattern))
+                out.append(Planned(path, module, style.on_mesh(tuple(names)), axis, pattern))
         return out
 
     def _root(self, vocab_axis: str | None) -> Planned | None:

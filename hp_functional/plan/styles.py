@@ -33,6 +33,10 @@ class Style:
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         raise NotImplementedError
 
+    def on_mesh(self, names: tuple[str, ...]) -> Style:
+        """This style on a mesh with axes ``names`` (a style naming optional axes drops the missing ones)."""
+        return self
+
     def local_forward(self, module: nn.Module, forward: Callable, *, fqn: str, axis: str,
                       axes: Mapping[str, AxisGroup]) -> Callable:
         """The forward to run on local shards, given the module's own ``forward``, its path, the

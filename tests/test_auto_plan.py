@@ -288,7 +288,7 @@ class WithUnknown(nn.Module):
 
 
 def test_moe_and_unknown_modules():
-    with pytest.raises(hpf.PlanError, match="moe .*mixture of experts.*expert parallelism is not supported yet"):
+    with pytest.raises(hpf.PlanError, match="moe .*mixture of experts.*auto_plan does not plan.*hpf.Experts"):
         hpf.simulate(look(WithMoE()), world_size=2)
     plan = hpf.simulate(look(WithMoE(), allow_uncovered=True), world_size=2)
     assert plan.coverage.replicated["moe.router.weight"].startswith("MoE")

@@ -3,7 +3,7 @@ the model's module types, its structure and one forward traced on a meta copy (`
 
 The roles, first match wins (``docs/auto-plan.md`` has the table and the reasons):
 
-1. MoE routers and experts — a ``PlanError`` (expert parallelism is not supported yet) unless
+1. MoE routers and experts — a ``PlanError`` (auto_plan does not plan experts: ``hpf.Experts``) unless
    ``allow_uncovered``, which leaves them replicated;
 2. the token embedding (``get_input_embeddings()``, else the ``nn.Embedding`` fed by the inputs)
    — ``VocabEmbedding``; other embeddings (positions, token types) stay replicated;
@@ -144,11 +144,12 @@ class _Generator:
                     found.append(block)
         if found and not self.allow:
             raise PlanError(f"auto_plan: {found[0]} ({type(self.modules[found[0]]).__name__}) looks like a mixture of "
-                            "experts (router/experts); expert parallelism is not supported yet (allow_uncovered=True "
-                            "leaves it replicated)")
+                            "experts (router/experts), which auto_plan does not plan: shard its experts with "
+                            "ShardingPlan.from_hf(model, ep_axis=...) or an hpf.Experts entry (docs/experts.md); "
+                            "allow_uncovered=True leaves it replicated")
         for path in found:
             self.entries[path] = NoParallel()
-            self.roles[path] = "MoE (replicated: expert parallelism is not supported yet)"
+            self.roles[path] = "MoE (replicated: auto_plan does not plan experts; see hpf.Experts)"
             self.notes.append(f"{path}: MoE left replicated")
         return found
 

@@ -182,7 +182,10 @@ def _console():
 
 
 def _plan_axes(plan) -> set[str]:
-    return {getattr(style, "axis", None) or plan.tp_axis for style in plan.entries.values()} | {plan.tp_axis}
+    """The mesh axes the plan acts on: its styles' own, ``tp_axis``, and its CP/EP axes."""
+    roles = {"tp": plan.tp_axis, "cp": getattr(plan, "cp_axis", None), "ep": getattr(plan, "ep_axis", None)}
+    named = {getattr(style, "axis", None) or roles.get(style.axis_role) for style in plan.entries.values()}
+    return {a for a in (*named, *roles.values()) if a}
 
 
 # ---------------------------------------------------------------- plan

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..core.collectives import mesh_device
 from ..core.errors import PlanMismatchError
 from ..core.program import Program
+from ..core.raw_collectives import mesh_device
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # object addresses differ per process, not per plan
 COMPONENTS = ("library", "mesh", "plan", "parameters", "values")

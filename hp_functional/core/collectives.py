@@ -7,8 +7,8 @@ this module, so higher-order and ``vmap(grad(...))`` work), a forward-mode ``jvp
 collective is linear: the tangent goes through the same forward op) and an explicit ``vmap``
 rule (the vmapped dim is moved to the front; dims given as non-negative indices shift by one).
 
-The raw communication uses ``torch.ops._c10d_functional`` so the forward is traceable by
-``torch.compile`` and works on any backend (gloo, nccl, hccl).  Under ``torch.compile`` each
+The raw communication (``core.raw_collectives``) uses ``torch.ops._c10d_functional`` so the
+forward is traceable by ``torch.compile`` and works on any backend (gloo, nccl, hccl).  Under ``torch.compile`` each
 collective runs as a twin Function without the ``jvp``/``vmap`` rules (Dynamo refuses a custom
 ``jvp``), with the same forward and backward, so ``torch.compile(apply_fn)`` is one graph.
 
@@ -66,7 +66,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_funcol = torch.ops._c10d_functional
+from .raw_collectives import (
+    Replicas,
+    check_perm,
+    raw_all_gather,
+    raw_all_reduce,
+    raw_all_to_all,
+    raw_all_to_all_v,
+    raw_ppermute,
+    raw_reduce_scatter,
+    raw_replica_sum,
+    raw_split,
+    ring,
+)
+
 _transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
@@ -115,127 +128,6 @@ class AxisGroup:
     def shift(self, x: Tensor, offset: int = 1) -> Tensor:
         """Ring step: rank ``i``'s ``x`` goes to rank ``(i + offset) % size``; backward ``shift(-offset)``."""
         return ppermute(x, ring(self.size, offset), self)
-
-
-# ---------------------------------------------------------------- raw (non-differentiable) ops
-def mesh_device(mesh) -> torch.device:
-    """The device this rank computes on for ``mesh``: its device type, the current accelerator index."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
-
-
-def raw_all_reduce(x: Tensor, g: AxisGroup) -> Tensor:
-    return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", g.group_name))
-
-
-def raw_all_gather(x: Tensor, dim: int, g: AxisGroup) -> Tensor:
-    """Concatenate every rank's ``x`` along ``dim``; contiguous, as a module's ``view`` of its input
-    may need (HF ``Conv1D``)."""
-    moved = x.movedim(dim, 0).contiguous()
-    out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(moved, g.size, g.group_name))
-    return out.movedim(0, dim).contiguous()
-
-
-def _check_divisible(x: Tensor, dim: int, g: AxisGroup, op: str) -> None:
-    """Raise (before communicating) rather than let the backend abort on an uneven split."""
-    if x.shape[dim] % g.size:
-        raise ValueError(f"{op} on mesh axis {g.axis!r}: dim {dim} of shape {tuple(x.shape)} is not divisible by {g.size}")
-
-
-def raw_reduce_scatter(x: Tensor, dim: int, g: AxisGroup) -> Tensor:
-    _check_divisible(x, dim, g, "reduce_scatter")
-    moved = x.movedim(dim, 0).contiguous()
-    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(moved, "sum", g.size, g.group_name))
-    return out.movedim(0, dim)
-
-
-def raw_split(x: Tensor, dim: int, g: AxisGroup) -> Tensor:
-    _check_divisible(x, dim, g, "split")
-    return x.chunk(g.size, dim)[g.rank].clone()
-
-
-def raw_all_to_all(x: Tensor, split_dim: int, concat_dim: int, g: AxisGroup) -> Tensor:
-    """Chunk ``split_dim`` into ``size`` pieces, send piece k to rank k, concat received on ``concat_dim``."""
-    _check_divisible(x, split_dim, g, "all_to_all")
-    nd = x.dim()
-    split_dim, concat_dim = split_dim % nd, concat_dim % nd
-    n = g.size
-    pieces = x.movedim(split_dim, 0)
-    pieces = pieces.reshape(n, pieces.shape[0] // n, *pieces.shape[1:]).contiguous()
-    flat = pieces.reshape(-1)
-    split = [flat.numel() // n] * n
-    got = _funcol.wait_tensor(_funcol.all_to_all_single(flat, split, split, g.group_name))
-    got = got.reshape(pieces.shape).movedim(1, split_dim + 1)  # (n, *x-shape with split_dim/n)
-    got = got.movedim(0, concat_dim)
-    return got.flatten(concat_dim, concat_dim + 1)
-
-
-def raw_all_to_all_v(x: Tensor, dim: int, send: tuple[int, ...], recv: tuple[int, ...], g: AxisGroup) -> Tensor:
-    """Variable-split all-to-all along ``dim``: the first ``send[0]`` slices go to rank 0, the
-    next ``send[1]`` to rank 1, ...; ``recv[k]`` slices arrive from rank k, concatenated in rank
-    order (MoE token dispatch: the split sizes are exchanged first, ``raw_all_to_all``)."""
-    moved = x.movedim(dim, 0)
-    if moved.shape[0] != sum(send) or len(send) != g.size or len(recv) != g.size:
-        raise ValueError(f"all_to_all_v on mesh axis {g.axis!r} (size {g.size}): send splits {list(send)} do not cover "
-                         f"dim {dim} of shape {tuple(x.shape)}, or a split list is not one entry per rank")
-    got = _funcol.wait_tensor(_funcol.all_to_all_single(moved.contiguous(), list(recv), list(send), g.group_name))
-    return got.movedim(0, dim)
-
-
-def ring(size: int, offset: int = 1) -> tuple[tuple[int, int], ...]:
-    """The permutation of a ring step: ``(i, (i + offset) % size)`` for every rank ``i``."""
-    return tuple((i, (i + offset) % size) for i in range(size))
-
-
-def check_perm(perm: Sequence[tuple[int, int]], g: AxisGroup) -> tuple[tuple[int, int], ...]:
-    """``perm`` as a tuple of (src, dst) pairs; a ValueError (before communicating) unless every
-    index is a rank of the axis and no rank sends or receives twice (JAX's ``ppermute`` rule)."""
-    pairs = tuple((int(s), int(d)) for s, d in perm)
-    ranks = [r for pair in pairs for r in pair]
-    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
-    if any(not 0 <= r < g.size for r in ranks) or len(set(srcs)) < len(srcs) or len(set(dsts)) < len(dsts):
-        raise ValueError(f"ppermute on mesh axis {g.axis!r} (size {g.size}): {list(pairs)} is not a partial "
-                         "permutation of its ranks (each rank sends at most once and receives at most once)")
-    return pairs
-
-
-def start_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: AxisGroup) -> Callable[[], Tensor]:
-    """Issue ``raw_ppermute`` and return its wait: compute placed between the two overlaps the
-    transfer where the backend runs it asynchronously (ring attention's next K/V block)."""
-    send = {s: d for s, d in perm}.get(g.rank)
-    recv = {d: s for s, d in perm}.get(g.rank)
-    flat = x.contiguous().reshape(-1)
-    n = flat.numel()
-    out_splits = [n if k == recv else 0 for k in range(g.size)]
-    in_splits = [n if k == send else 0 for k in range(g.size)]
-    work = _funcol.all_to_all_single(flat if send is not None else flat[:0], out_splits, in_splits, g.group_name)
-
-    def wait() -> Tensor:
-        got = _funcol.wait_tensor(work)
-        return got.reshape(x.shape) if recv is not None else torch.zeros_like(x)
-
-    return wait
-
-
-def raw_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: AxisGroup) -> Tensor:
-    """Send ``x`` from each pair's src to its dst; a rank that receives nothing gets zeros.  One
-    ``all_to_all_single`` with empty splits to everyone else (traceable on every backend)."""
-    return start_ppermute(x, perm, g)()
-
-
-class Replicas(NamedTuple):
-    """Groups of ``size`` consecutive ranks of an axis holding the same value (a ``GroupedShard``)."""
-
-    size: int
-
-
-def raw_replica_sum(x: Tensor, replicas: Replicas, g: AxisGroup) -> Tensor:
-    """The sum of ``x`` over this rank's group of ``replicas.size`` consecutive ranks: one
-    all-reduce of a buffer with a slot per group, each rank writing its own group's slot."""
-    slots = x.new_zeros((g.size // replicas.size, *x.shape))
-    slots[g.rank // replicas.size] = x
-    return raw_all_reduce(slots, g)[g.rank // replicas.size]
 
 
 def _identity(x: Tensor, g: AxisGroup) -> Tensor:

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import Replicate
 
-from .collectives import mesh_device
 from .errors import PlanError, ShapeError
 from .placement import Box, ShardInfo, boxes, fmt_placements
+from .raw_collectives import mesh_device
 
 
 def _mesh_groups(mesh):

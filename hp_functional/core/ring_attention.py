@@ -36,6 +36,7 @@ from . import collectives as C
 from .collectives import AxisGroup
 from .cp_layout import cp_positions, cp_ranges
 from .errors import PlanError
+from .raw_collectives import start_ppermute
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -105,7 +106,7 @@ class RingAttention(torch.autograd.Function):
         held = torch.stack([k, v])
         out = lse = None
         for step in range(group.size):
-            wait = C.start_ppermute(held, C.ring(group.size), group) if step < group.size - 1 else None
+            wait = start_ppermute(held, C.ring(group.size), group) if step < group.size - 1 else None
             skip, mask = ring.block(step)
             if not skip:
                 kb, vb = _expand(held[0].to(dtype), groups), _expand(held[1].to(dtype), groups)

@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from ..core.collectives import mesh_device
 from ..core.errors import CheckpointError, PlanError, ShapeError
 from ..core.placement import Box, ShardInfo, boxes
+from ..core.raw_collectives import mesh_device
 from .optim import state_info
 
 MARKER = "hpf_complete.json"  # written last, by rank 0: a directory without it is not a checkpoint

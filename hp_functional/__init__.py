@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .core.program import Program
     from .plan.auto import auto_plan
     from .plan.context import ContextParallel
-    from .plan.experts import Experts
+    from .plan.experts import Experts, expert_mesh
     from .plan.local import Local
     from .plan.plan import ShardingPlan
     from .plan.recipes import llama_sp_plan, megatron_plan
@@ -88,6 +88,7 @@ _LAZY: dict[str, str] = {
     "auto_plan": ".plan.auto",
     "ContextParallel": ".plan.context",
     "Experts": ".plan.experts",
+    "expert_mesh": ".plan.experts",
     "llama_sp_plan": ".plan.recipes",
     "megatron_plan": ".plan.recipes",
     "Colwise": ".plan.styles",
@@ -177,6 +178,7 @@ __all__ = [
     "cp_shard",
     "cp_unshard",
     "default_handlers",
+    "expert_mesh",
     "explain",
     "export_hf",
     "from_pretrained",

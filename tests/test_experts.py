@@ -17,7 +17,7 @@ from torch.func import grad_and_value
 import hp_functional as hpf
 from hp_functional.core.placement import slice_local
 from tests.conftest import get_pool
-from tests.helpers import assert_close, assert_errors, mesh, plan_errors, world
+from tests.helpers import assert_close, assert_errors, mesh, plan_errors, rank, world
 from tests.snapshot import assert_unchanged, snapshot
 
 LAYERS = 2
@@ -276,4 +276,51 @@ def case_dp_ep(state):
 def test_dp_times_ep_and_fsdp():
     results = get_pool(4).run(case_dp_ep, make_moe_state("mixtral"))
     assert_errors([r[1] for r in results], {"fsdp reshard": "output_router_logits", "checkpoint": "output_router_logits"})
+    print(results[0][0])
+
+
+def case_ep_shares_dp(state):
+    """ep sharing ranks with dp: the 4 dp ranks as an expert mesh (edp 2, ep 2), every rank routing
+    its own quarter of the batch (``tokens="local"``).  Expert gradients arrive summed over ep
+    (``ShardInfo.summed``); ``reduce_gradients`` over ep then edp (or ``hpf.fsdp`` over edp, then
+    over ep) equals the unsharded mean over the four batches, with ``.backward()`` and
+    ``torch.func.grad``.  A plan whose ep ranks share their tokens refuses ep as a data axis."""
+    model = build_moe("mixtral", state)
+    dense = mesh((4,), ("dp",))
+    m = hpf.expert_mesh(dense, ep=2)
+    assert m["ep"].mesh.tolist() == [0, 1] if rank() < 2 else [2, 3]  # ep groups: consecutive ranks
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep", ep_tokens="local"), m)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert info[key].summed == ("ep",) and not info["model.embed_tokens.weight"].summed
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(7))
+    parts = ids.chunk(4)
+    (sum(model(input_ids=h, labels=h).loss for h in parts) / 4).backward()
+    rows = parts[rank()]
+    worst = {}
+    for functional in (False, True):
+        if functional:
+            grads = torch.func.grad(lambda p: apply_fn(p, input_ids=rows, labels=rows).loss)(params)
+        else:
+            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            apply_fn(leaves, input_ids=rows, labels=rows).loss.backward()
+            grads = {k: v.grad for k, v in leaves.items()}
+        mean = hpf.reduce_gradients(hpf.reduce_gradients(grads, info, m, axis="ep"), info, m, axis="edp")
+        full = hpf.unshard(mean, info)
+        worst[f"grads {functional}"] = max(assert_close(full[k], p.grad, k) for k, p in model.named_parameters())
+    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, axis="edp", reshard_after_forward=False)
+    f_grads = torch.func.grad(lambda p: f_apply(p, input_ids=rows, labels=rows).loss)(f_params)
+    full = hpf.unshard(hpf.reduce_gradients(f_grads, f_info, m, axis="ep"), f_info)
+    worst["fsdp"] = max(assert_close(full[k], p.grad, f"fsdp {k}") for k, p in model.named_parameters())
+    _, _, shared = hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m)
+    errors = plan_errors({"shared tokens": lambda: hpf.reduce_gradients(grads, shared, m, axis="ep"),
+                          "tokens": lambda: hpf.shard(model, hpf.ShardingPlan(
+                              {"model.layers.*.mlp.experts": hpf.Experts(tokens="mine")}, ep_axis="ep"), m),
+                          "ep divides": lambda: hpf.expert_mesh(dense, ep=3)})
+    return worst, errors
+
+
+def test_ep_shares_ranks_with_dp():
+    results = get_pool(4).run(case_ep_shares_dp, make_moe_state("mixtral"))
+    assert_errors([r[1] for r in results], {"shared tokens": "experts.gate_up_proj", "tokens": "tokens must be one of",
+                                            "ep divides": "ep=3 must divide axis 'dp'"})
     print(results[0][0])

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from ..core.errors import PlanError
-from ..core.placement import ShardInfo, fmt_placements, local_layout, mesh_placements, packed_layout
+from ..core.placement import ShardInfo, fmt_placements, local_layout, mesh_placements, packed_layout, splits
 from ..plan.plan import ShardingPlan
 from ..plan.styles import ModuleSpec
 
@@ -43,6 +43,7 @@ class _Choice:
     placements: tuple[Placement, ...]
     by: str  # the FQN whose module decided it (for the tied-conflict message)
     blocks: int | tuple[int, ...] | None
+    summed: tuple[str, ...] = ()
 
 
 def tied_leaves(model: nn.Module) -> tuple[dict[str, str], dict[str, Owner]]:
@@ -79,6 +80,7 @@ def place_parameters(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, spe
     for name, leaf in leaf_of.items():
         found = declared(name, owners[name], specs)
         per_axis, blocks = (found[0].params.get(found[1], {}), found[0].param_blocks.get(found[1])) if found else ({}, None)
+        summed = tuple(a for a in found[0].summed_axes if splits(per_axis.get(a))) if found else ()
         if name in rules:
             per_axis, blocks = {plan.tp_axis: rules[name].placement}, rules[name].blocks
         placements = mesh_placements(per_axis, mesh, f"parameter {name}")
@@ -87,7 +89,7 @@ def place_parameters(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, spe
                 f"tied parameters {chosen[leaf].by} and {name} get conflicting placements "
                 f"{fmt_placements(chosen[leaf].placements)} vs {fmt_placements(placements)}; give both modules the same layout"
             )
-        chosen.setdefault(leaf, _Choice(placements, name, blocks))
+        chosen.setdefault(leaf, _Choice(placements, name, blocks, summed))
     aliases: dict[str, list[str]] = {}
     for name, leaf in leaf_of.items():
         if name != leaf:
@@ -100,5 +102,6 @@ def place_parameters(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, spe
         if choice.blocks:
             sizes, offset = packed_layout(leaf, shape, choice.placements, local_shape, offset, choice.blocks,
                                           mesh.mesh_dim_names)
-        infos[leaf] = ShardInfo(choice.placements, mesh, shape, local_shape, offset, tuple(aliases.get(leaf, ())), sizes)
+        infos[leaf] = ShardInfo(choice.placements, mesh, shape, local_shape, offset, tuple(aliases.get(leaf, ())), sizes,
+                                summed=choice.summed)
     return Placed(infos, leaf_of, owners)

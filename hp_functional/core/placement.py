@@ -65,6 +65,8 @@ class ShardInfo:
     # each sharded separately (the local shard is the rank's slice of every block, concatenated;
     # ``offset`` then locates the slice of the first block)
     split: RowSplit | None = None  # functional FSDP: dim 0 of ``split.inner``'s local shard chunked over an axis
+    summed: tuple[str, ...] = ()  # sharded axes whose ranks each feed their own data through this leaf (experts
+    # when ``ep`` shares ranks with ``dp``): its gradient arrives already summed over them
 
     @property
     def axes(self) -> dict[str, Placement]:

@@ -23,6 +23,13 @@
 rows), ``down_proj`` ``[E, H, I]`` rowwise (dim 2), and the experts' output leaves as partial
 sums reduced over ``tp`` once; expert memory is then ``1/(ep·tp)``.
 
+``tokens="local"``: ``ep`` shares ranks with ``dp`` (the expert mesh ``(edp, ep)``, see
+``expert_mesh``): every ep rank holds its own tokens (its slice of the batch), so step 1 and the
+final gather are skipped and each rank routes all of its tokens.  The dense gradients are then
+per-rank shares as under any DP, while an expert's gradient gathers every ep rank's tokens, so
+it arrives summed over ``ep`` (``ShardInfo.summed``); ``reduce_gradients(..., axis="ep")``
+averages the dense leaves and divides the expert leaves without a collective.
+
 No token is dropped by default, so the result equals the unsharded layer.  ``capacity_factor=c``
 keeps at most ``ceil(c · T_local · k / E)`` assignments per expert from each rank (the first
 ones in token order; deterministic) and drops the rest — their expert term is zero, as in
@@ -38,6 +45,7 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..core import collectives as C
@@ -46,6 +54,8 @@ from ..core.errors import PlanError
 from .local import Local
 from .styles import ModuleSpec, Style, layer_patterns, path_matches
 
+#: ``Experts(tokens=)``: the ep ranks hold the same tokens (split among them), or each its own.
+TOKENS = ("replicated", "local")
 #: ``on_drop(fqn, count)``: the assignments a capacity factor dropped on this rank in one call.
 OnDrop = Callable[[str, Tensor], None]
 
@@ -133,6 +143,7 @@ class Experts(Style):
     on_drop: OnDrop | None = None
     tp_axis: str | None = None
     axis: str | None = None  # None: the plan's ep_axis
+    tokens: str = "replicated"  # or "local": ep shares ranks with dp (module docstring)
     axis_role = "ep"
 
     def on_mesh(self, names: tuple[str, ...]) -> Experts:
@@ -144,12 +155,13 @@ class Experts(Style):
         names = expert_weights(module)
         fn = partial(dispatch_combine, axis=axis, fqn=fqn, capacity_factor=self.capacity_factor, on_drop=self.on_drop)
         tp = self.tp_axis
-        tokens, whole = {axis: Shard(0)}, {axis: Replicate()}
+        whole = {axis: Replicate()}
+        tokens = whole if self.tokens == "local" else {axis: Shard(0)}
         if tp is not None:
             tokens, whole = {**tokens, tp: Replicate()}, {**whole, tp: Replicate()}
         params = {n: {axis: Shard(0), **({tp: _TP_EXPERTS[_tp_role(n, fqn)]} if tp else {})} for n in names}
         return Local(fn, in_src=dict.fromkeys(range(3), whole), in_dst=dict.fromkeys(range(3), tokens),
-                     out_src={"output": {axis: Shard(0), **({tp: Partial()} if tp else {})}},
+                     out_src={"output": {**tokens, **({tp: Partial()} if tp else {})}},
                      out_dst={"output": whole}, params=params, setup=partial(_localise, axis=axis), axis=axis)
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
@@ -159,7 +171,11 @@ class Experts(Style):
                             f"num_experts attribute, as HF's fused experts); {type(module).__name__} has {own}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise PlanError(f"{fqn}: Experts capacity_factor must be positive, got {self.capacity_factor!r}")
+        if self.tokens not in TOKENS:
+            raise PlanError(f"{fqn}: Experts tokens must be one of {list(TOKENS)}, got {self.tokens!r}")
         spec = self.local(module, fqn, axis).spec(module, fqn, axis)
+        if self.tokens == "local":  # ep is a data axis here: per-rank compute, no reduction at the entry
+            spec = replace(spec, varying=False, region=None, summed_axes=(axis,))
         if self.tp_axis is None:
             return spec
         packed = {n: 2 for n in expert_weights(module) if _tp_role(n, fqn) == "gate_up"}
@@ -169,7 +185,7 @@ class Experts(Style):
         return self.local(module, fqn, axis).local_forward(module, forward, fqn=fqn, axis=axis, axes=axes)
 
     def __hash__(self) -> int:
-        return hash((self.capacity_factor, self.tp_axis, self.axis))
+        return hash((self.capacity_factor, self.tp_axis, self.axis, self.tokens))
 
 
 #: TP inside each expert (HF ``moe_tp_experts``): the fused gate/up colwise (packed: each rank
@@ -193,10 +209,10 @@ _SHARED = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 
 
 def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object],
-                  tp_axis: str | None = None) -> dict[str, object]:
+                  tp_axis: str | None = None, tokens: str = "replicated") -> dict[str, object]:
     """An HF MoE model's plan entries for ``from_hf(..., ep_axis=)``: its ``tp_plan`` entries that
     match a module (a family's plan names dense-MLP paths that an all-MoE config lacks), the
-    config's ``base_model_ep_plan`` experts as ``Experts(tp_axis=tp_axis)`` (TP inside each
+    config's ``base_model_ep_plan`` experts as ``Experts(tp_axis=tp_axis, tokens=tokens)`` (TP inside each
     expert where the mesh has that axis), and TP on the shared experts' projections.  Models
     without an ``ep_plan`` get the same ``Experts`` on every module holding stacked expert weights."""
     modules = dict(model.named_modules())
@@ -208,15 +224,36 @@ def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object],
         if style not in _HF_EP:
             raise PlanError(f"ep_plan entry {pattern!r}: style {style!r} is not supported (supported: {sorted(_HF_EP)})")
         if _HF_EP[style] == "experts":
-            entries[prefix + pattern] = Experts(tp_axis=tp_axis)
+            entries[prefix + pattern] = Experts(tp_axis=tp_axis, tokens=tokens)
     if not any(isinstance(s, Experts) for s in entries.values()):
         found = [n for n, m in modules.items() if n and expert_weights(m)]
         if not found:
             raise PlanError(f"ep_axis: {type(model).__name__} has no experts to shard (no base_model_ep_plan and no "
                             "module with stacked [num_experts, ...] weights)")
-        entries.update(dict.fromkeys(layer_patterns(found), Experts(tp_axis=tp_axis)))
+        entries.update(dict.fromkeys(layer_patterns(found), Experts(tp_axis=tp_axis, tokens=tokens)))
     shared = [n for n, m in modules.items() if n.rpartition(".")[2] in ("shared_expert", "shared_experts")
               and all(isinstance(getattr(m, c, None), nn.Linear) for c in _SHARED)]
     for pattern in layer_patterns(shared):
         entries.update({f"{pattern}.{child}": style for child, style in _SHARED.items()})
     return entries
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int, *, dp_axis: str = "dp", names: tuple[str, str] = ("edp", "ep")) -> DeviceMesh:
+    """``mesh`` over the same ranks with ``dp_axis`` (size ``D``) split into ``(edp, ep)`` of sizes
+    ``(D / ep, ep)``, ep innermost so each ep group is consecutive ranks of the dp axis; the other
+    axes stay.  For ``Experts(tokens="local")``: the batch is still split over all ``D`` ranks.
+    A collective (new process groups): call on every rank.
+
+    >>> m = hpf.expert_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), ep=2)  # ("edp", "ep") = (2, 2)
+    """
+    dims = mesh.mesh_dim_names or ()
+    if dp_axis not in dims:
+        raise PlanError(f"expert_mesh: axis {dp_axis!r} is not in the mesh (axes: {list(dims)})")
+    i, size = dims.index(dp_axis), mesh.size(dims.index(dp_axis))
+    if not (isinstance(ep, int) and ep > 0 and size % ep == 0):
+        raise PlanError(f"expert_mesh: ep={ep!r} must divide axis {dp_axis!r} of size {size}")
+    clash = set(names) & (set(dims) - {dp_axis})
+    if clash or len(set(names)) != 2:
+        raise PlanError(f"expert_mesh: names {names!r} must be two new axis names (mesh axes: {list(dims)})")
+    shape = (*mesh.mesh.shape[:i], size // ep, ep, *mesh.mesh.shape[i + 1:])
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=(*dims[:i], *names, *dims[i + 1:]))

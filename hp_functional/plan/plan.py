@@ -143,14 +143,16 @@ class ShardingPlan:
 
     @classmethod
     def from_hf(cls, model: nn.Module, tp_axis: str = "tp", *, loss_parallel: bool = False, cp_axis: str | None = None,
-                cp_strategy: str = "ring", cp_layout: str = "zigzag", ep_axis: str | None = None) -> ShardingPlan:
+                cp_strategy: str = "ring", cp_layout: str = "zigzag", ep_axis: str | None = None,
+                ep_tokens: str = "replicated") -> ShardingPlan:
         """The plan a Hugging Face model declares (``model._tp_plan``, else the config's
         ``base_model_tp_plan`` under ``base_model_prefix``).  An unsupported HF style raises
         naming the style and the module pattern.  ``cp_axis``: context parallelism too, with
         ``ContextParallel(cp_strategy)`` on every attention module; then the TP entries apply
         only when the mesh has ``tp_axis``.  ``ep_axis``: expert parallelism too, from the config's
         ``base_model_ep_plan`` (``plan.experts.hf_ep_entries``: ``Experts`` on the routed experts,
-        TP on shared experts); the TP entries again apply only when the mesh has ``tp_axis``."""
+        TP on shared experts); the TP entries again apply only when the mesh has ``tp_axis``;
+        ``ep_tokens="local"`` when ``ep`` shares ranks with ``dp`` (``Experts(tokens=)``)."""
         raw = dict(getattr(model, "_tp_plan", None) or {})
         if not raw:
             base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
@@ -158,7 +160,7 @@ class ShardingPlan:
             has_prefix = prefix and hasattr(model, prefix)
             raw = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
         if ep_axis is not None:
-            raw = hf_ep_entries(model, raw, tp_axis)
+            raw = hf_ep_entries(model, raw, tp_axis, ep_tokens)
         if not raw and cp_axis is None:
             raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)")
         if cp_axis is not None:

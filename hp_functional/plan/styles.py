@@ -68,6 +68,9 @@ class ModuleSpec(Style):
     and takes a Replicate input (``compile.regions``).  ``Local`` entries are regions.
     ``param_blocks``: packed parameters (fused ``gate_up_proj``/``qkv_proj``): a number of equal
     sub-blocks, or their sizes, along the sharded dim; each block is sharded separately.
+    ``summed_axes``: axes on which every rank feeds its own data through this module's sharded
+    parameters (experts when ``ep`` shares ranks with ``dp``); their gradients arrive summed over
+    the axis, recorded as ``ShardInfo.summed`` for ``reduce_gradients``.
     """
 
     params: Mapping[str, AxisPlacements] = field(default_factory=dict)
@@ -81,6 +84,7 @@ class ModuleSpec(Style):
     param_blocks: Mapping[str, int | tuple[int, ...]] = field(default_factory=dict)
     region: bool | None = None
     set_attrs: Mapping[str, int] = field(default_factory=dict)
+    summed_axes: tuple[str, ...] = ()
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         """A ModuleSpec in a plan is used as written."""

@@ -5,7 +5,10 @@ slice of the batch; their mean over the axis is the full-batch gradient.  On slo
 backends (gloo: ~1-2 ms per collective whatever its size) the number of collectives decides the
 step time, so leaves are flattened into buckets of at most ``bucket_bytes`` per (device, dtype)
 and each bucket is one all-reduce; all buckets are issued before the first wait, so a backend
-that overlaps them can.  Leaves *sharded* on ``axis`` belong to ``hpf.fsdp`` (reduce-scatter).
+that overlaps them can.  Leaves *sharded* on ``axis`` belong to ``hpf.fsdp`` (reduce-scatter),
+except those whose gradient already arrives summed over it (``ShardInfo.summed``: experts when
+``ep`` shares ranks with ``dp``, every ep rank routing its own tokens): no collective, and
+``"mean"`` divides them by the axis size like the rest.
 """
 
 from __future__ import annotations
@@ -65,14 +68,19 @@ def reduce_gradients(
     if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
         raise ValueError(f"reduce_gradients: bucket_bytes must be a positive int, got {bucket_bytes!r}")
     leaves = check_grads(grads, shard_info, "reduce_gradients")
-    for name, _, info in leaves:
+    summed = {}
+    for name, g, info in leaves:
         p = info.axes.get(axis)
-        if p is not None and is_shard(p):
-            raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r} (FSDP): its gradients are "
-                            "reduce-scattered by hpf.fsdp, not all-reduced")
+        if p is not None and is_shard(p) and axis in info.summed:
+            summed[name] = g
+        elif p is not None and is_shard(p):
+            how = ("reduce-scattered by hpf.fsdp, not all-reduced" if info.split is not None and info.split.axis == axis
+                   else f"not per-rank data-parallel shares (only experts with tokens='local' take {axis!r} as a data axis)")
+            raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r}: its gradients are {how}")
     group = AxisGroup.from_mesh(mesh, axis)
-    present = {name: g for name, g, _ in leaves}
+    present = {name: g for name, g, _ in leaves if name not in summed}
     out: dict[str, Tensor | None] = dict.fromkeys(grads)
+    out.update({k: g / group.size if op == "mean" else g.clone() for k, g in summed.items()})
     if group.size == 1:
         out.update({k: g.clone() for k, g in present.items()})
         return out

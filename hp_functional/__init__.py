@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .runtime.pretrained import from_pretrained
     from .runtime.shard import shard
     from .tools.explain import Explanation, Memory, Schedule, explain
+    from .tools.explain_stage import StageExplanation, explain_stage
     from .tools.record import ScheduleRow
     from .tools.simulate import simulate
     from .tools.validate import validate
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from .train.export import export_hf
     from .train.fsdp import fsdp
     from .train.module import as_module
+    from .train.pipeline import Stage, pipeline_split, shard_stage, stage_module, sum_tied
 
 #: public name -> the submodule (relative to this package) that defines it.
 _LAZY: dict[str, str] = {
@@ -119,6 +121,13 @@ _LAZY: dict[str, str] = {
     "reduce_gradients": ".train.data_parallel",
     "fsdp": ".train.fsdp",
     "as_module": ".train.module",
+    "explain_stage": ".tools.explain_stage",
+    "StageExplanation": ".tools.explain_stage",
+    "Stage": ".train.pipeline",
+    "pipeline_split": ".train.pipeline",
+    "shard_stage": ".train.pipeline",
+    "stage_module": ".train.pipeline",
+    "sum_tied": ".train.pipeline",
     "Explanation": ".tools.explain",
     "Memory": ".tools.explain",
     "Schedule": ".tools.explain",
@@ -158,13 +167,15 @@ __all__ = [
     "Program",
     "ReplicationError",
     "Rowwise",
-    "Schedule",
     "SaveHandle",
+    "Schedule",
     "ScheduleRow",
     "SequenceParallel",
     "ShapeError",
     "ShardInfo",
     "ShardingPlan",
+    "Stage",
+    "StageExplanation",
     "Style",
     "ValidationError",
     "ValidationReport",
@@ -180,21 +191,26 @@ __all__ = [
     "default_handlers",
     "expert_mesh",
     "explain",
+    "explain_stage",
     "export_hf",
     "from_pretrained",
     "fsdp",
     "init_weights",
     "latest",
     "lint",
-    "load",
     "llama_sp_plan",
+    "load",
     "megatron_plan",
     "optim",
+    "pipeline_split",
     "reduce_gradients",
     "save",
     "shard",
+    "shard_stage",
     "simulate",
     "slice_local",
+    "stage_module",
+    "sum_tied",
     "to_dtensor",
     "unshard",
     "validate",

@@ -1,0 +1,286 @@
+"""Pipeline stages: a model split into stages, each sharded by ``shard()`` on its own ranks.
+
+``pipeline_split(model, n)`` reads where a Hugging Face model may be cut (the config's
+``base_model_pp_plan``: the embedding, the decoder ``ModuleList``, the final norm; the head's
+``_pp_plan``) and returns ``n`` ``Stage`` descriptions: the first runs the embedding and its
+layers, the middle ones layers only, the last its layers, the norm and the head.
+``shard_stage(model, stage, plan, mesh)`` shards that stage over the mesh's axes other than
+``pp``.  It neither mutates nor copies the model: the stage's *view* (``stage_view``) is a new
+module tree that shares the model's modules along the stage's paths, its decoder list holding
+only the stage's layers under their global indices and the modules the stage does not run
+replaced by ``nn.Identity``; ``shard()`` then builds its skeleton from the view, so only the
+stage's blocks are copied (as meta placeholders) and only its parameters sliced or read from
+``weights=``.  FQNs stay the full model's, so every stage's checkpoint together is the model.
+
+A stage runs the model's own forward: later stages receive ``inputs_embeds`` (so the embedding
+is skipped), earlier ones return the hidden states (their norm and head are identities).
+``stage_module`` gives the ``nn.Module`` that ``torch.distributed.pipelining.PipelineStage``
+wraps, so torch's schedules (GPipe, 1F1B, ...) drive it.  Parameters tied across stages (the
+input embedding and the output head) are held by both end stages when the split declares
+``embedding_group=True``, and ``sum_tied`` adds their two gradients (Megatron's embedding group).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.errors import PlanError
+from ..core.placement import ShardInfo
+from ..plan.plan import ShardingPlan
+from ..plan.styles import path_matches
+from ..runtime.shard import shard
+from .module import FunctionalModule
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage of a split (``pipeline_split``): rank-independent, the same on every rank.
+
+    ``layers``: global indices of the decoder layers it runs, under ``layers_path``; ``before`` /
+    ``after``: the modules run before the layers (first stage) and after them (last stage);
+    ``held``: modules it holds but never runs (the tied embedding on the last stage); ``tied``:
+    the parameter FQNs another stage holds too, whose gradients ``sum_tied`` adds."""
+
+    index: int
+    num_stages: int
+    layers_path: str
+    layers: tuple[int, ...]
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    held: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()  # the split's modules this stage neither runs nor holds: identities in its view
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def _pp_plan(model: nn.Module) -> list[str]:
+    """The model's split points as module paths in module order: HF merges the base model's
+    ``base_model_pp_plan`` (under its prefix) and the head's into the instance's ``_pp_plan``."""
+    plan = dict(getattr(model, "_pp_plan", None) or {})
+    if not plan:
+        base = dict(getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {})
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = {(f"{prefix}.{p}" if prefix and hasattr(model, prefix) else p): v for p, v in base.items()}
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(plan, key=lambda p: order.get(p, len(order)))
+
+
+def pipeline_split(model: nn.Module, num_stages: int, *, layers: Sequence[int] | None = None,
+                   plan: Sequence[str] | None = None, embedding_group: bool = False) -> list[Stage]:
+    """``num_stages`` stage descriptions of ``model`` (see the module docstring).
+
+    ``layers``: decoder layers per stage (default: as even as possible, the earlier stages one more);
+    ``plan``: the split points as module paths in order (default: the HF model's ``pp_plan``;
+    exactly one must be the decoder ``ModuleList``); ``embedding_group``: allow a split that puts
+    tied parameters on different stages (both hold them; ``sum_tied`` adds their gradients).
+    Raises ``PlanError`` for more stages than layers, a bad ``layers`` list, or tied parameters
+    across stages without ``embedding_group``.
+
+    >>> stages = hpf.pipeline_split(model, 2)        # Llama: [embed, layers 0-1] / [layers 2-3, norm, lm_head]
+    """
+    points = list(plan) if plan is not None else _pp_plan(model)
+    if not points:
+        raise PlanError(f"pipeline_split: {type(model).__name__} declares no pp_plan (config.base_model_pp_plan); "
+                        "pass plan=[module paths in order]")
+    modules = dict(model.named_modules())
+    missing = [p for p in points if p not in modules]
+    if missing:
+        raise PlanError(f"pipeline_split: split point {missing[0]!r} is not a module of {type(model).__name__}")
+    lists = [p for p in points if isinstance(modules[p], nn.ModuleList)]
+    if len(lists) != 1:
+        raise PlanError(f"pipeline_split: exactly one split point must be the decoder ModuleList, got {lists}")
+    path = lists[0]
+    total = len(modules[path])
+    if not (isinstance(num_stages, int) and 1 <= num_stages <= total):
+        raise PlanError(f"pipeline_split: num_stages={num_stages!r} must be between 1 and the {total} layers of {path!r}")
+    counts = list(layers) if layers is not None else [total // num_stages + (i < total % num_stages)
+                                                       for i in range(num_stages)]
+    if len(counts) != num_stages or sum(counts) != total or min(counts) < 1:
+        raise PlanError(f"pipeline_split: layers={counts} must give each of the {num_stages} stages at least one of "
+                        f"the {total} layers of {path!r}")
+    at = points.index(path)
+    before, after = tuple(points[:at]), tuple(points[at + 1:])
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    stages = [Stage(i, num_stages, path, tuple(range(s, s + c)), before if i == 0 else (),
+                    after if i == num_stages - 1 else ()) for i, (s, c) in enumerate(zip(starts, counts, strict=True))]
+    return _tie(model, stages, embedding_group)
+
+
+def _runs(stage: Stage) -> list[str]:
+    return [*stage.before, *(f"{stage.layers_path}.{i}" for i in stage.layers), *stage.after]
+
+
+def _tie(model: nn.Module, stages: list[Stage], embedding_group: bool) -> list[Stage]:
+    """The stages with ``held``/``tied``/``dropped`` set: a parameter used by modules of two
+    stages is held by both under its first FQN (the model's leaf key)."""
+    first_fqn: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first_fqn.setdefault(id(p), name)
+    users: dict[str, set[int]] = {}  # leaf key -> stages whose modules use it
+    for s in stages:
+        for path in _runs(s):
+            for _, p in model.get_submodule(path).named_parameters(remove_duplicate=False):
+                users.setdefault(first_fqn[id(p)], set()).add(s.index)
+    shared = {k: v for k, v in users.items() if len(v) > 1}
+    if shared and not embedding_group:
+        k, on = next(iter(shared.items()))
+        raise PlanError(f"pipeline_split: parameter {k!r} is tied across stages {sorted(on)}; pass "
+                        "embedding_group=True to hold it on each of them and sum its gradients (hpf.sum_tied)")
+    splits = [*stages[0].before, *stages[-1].after]
+    out = []
+    for s in stages:
+        tied = tuple(k for k, on in shared.items() if s.index in on)
+        held = tuple(dict.fromkeys(k.rpartition(".")[0] for k in tied if not any(
+            k.startswith(f"{path}.") for path in _runs(s))))
+        bad = [h for h in held if h not in stages[0].before]
+        if bad:
+            raise PlanError(f"pipeline_split: stage {s.index} would hold {bad[0]!r} (tied) without running it; only "
+                            "the input embedding, which later stages skip, can be held so")
+        dropped = tuple(p for p in splits if p not in _runs(s) and p not in held)
+        out.append(Stage(s.index, s.num_stages, s.layers_path, s.layers, s.before, s.after, held, tied, dropped))
+    return out
+
+
+class StageLayers(nn.Module):
+    """A stage's decoder layers under their global indices (``model.layers.5``): iterates, slices
+    and has a length like the model's ``ModuleList``; an int index is the global one."""
+
+    def __init__(self, layers: Mapping[int, nn.Module]):
+        super().__init__()
+        for i, layer in layers.items():
+            self.add_module(str(i), layer)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, idx: int | slice):
+        return list(self)[idx] if isinstance(idx, slice) else self._modules[str(idx)]
+
+
+def _replaced(module: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:
+    """``module`` with the submodules at ``replacements``' paths swapped, neither mutating it nor
+    copying anything but the modules on those paths (shallow copies with their own child dicts)."""
+    if "" in replacements:
+        return replacements[""]
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    for head in dict.fromkeys(p.split(".")[0] for p in replacements):
+        below = {p[len(head) + 1:] if p != head else "": r for p, r in replacements.items()
+                 if p == head or p.startswith(head + ".")}
+        out._modules[head] = _replaced(module._modules[head], below)
+    return out
+
+
+def stage_view(model: nn.Module, stage: Stage) -> nn.Module:
+    """The module tree ``stage`` runs (see the module docstring); shares the model's modules."""
+    layers = model.get_submodule(stage.layers_path)
+    swaps: dict[str, nn.Module] = {stage.layers_path: StageLayers({i: layers[i] for i in stage.layers})}
+    swaps.update({p: nn.Identity() for p in stage.dropped})
+    return _replaced(model, swaps)
+
+
+def stage_plan(plan: ShardingPlan | Mapping, view: nn.Module) -> ShardingPlan:
+    """``plan`` without the entries that match no module of the stage's view (other stages' layers,
+    or a module it does not run): one plan for the whole model serves every stage."""
+    plan = plan if isinstance(plan, ShardingPlan) else ShardingPlan(plan)
+    live = [n for n, m in view.named_modules() if not isinstance(m, nn.Identity)]
+    return plan.with_entries({p: s for p, s in plan.entries.items() if any(path_matches(p, n) for n in live)})
+
+
+def shard_stage(model: nn.Module, stage: Stage, plan: ShardingPlan | Mapping, mesh: DeviceMesh, pp_axis: str = "pp",
+                **shard_kwargs) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
+    """This rank's ``stage`` of ``model`` as ``(apply_fn, params, shard_info)``: ``shard()`` of
+    the stage's view over the mesh's axes other than ``pp_axis`` (``shard_kwargs`` go to it).
+    ``apply_fn`` is the model's forward on the stage: ``input_ids=`` on the first stage,
+    ``inputs_embeds=`` (the previous stage's output) on the others; ``stage_module`` adapts it.
+    Checks (on every rank, before any collective): ``pp_axis`` in the mesh, its size the number
+    of stages, this rank's coordinate on it the stage's index, at least one other axis."""
+    sub = stage_mesh(mesh, stage, pp_axis)
+    view = stage_view(model, stage)
+    return shard(view, stage_plan(plan, view), sub, **shard_kwargs)
+
+
+def stage_mesh(mesh: DeviceMesh, stage: Stage, pp_axis: str = "pp") -> DeviceMesh:
+    """The mesh a stage is sharded over: ``mesh`` without ``pp_axis``, after checking that the axis
+    exists, has one coordinate per stage, this rank's being ``stage.index``, and is not alone."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if pp_axis not in names:
+        raise PlanError(f"shard_stage: pp_axis {pp_axis!r} is not in the mesh (axes: {list(names)})")
+    size, here = mesh.size(names.index(pp_axis)), mesh.get_local_rank(pp_axis)
+    if size != stage.num_stages or here != stage.index:
+        raise PlanError(f"shard_stage: this rank is stage {here} of {size} on axis {pp_axis!r}, but was given stage "
+                        f"{stage.index} of {stage.num_stages}: pass stages[mesh.get_local_rank({pp_axis!r})]")
+    rest = tuple(n for n in names if n != pp_axis)
+    if not rest:
+        raise PlanError(f"shard_stage: the mesh has only {pp_axis!r}; give it a second axis to shard the stage over "
+                        f"(size 1 for none: init_device_mesh(..., ({size}, 1), mesh_dim_names=({pp_axis!r}, 'dp')))")
+    return mesh[rest if len(rest) > 1 else rest[0]]
+
+
+class StageModule(FunctionalModule):
+    """A stage's ``apply_fn`` as the ``nn.Module`` torch's ``PipelineStage`` wraps:
+    ``forward(x)`` is the stage's tensor in, tensor out (token ids on the first stage, hidden
+    states between stages, the logits on the last)."""
+
+    def __init__(self, apply_fn: Callable, params: Mapping[str, Tensor], stage: Stage):
+        super().__init__(apply_fn, params)
+        self._input = "input_ids" if stage.is_first else "inputs_embeds"
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(**{self._input: x, "use_cache": False})
+        return out if isinstance(out, Tensor) else out[0]
+
+
+def stage_module(apply_fn: Callable, params: Mapping[str, Tensor], stage: Stage) -> StageModule:
+    """The stage as an ``nn.Module`` for ``torch.distributed.pipelining`` (``as_module`` plus the
+    stage's input name); gradients land on its parameters' ``.grad``, the pytree is shared.
+
+    >>> pipe = PipelineStage(hpf.stage_module(apply_fn, params, stage), stage.index, stage.num_stages,
+    ...                      device, group=mesh.get_group("pp"))
+    >>> ScheduleGPipe(pipe, n_microbatches=4, loss_fn=loss_fn).step(ids)   # first stage; the last: target=ids
+    """
+    return StageModule(apply_fn, params, stage)
+
+
+@cache
+def _pair_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    return dist.new_group(list(ranks), use_local_synchronization=True)
+
+
+def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
+             pp_axis: str = "pp") -> dict[str, Tensor | None]:
+    """``grads`` with those of ``stage.tied`` (parameters held by several stages: the embedding
+    and the tied head) summed over the stages holding them: one all-reduce of one flat buffer over
+    the first and last stage's ranks of this rank's pipeline (the pp group itself when there are
+    two stages).  Pure; a stage without tied parameters returns a copy and communicates nothing.
+    Call it on the stages that hold them, after each step's backward, before the optimizer."""
+    out = dict(grads)
+    keys = [k for k in stage.tied if grads.get(k) is not None]
+    if not keys:
+        return out
+    line = mesh.get_group(pp_axis)
+    ranks = tuple(dist.get_process_group_ranks(line))
+    group = line if stage.num_stages == 2 else _pair_group((ranks[0], ranks[-1]))
+    flat = torch.cat([grads[k].reshape(-1) for k in keys])
+    dist.all_reduce(flat, group=group)
+    for k, piece in zip(keys, flat.split([grads[k].numel() for k in keys]), strict=True):
+        out[k] = piece.view(grads[k].shape)
+    return out

@@ -6,7 +6,7 @@ model's TP plan, and on (pp 2, dp 2) with ``hpf.fsdp`` over dp.  The last stage'
 stage's gradients (all stages together: every parameter) within 1e-5 of the unsharded model,
 then 10 AdamW steps matching; tied embeddings get their two stages' gradients summed.  A stage
 holds only its own blocks, reads only its own weights from a file, and leaves the model as it
-was; bad input raises on every rank before any collective."""
+was; the stages' checkpoints together load as the whole model; bad input raises on every rank before any collective."""
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import hp_functional as hpf
+from hp_functional.core.placement import slice_local
 from tests.conftest import get_pool
 from tests.helpers import assert_close, assert_errors, build_hf, make_hf_state, mesh, plan_errors
 from tests.snapshot import assert_unchanged, snapshot
@@ -39,7 +40,17 @@ def _step(mod, stage, m, schedule, rows):
     return (torch.stack(losses).mean() if losses else None), grads
 
 
-def case_pipeline(state, tied: bool, other: str, weights: str | None, train: bool):
+def _stages_form_the_model(model, params, info, root: str) -> None:
+    """Every stage saves its shards into one checkpoint; loaded at tp 4 it is the whole model."""
+    hpf.save(f"{root}/stages", params, info).wait()
+    plan = hpf.ShardingPlan.from_hf(model)
+    _, _, whole = hpf.shard(model, plan, mesh((4,), ("tp",)))
+    loaded = hpf.load(f"{root}/stages", whole)
+    for k, p in loaded.params.items():
+        assert torch.equal(p, slice_local(model.get_parameter(k).detach(), whole[k])), k
+
+
+def case_pipeline(state, tied: bool, other: str, weights: str | None, train: bool, root: str):
     model = build_hf("llama", state, tie_word_embeddings=tied, num_hidden_layers=LAYERS)
     before = snapshot(model)
     m = mesh((2, 2), ("pp", other))
@@ -56,6 +67,8 @@ def case_pipeline(state, tied: bool, other: str, weights: str | None, train: boo
             empty = build_hf("llama", tie_word_embeddings=tied, num_hidden_layers=LAYERS)
         _, loaded, _ = hpf.shard_stage(empty, stage, plan, m, weights=weights)
         assert loaded.keys() == params.keys() and all(torch.equal(loaded[k], params[k]) for k in params)
+    if other == "tp":
+        _stages_form_the_model(model, params, info, root)
     ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(3))
     rows = ids.chunk(2)[m.get_local_rank("dp")] if other == "dp" else ids
     if other == "dp":
@@ -104,7 +117,7 @@ def test_two_stages(other, tied, tmp_path):
     if not tied and other == "tp":
         weights = str(tmp_path / "model.safetensors")
         save_file({k: v.contiguous() for k, v in state.items()}, weights)
-    results = get_pool(4).run(case_pipeline, state, tied, other, weights, (other == "tp") == tied)
+    results = get_pool(4).run(case_pipeline, state, tied, other, weights, (other == "tp") == tied, str(tmp_path))
     keys = set().union(*(r[1] for r in results))
     expected = {k for k in state if not (tied and k == "lm_head.weight")}
     assert keys == expected  # every parameter, on some stage
@@ -154,3 +167,26 @@ def test_explain_stage_counts_p2p_and_collectives():
         # two layers per stage, attention and MLP each; the first stage's vocab-parallel embedding
         assert one[("fwd", "all_reduce", "tp")][0] == 2 * 2 + (index == 0)
         assert step[("fwd", "all_reduce", "tp")][0] == MICROBATCHES * one[("fwd", "all_reduce", "tp")][0]
+
+
+def case_four_stages(state):
+    """4 stages (one layer each) on (pp 4, dp 1): middle stages run layers only, and the tied
+    embedding's gradients are summed over the first and last stage's ranks alone."""
+    model = build_hf("llama", state, tie_word_embeddings=True, num_hidden_layers=LAYERS)
+    m = mesh((4, 1), ("pp", "dp"))
+    stage = hpf.pipeline_split(model, 4, embedding_group=True)[m.get_local_rank("pp")]
+    assert stage.layers == (stage.index,) and bool(stage.tied) == (stage.index in (0, 3))
+    apply_fn, params, info = hpf.shard_stage(model, stage, {}, m)
+    ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=ids).loss.backward()
+    loss, grads = _step(hpf.stage_module(apply_fn, params, stage), stage, m, "1f1b", ids)
+    worst = max(assert_close(g, model.get_parameter(k).grad, k) for k, g in grads.items())
+    return worst, sorted(grads)
+
+
+def test_four_stages_tied_embedding_group():
+    results = get_pool(4).run(case_four_stages, make_hf_state("llama", tie_word_embeddings=True,
+                                                              num_hidden_layers=LAYERS))
+    assert set().union(*(r[1] for r in results)) == set(make_hf_state("llama", tie_word_embeddings=True,
+                                                                      num_hidden_layers=LAYERS)) - {"lm_head.weight"}
+    print([r[0] for r in results])

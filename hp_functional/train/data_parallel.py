@@ -74,9 +74,9 @@ def reduce_gradients(
         if p is not None and is_shard(p) and axis in info.summed:
             summed[name] = g
         elif p is not None and is_shard(p):
-            how = ("reduce-scattered by hpf.fsdp, not all-reduced" if info.split is not None and info.split.axis == axis
-                   else f"not per-rank data-parallel shares (only experts with tokens='local' take {axis!r} as a data axis)")
-            raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r}: its gradients are {how}")
+            raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r} (FSDP): its gradients are "
+                            "reduce-scattered by hpf.fsdp, not all-reduced; a leaf the plan shards there (TP, or experts "
+                            f"whose ep ranks share their tokens) has no per-rank shares over {axis!r} to reduce")
     group = AxisGroup.from_mesh(mesh, axis)
     present = {name: g for name, g, _ in leaves if name not in summed}
     out: dict[str, Tensor | None] = dict.fromkeys(grads)

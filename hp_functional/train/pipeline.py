@@ -261,8 +261,10 @@ def stage_module(apply_fn: Callable, params: Mapping[str, Tensor], stage: Stage)
 
 
 @cache
-def _pair_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    return dist.new_group(list(ranks), use_local_synchronization=True)
+def _end_groups(lines: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """One group per pipeline of its first and last stage's ranks, made on every rank in the same
+    order (``new_group`` is a collective over the default group, and its count names groups)."""
+    return {line: dist.new_group([line[0], line[-1]]) for line in lines}
 
 
 def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
@@ -270,15 +272,18 @@ def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
     """``grads`` with those of ``stage.tied`` (parameters held by several stages: the embedding
     and the tied head) summed over the stages holding them: one all-reduce of one flat buffer over
     the first and last stage's ranks of this rank's pipeline (the pp group itself when there are
-    two stages).  Pure; a stage without tied parameters returns a copy and communicates nothing.
-    Call it on the stages that hold them, after each step's backward, before the optimizer."""
+    two stages).  Pure.  Call it on every rank of the mesh after each step's backward, before the
+    optimizer: with more than two stages the first call makes those groups on every rank; a
+    stage without tied parameters then returns a copy and communicates nothing."""
     out = dict(grads)
+    group = mesh.get_group(pp_axis)
+    if stage.num_stages > 2:
+        dim = mesh.mesh_dim_names.index(pp_axis)
+        lines = tuple(tuple(r) for r in mesh.mesh.movedim(dim, -1).reshape(-1, stage.num_stages).tolist())
+        group = _end_groups(lines)[next(line for line in lines if dist.get_rank() in line)]
     keys = [k for k in stage.tied if grads.get(k) is not None]
     if not keys:
         return out
-    line = mesh.get_group(pp_axis)
-    ranks = tuple(dist.get_process_group_ranks(line))
-    group = line if stage.num_stages == 2 else _pair_group((ranks[0], ranks[-1]))
     flat = torch.cat([grads[k].reshape(-1) for k in keys])
     dist.all_reduce(flat, group=group)
     for k, piece in zip(keys, flat.split([grads[k].numel() for k in keys]), strict=True):

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from .train.fsdp import fsdp
     from .train.module import as_module
     from .train.pipeline import Stage, pipeline_split, shard_stage, stage_module, sum_tied
+    from .train.pipeline_fn import gpipe
 
 #: public name -> the submodule (relative to this package) that defines it.
 _LAZY: dict[str, str] = {
@@ -121,6 +122,7 @@ _LAZY: dict[str, str] = {
     "reduce_gradients": ".train.data_parallel",
     "fsdp": ".train.fsdp",
     "as_module": ".train.module",
+    "gpipe": ".train.pipeline_fn",
     "explain_stage": ".tools.explain_stage",
     "StageExplanation": ".tools.explain_stage",
     "Stage": ".train.pipeline",
@@ -195,6 +197,7 @@ __all__ = [
     "export_hf",
     "from_pretrained",
     "fsdp",
+    "gpipe",
     "init_weights",
     "latest",
     "lint",

@@ -1,7 +1,8 @@
 """Pipeline stages against the unsharded model (fp32, gloo, 4 ranks).
 
 A 4-layer HF ``LlamaForCausalLM`` (tied and untied embeddings) split into 2 stages and driven by
-torch's own ``ScheduleGPipe`` and ``Schedule1F1B`` with 4 micro-batches: on (pp 2, tp 2) with the
+torch's own ``ScheduleGPipe`` and ``Schedule1F1B`` with 4 micro-batches, and by ``hpf.gpipe``
+under ``torch.func.grad`` and ``.backward()``: on (pp 2, tp 2) with the
 model's TP plan, and on (pp 2, dp 2) with ``hpf.fsdp`` over dp.  The last stage's loss and every
 stage's gradients (all stages together: every parameter) within 1e-5 of the unsharded model,
 then 10 AdamW steps matching; tied embeddings get their two stages' gradients summed.  A stage
@@ -86,6 +87,13 @@ def case_pipeline(state, tied: bool, other: str, weights: str | None, train: boo
         full = hpf.unshard(grads, info)
         worst[f"{schedule} grads"] = max(assert_close(full[k], model.get_parameter(k).grad, k) for k in full)
         mod.zero_grad(set_to_none=True)
+    # the functional GPipe: the pipeline under torch.func.grad
+    step = hpf.gpipe(apply_fn, stage, m, causal_lm_loss, MICROBATCHES, hidden_size=model.config.hidden_size)
+    grads, loss = torch.func.grad_and_value(step)(params, rows, rows)
+    if stage.is_last:
+        worst["func loss"] = assert_close(loss, local_ref, "loss")
+    full = hpf.unshard(hpf.sum_tied(grads, stage, m), info)
+    worst["func grads"] = max(assert_close(full[k], model.get_parameter(k).grad, k) for k in full)
     if not train:
         return worst, sorted(full)
     # eps 1e-6: Adam's first steps turn a 1e-9 rounding difference in a ~1e-8 gradient into a
@@ -181,6 +189,11 @@ def case_four_stages(state):
     model(input_ids=ids, labels=ids).loss.backward()
     loss, grads = _step(hpf.stage_module(apply_fn, params, stage), stage, m, "1f1b", ids)
     worst = max(assert_close(g, model.get_parameter(k).grad, k) for k, g in grads.items())
+    step = hpf.gpipe(apply_fn, stage, m, causal_lm_loss, MICROBATCHES, hidden_size=model.config.hidden_size)
+    leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+    step(leaves, ids, ids).backward()  # the functional GPipe under .backward(), middle stages too
+    grads = hpf.sum_tied({k: v.grad for k, v in leaves.items()}, stage, m)
+    worst = max(worst, *(assert_close(g, model.get_parameter(k).grad, k) for k, g in grads.items()))
     return worst, sorted(grads)
 
 

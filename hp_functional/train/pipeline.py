@@ -260,6 +260,14 @@ def stage_module(apply_fn: Callable, params: Mapping[str, Tensor], stage: Stage)
     return StageModule(apply_fn, params, stage)
 
 
+def pipeline_ranks(mesh: DeviceMesh, pp_axis: str = "pp") -> tuple[int, ...]:
+    """The global ranks of this rank's pipeline, in stage order (its line of ``mesh`` along
+    ``pp_axis``)."""
+    coord = list(mesh.get_coordinate())
+    coord[mesh.mesh_dim_names.index(pp_axis)] = slice(None)
+    return tuple(mesh.mesh[tuple(coord)].tolist())
+
+
 @cache
 def _end_groups(lines: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """One group per pipeline of its first and last stage's ranks, made on every rank in the same
@@ -280,7 +288,7 @@ def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
     if stage.num_stages > 2:
         dim = mesh.mesh_dim_names.index(pp_axis)
         lines = tuple(tuple(r) for r in mesh.mesh.movedim(dim, -1).reshape(-1, stage.num_stages).tolist())
-        group = _end_groups(lines)[next(line for line in lines if dist.get_rank() in line)]
+        group = _end_groups(lines)[pipeline_ranks(mesh, pp_axis)]
     keys = [k for k in stage.tied if grads.get(k) is not None]
     if not keys:
         return out

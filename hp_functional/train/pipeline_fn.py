@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import PlanError
-from .pipeline import Stage
+from .pipeline import Stage, pipeline_ranks
 
 
 class _Send(torch.autograd.Function):
@@ -56,20 +56,20 @@ class _Recv(torch.autograd.Function):
     received tensor's gradient back to ``peer``."""
 
     @staticmethod
-    def forward(anchor: Tensor, shape: tuple[int, ...], peer: int, group) -> Tensor:
-        x = torch.empty(shape, dtype=anchor.dtype, device=anchor.device)
+    def forward(anchor: Tensor, shape: tuple[int, ...], dtype: torch.dtype, peer: int, group) -> Tensor:
+        x = torch.empty(shape, dtype=dtype, device=anchor.device)
         dist.recv(x, src=peer, group=group)
         return x
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        anchor, _, ctx.peer, ctx.group = inputs
+        anchor, _, _, ctx.peer, ctx.group = inputs
         ctx.anchor = (anchor.shape, anchor.dtype)
 
     @staticmethod
     def backward(ctx, dx):
         dist.send(dx.contiguous(), dst=ctx.peer, group=ctx.group)
-        return torch.zeros(ctx.anchor[0], dtype=ctx.anchor[1], device=dx.device), None, None, None
+        return torch.zeros(ctx.anchor[0], dtype=ctx.anchor[1], device=dx.device), None, None, None, None
 
 
 def _anchor(params: Mapping[str, Tensor]) -> Tensor:
@@ -81,13 +81,16 @@ def _anchor(params: Mapping[str, Tensor]) -> Tensor:
 
 
 def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[[Tensor, Tensor], Tensor],
-          microbatches: int, *, hidden_size: int, pp_axis: str = "pp") -> Callable[..., Tensor]:
+          microbatches: int, *, hidden_size: int, dtype: torch.dtype | None = None,
+          pp_axis: str = "pp") -> Callable[..., Tensor]:
     """``step(params, inputs, target=None)`` for this rank's ``stage`` (see the module docstring).
 
     ``inputs``: the whole batch of token ids ``[B, S]`` (the first stage computes on it; the
     others read only its shape, which sizes the activations ``[B / microbatches, S,
     hidden_size]`` they receive); ``target``: the batch ``loss_fn(logits, target)`` compares
-    with, on the last stage.  Call the step on every rank of the pipeline.
+    with, on the last stage.  ``dtype``: the activations' (default: the params'; set it when the
+    stages compute in another, e.g. under ``hpf.fsdp(param_dtype=...)``).  Call the step on
+    every rank of the pipeline.
 
     >>> step = hpf.gpipe(apply_fn, stage, mesh, causal_lm_loss, 4, hidden_size=config.hidden_size)
     >>> grads = torch.func.grad(step)(params, ids, ids)          # every stage: its own gradients
@@ -95,7 +98,7 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
     if not (isinstance(microbatches, int) and microbatches > 0):
         raise PlanError(f"gpipe: microbatches must be a positive int, got {microbatches!r}")
     group = mesh.get_group(pp_axis)
-    peer = dist.get_process_group_ranks(group)
+    peer = pipeline_ranks(mesh, pp_axis)
     name = "input_ids" if stage.is_first else "inputs_embeds"
 
     def step(params: Mapping[str, Tensor], inputs: Tensor, target: Tensor | None = None) -> Tensor:
@@ -105,12 +108,13 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
             raise PlanError("gpipe: the last stage needs target= for its loss")
         mb, seq = inputs.shape[0] // microbatches, inputs.shape[1]
         anchor = None if stage.is_first else _anchor(params)
+        act = dtype or (None if anchor is None else anchor.dtype)
         chunks = inputs.chunk(microbatches) if stage.is_first else [None] * microbatches
         targets = target.chunk(microbatches) if stage.is_last else [None] * microbatches
         total = None
         for x, y in zip(chunks, targets, strict=True):
             if not stage.is_first:
-                x = _Recv.apply(anchor, (mb, seq, hidden_size), peer[stage.index - 1], group)
+                x = _Recv.apply(anchor, (mb, seq, hidden_size), act, peer[stage.index - 1], group)
             out = apply_fn(params, **{name: x, "use_cache": False})
             out = out if isinstance(out, Tensor) else out[0]
             term = loss_fn(out, y) / microbatches if stage.is_last else _Send.apply(out, peer[stage.index + 1], group)

@@ -137,7 +137,13 @@ def case_bad_input(state):
     m = mesh((2, 2), ("pp", "tp"))
     stages = hpf.pipeline_split(tied, 2, embedding_group=True)
     wrong = stages[1 - m.get_local_rank("pp")]
+    stage = stages[m.get_local_rank("pp")]
+    apply_fn, params, _ = hpf.shard_stage(tied, stage, {}, m)
+    step = hpf.gpipe(apply_fn, stage, m, causal_lm_loss, MICROBATCHES, hidden_size=64)
+    ids = torch.zeros(6, 8, dtype=torch.long)
     return plan_errors({
+        "micro-batches": lambda: step(params, ids, ids),
+        "target": lambda: step(params, ids[:4], ids[:2]),
         "too many stages": lambda: hpf.pipeline_split(tied, LAYERS + 1),
         "layers": lambda: hpf.pipeline_split(tied, 2, layers=[4, 0], embedding_group=True),
         "tied": lambda: hpf.pipeline_split(tied, 2),
@@ -150,7 +156,8 @@ def test_bad_input():
     errors = get_pool(4).run(case_bad_input, make_hf_state("llama", tie_word_embeddings=True, num_hidden_layers=LAYERS))
     assert_errors(errors, {"too many stages": "num_stages=5 must be between 1 and the 4 layers",
                            "layers": "layers=[4, 0]", "tied": "'model.embed_tokens.weight' is tied across stages",
-                           "no pp axis": "pp_axis 'pp' is not in the mesh", "wrong stage": "this rank is stage"})
+                           "no pp axis": "pp_axis 'pp' is not in the mesh", "wrong stage": "this rank is stage",
+                           "micro-batches": "divisible into 4 micro-batches", "target": "with the batch of inputs (4)"})
 
 
 def case_explain(state):

@@ -2,7 +2,7 @@
 
 torch's schedules run the backward themselves (``torch.autograd.backward`` on each stage's
 outputs), so they do not compose with ``torch.func``.  ``gpipe(apply_fn, stage, mesh, loss_fn,
-microbatches)`` returns ``step(params, inputs, target=None)``, a plain differentiable function
+microbatches)`` returns ``step(params, inputs, target)``, a plain differentiable function
 on every stage: it runs the stage's forward on each micro-batch in turn, receiving its input
 from the previous stage and sending its output to the next with two differentiable
 point-to-point ops, and returns the stage's share of the loss (the mean micro-batch loss on the
@@ -83,12 +83,13 @@ def _anchor(params: Mapping[str, Tensor]) -> Tensor:
 def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[[Tensor, Tensor], Tensor],
           microbatches: int, *, hidden_size: int, dtype: torch.dtype | None = None,
           pp_axis: str = "pp") -> Callable[..., Tensor]:
-    """``step(params, inputs, target=None)`` for this rank's ``stage`` (see the module docstring).
+    """``step(params, inputs, target)`` for this rank's ``stage`` (see the module docstring).
 
     ``inputs``: the whole batch of token ids ``[B, S]`` (the first stage computes on it; the
     others read only its shape, which sizes the activations ``[B / microbatches, S,
     hidden_size]`` they receive); ``target``: the batch ``loss_fn(logits, target)`` compares
-    with, on the last stage.  ``dtype``: the activations' (default: the params'; set it when the
+    with on the last stage.  Both go to every stage, so that a bad batch raises on every rank
+    before any transfer.  ``dtype``: the activations' (default: the params'; set it when the
     stages compute in another, e.g. under ``hpf.fsdp(param_dtype=...)``).  Call the step on
     every rank of the pipeline.
 
@@ -101,11 +102,13 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
     peer = pipeline_ranks(mesh, pp_axis)
     name = "input_ids" if stage.is_first else "inputs_embeds"
 
-    def step(params: Mapping[str, Tensor], inputs: Tensor, target: Tensor | None = None) -> Tensor:
-        if inputs.shape[0] % microbatches:
-            raise PlanError(f"gpipe: the batch of {inputs.shape[0]} does not divide into {microbatches} micro-batches")
-        if stage.is_last and target is None:
-            raise PlanError("gpipe: the last stage needs target= for its loss")
+    def step(params: Mapping[str, Tensor], inputs: Tensor, target: Tensor) -> Tensor:
+        if inputs.dim() < 2 or inputs.shape[0] % microbatches:
+            raise PlanError(f"gpipe: inputs {tuple(inputs.shape)} must be [batch, seq, ...] with the batch divisible "
+                            f"into {microbatches} micro-batches")
+        if not isinstance(target, Tensor) or target.shape[0] != inputs.shape[0]:
+            raise PlanError(f"gpipe: target must be a tensor with the batch of inputs ({inputs.shape[0]}), got "
+                            f"{tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__}")
         mb, seq = inputs.shape[0] // microbatches, inputs.shape[1]
         anchor = None if stage.is_first else _anchor(params)
         act = dtype or (None if anchor is None else anchor.dtype)

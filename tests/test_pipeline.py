@@ -210,3 +210,25 @@ def test_four_stages_tied_embedding_group():
     assert set().union(*(r[1] for r in results)) == set(make_hf_state("llama", tie_word_embeddings=True,
                                                                       num_hidden_layers=LAYERS)) - {"lm_head.weight"}
     print([r[0] for r in results])
+
+
+def case_family(family: str, state):
+    """Another family's stages under hpf.gpipe and torch.func.grad against its unsharded model."""
+    model = build_hf(family, state, num_hidden_layers=LAYERS)
+    m = mesh((2, 1), ("pp", "dp"))
+    stage = hpf.pipeline_split(model, 2, embedding_group=True)[m.get_local_rank("pp")]
+    apply_fn, params, _ = hpf.shard_stage(model, stage, {}, m)
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(3))
+    step = hpf.gpipe(apply_fn, stage, m, causal_lm_loss, 2, hidden_size=model.config.hidden_size)
+    grads, loss = torch.func.grad_and_value(step)(params, ids, ids)
+    grads = hpf.sum_tied(grads, stage, m)
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    worst = assert_close(loss, ref.loss.detach(), "loss") if stage.is_last else 0.0
+    return max(worst, *(assert_close(g, model.get_parameter(k).grad, k) for k, g in grads.items()))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_other_families(family):
+    """Qwen2 and Gemma (embedding scale in its embedding module, as HF's pp_plan contract has it)."""
+    print(get_pool(2).run(case_family, family, make_hf_state(family, num_hidden_layers=LAYERS)))

@@ -45,10 +45,30 @@ class GroupedShard:
         return n // self.replicas
 
 
+@dataclass(frozen=True)
+class StackedShard:
+    """Member ``index`` of ``count`` same-shaped tensors stacked along a new leading dim, the
+    stack ``Shard(0)`` over the axis (the experts of an ``nn.ModuleList``/``ModuleDict`` over
+    ``ep``, as HF's fused ``[num_experts, ...]`` tensors are ``Shard(0)``): the axis's rank
+    ``index // (count // n)`` holds the tensor whole and every other rank an empty shard (0 rows),
+    so every rank has the same leaves.  A stored placement only; it has no DTensor counterpart."""
+
+    index: int
+    count: int
+
+    def owner(self, n: int) -> int:
+        """The rank of an ``n``-rank axis holding the tensor."""
+        return self.index // (self.count // n)
+
+
+#: Placements only a stored parameter takes (no DTensor counterpart, no redistribution to them).
+STORED_ONLY = (GroupedShard, StackedShard)
+
+
 def splits(p: object) -> bool:
     """Whether a stored placement splits the tensor over its axis (``Shard``, ``_StridedShard``,
-    ``GroupedShard``)."""
-    return isinstance(p, (Shard, _StridedShard, GroupedShard))
+    ``GroupedShard``, ``StackedShard``)."""
+    return isinstance(p, (Shard, _StridedShard, GroupedShard, StackedShard))
 
 
 @dataclass(frozen=True)
@@ -109,7 +129,7 @@ def fmt_placements(placements) -> str:
 
 def check_placement(p: object, where: str) -> Placement:
     """``p`` if it is a torch.distributed.tensor placement, else a PlanError naming ``where``."""
-    if not isinstance(p, (Shard, Replicate, Partial, GroupedShard)):
+    if not isinstance(p, (Shard, Replicate, Partial, GroupedShard, StackedShard)):
         raise PlanError(
             f"{where}: {p!r} is not a placement; use torch.distributed.tensor.Shard(d), Replicate() or Partial()"
         )
@@ -138,6 +158,13 @@ def local_layout(
         if not splits(p):
             continue
         n, axis, index = mesh.size(mdim), mesh.mesh_dim_names[mdim], coords[mdim]
+        if isinstance(p, StackedShard):
+            if not shape or p.count % n:
+                raise ShapeError(f"{where}: {p.count} stacked tensors (one per expert) are not divisible by mesh axis "
+                                 f"{axis!r} (size {n})" if shape else f"{where}: {p} needs a tensor with dims")
+            if p.owner(n) != index:
+                shape[0] = 0
+            continue
         if isinstance(p, GroupedShard):
             if p.replicas < 1 or n % p.replicas:
                 raise PlanError(f"{where}: {p} on axis {axis!r}: {p.replicas} replicas do not divide its {n} ranks")
@@ -272,6 +299,10 @@ def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]
     if grouped:
         raise PlanError(f"to_dtensor: {grouped[:3]} are replicated over groups of ranks (KV-head replication, "
                         "GroupedShard), which DTensor cannot express; use unshard()")
+    stacked = [k for k in params if any(isinstance(p, StackedShard) for p in shard_info[k].placements)]
+    if stacked:
+        raise PlanError(f"to_dtensor: {stacked[:3]} are held whole by one rank of a stack (StackedShard: per-module "
+                        "experts), which DTensor cannot express; use unshard()")
     return {
         name: DTensor.from_local(
             local, shard_info[name].mesh, shard_info[name].placements, run_check=False,

@@ -18,6 +18,13 @@
    weights and summed per token in the original order; the tokens are gathered back
    (``gather_from``).
 
+The older form, a container of expert modules (an ``nn.ModuleList``, or an ``nn.ModuleDict``
+keyed ``expert_<i>`` as HF's Switch Transformers), is the same stack one module at a time: each
+expert's parameters are stored ``StackedShard(i, E)`` (held whole by the rank owning expert ``i``,
+an empty shard elsewhere, so every rank has the same leaves), and the container's own forward is
+called with global expert ids on the rows it received.  The routing may also arrive as a one-hot
+mask ``[T, k, E]`` (Switch); its empty rows are assignments the router dropped.
+
 ``tp_axis`` adds TP inside every expert (HF's ``moe_tp_experts``): the fused ``gate_up_proj``
 ``[E, 2I, H]`` is colwise over ``tp`` (dim 1, packed, so each rank holds matching gate and up
 rows), ``down_proj`` ``[E, H, I]`` rowwise (dim 2), and the experts' output leaves as partial
@@ -39,6 +46,7 @@ Switch/GShard; ``on_drop(fqn, count)`` receives the number dropped on this rank 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
@@ -47,10 +55,12 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.nn import functional as F
 
 from ..core import collectives as C
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
+from ..core.placement import StackedShard
 from .local import Local
 from .styles import ModuleSpec, Style, layer_patterns, path_matches
 
@@ -66,8 +76,39 @@ def expert_weights(module: nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] == n]
 
 
+def expert_members(module: nn.Module) -> list[str]:
+    """The child names of a container of expert modules (``nn.ModuleList``, or an
+    ``nn.ModuleDict`` keyed ``expert_<i>`` as HF's Switch and NLLB-MoE), in expert order: the
+    children whose names end in their index ``0 … E−1`` (other children, such as a dropout, are
+    not experts); empty when the module is no such container."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return []
+    numbered = [(n, m) for n, m in module.named_children() if re.search(r"\d+$", n)]
+    index = [int(re.search(r"\d+$", n).group()) for n, _ in numbered]
+    kinds = {type(m) for _, m in numbered}
+    count = getattr(module, "num_experts", len(numbered))
+    return [n for n, _ in numbered] if numbered and index == list(range(count)) and len(kinds) == 1 else []
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    """Whether the container has a forward of its own (HF's experts contract), not ``nn.ModuleList``'s none."""
+    return type(module).forward is not nn.Module.forward
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether ``Experts`` applies: fused ``[num_experts, ...]`` weights, or a container of expert
+    modules with a forward taking the routing."""
+    return bool(expert_weights(module)) or bool(expert_members(module)) and _takes_routing(module)
+
+
+def _stacked_params(module: nn.Module, members: list[str]) -> dict[str, StackedShard]:
+    """Each expert module's parameters as member ``i`` of the stack of ``len(members)``."""
+    return {f"{child}.{name}": StackedShard(i, len(members))
+            for i, child in enumerate(members) for name, _ in module.get_submodule(child).named_parameters()}
+
+
 def _localise(module: nn.Module, axes: Mapping[str, AxisGroup], *, axis: str) -> None:
-    """The skeleton's copy holds this rank's experts: its ``num_experts`` is the local count."""
+    """The skeleton's copy of fused experts holds this rank's experts: its ``num_experts`` is the local count."""
     module.num_experts //= axes[axis].size
 
 
@@ -77,44 +118,57 @@ def _is_fake(t: Tensor) -> bool:
     return is_fake(t)
 
 
-def _route(idx: Tensor, w: Tensor, experts: int, capacity: int | None):
-    """(token of each kept assignment, its weight, rows per expert, dropped), sorted by expert."""
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # by expert, token order kept within an expert
+def _route(idx: Tensor, w: Tensor, experts: int, capacity: int | None, valid: Tensor | None):
+    """(token of each kept assignment, its weight, rows per expert, dropped), sorted by expert;
+    assignments not ``valid`` (a one-hot mask's empty rows: the router dropped them) are left out."""
+    flat = idx.reshape(-1) if valid is None else torch.where(valid.reshape(-1), idx.reshape(-1), experts)
+    order = torch.argsort(flat, stable=True)  # by expert, token order kept within an expert; left-out ones last
     by_expert = flat[order]
-    counts = flat.new_zeros(experts).scatter_add_(0, flat, torch.ones_like(flat))  # bincount, but a fixed size
+    counts = flat.new_zeros(experts + 1).scatter_add_(0, flat, torch.ones_like(flat))  # bincount, but a fixed size
+    keep = by_expert < experts
     dropped = counts.new_zeros(())
     if capacity is not None:
         starts = torch.cumsum(counts, 0) - counts
-        keep = torch.arange(flat.numel(), device=flat.device) - starts[by_expert] < capacity
-        order, dropped = order[keep], (~keep).sum()
-        counts = counts.clamp(max=capacity)
-    return order // idx.shape[-1], w.reshape(-1)[order], counts, dropped
+        within = torch.arange(flat.numel(), device=flat.device) - starts[by_expert] < capacity
+        dropped = (keep & ~within).sum()
+        keep = keep & within
+    counts = counts[:experts] if capacity is None else counts[:experts].clamp(max=capacity)
+    if valid is not None or capacity is not None:
+        order = order[keep]
+    return order // idx.shape[1], w.reshape(-1)[order], counts, dropped
 
 
 def _connected(out: Tensor, rows: Tensor, module: nn.Module) -> Tensor:
     """``out`` (equal) made to depend on ``rows`` and on every local expert weight: HF's experts
     forward returns fresh zeros when no row arrives, and then the backward's reverse all-to-alls
     would run on the other ranks only (a hang) and the weights would get no gradient at all."""
-    zero = sum(p.reshape(-1)[:1].sum() for p in module.parameters(recurse=False)) * 0
+    zero = sum(p.reshape(-1)[:1].sum() for p in module.parameters()) * 0
     return out + rows[:, :1] * 0 + zero
 
 
 def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: Tensor, top_k_index: Tensor,
-                     top_k_weights: Tensor, *, axis: str, fqn: str, capacity_factor: float | None,
+                     top_k_weights: Tensor, *, axis: str, fqn: str, stacked: int, capacity_factor: float | None,
                      on_drop: OnDrop | None) -> Tensor:
-    """This rank's tokens through their experts on whichever ranks own them (module docstring)."""
+    """This rank's tokens through their experts on whichever ranks own them (module docstring).
+    ``top_k_index`` is ``[T, k]`` expert ids, or a one-hot mask ``[T, k, E]`` (HF's Switch), and
+    the module is called back the same way.  ``stacked``: the number of experts of a container
+    of expert modules, called with global expert ids (its children are all there, the other
+    ranks' ones empty); 0: fused experts, localised, called with local ids."""
     g = axes[axis]
-    local = module.num_experts  # localised
+    local = stacked // g.size if stacked else module.num_experts  # localised
     experts = local * g.size
-    tokens, k = top_k_index.shape
-    capacity = None if capacity_factor is None else math.ceil(capacity_factor * tokens * k / experts)
-    token, weight, counts, dropped = _route(top_k_index, top_k_weights, experts, capacity)
+    mask = top_k_index.dim() == 3
+    valid = top_k_index.amax(-1) > 0 if mask else None
+    index = top_k_index.argmax(-1) if mask else top_k_index
+    tokens, k = index.shape
+    fake = _is_fake(index)  # explain/simulate: shapes only, so routing is taken as balanced, nothing dropped
+    capacity = None if capacity_factor is None or fake else math.ceil(capacity_factor * tokens * k / experts)
+    token, weight, counts, dropped = _route(index, top_k_weights, experts, capacity, None if fake else valid)
     if on_drop is not None:
         on_drop(fqn, dropped)
     per_rank = counts.view(g.size, local)
     received = C.raw_all_to_all(per_rank, 0, 0, g)  # [source rank, local expert]: the rows this rank receives
-    if _is_fake(counts):  # explain/simulate: shapes only, so routing is taken as balanced
+    if fake:
         n = token.shape[0]
         send = recv = [n // g.size] * (g.size - 1) + [n - n // g.size * (g.size - 1)]
         rows_expert = None
@@ -126,7 +180,9 @@ def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: T
         out = rows.clone()
     else:
         ones = rows.new_ones((rows.shape[0], 1), dtype=top_k_weights.dtype)
-        out = _connected(type(module).forward(module, rows, rows_expert[:, None], ones), rows, module)
+        ids = rows_expert + g.rank * local if stacked else rows_expert
+        ids = F.one_hot(ids, experts if stacked else local).to(top_k_index.dtype)[:, None] if mask else ids[:, None]
+        out = _connected(type(module).forward(module, rows, ids, ones), rows, module)
     back = C.all_to_all_v(out, 0, recv, send, g)
     weighted = (back * weight[:, None]).to(hidden.dtype)
     return hidden.new_zeros(hidden.shape).index_add(0, token, weighted)
@@ -152,23 +208,38 @@ class Experts(Style):
 
     def local(self, module: nn.Module, fqn: str, axis: str) -> Local:
         """The ``Local`` this style is on ``module``."""
-        names = expert_weights(module)
-        fn = partial(dispatch_combine, axis=axis, fqn=fqn, capacity_factor=self.capacity_factor, on_drop=self.on_drop)
+        members = [] if expert_weights(module) else expert_members(module)
+        fn = partial(dispatch_combine, axis=axis, fqn=fqn, stacked=len(members), capacity_factor=self.capacity_factor,
+                     on_drop=self.on_drop)
         tp = self.tp_axis
         whole = {axis: Replicate()}
         tokens = whole if self.tokens == "local" else {axis: Shard(0)}
         if tp is not None:
             tokens, whole = {**tokens, tp: Replicate()}, {**whole, tp: Replicate()}
-        params = {n: {axis: Shard(0), **({tp: _TP_EXPERTS[_tp_role(n, fqn)]} if tp else {})} for n in names}
+        if members:
+            params = {n: {axis: p} for n, p in _stacked_params(module, members).items()}
+        else:
+            params = {n: {axis: Shard(0), **({tp: _TP_EXPERTS[_tp_role(n, fqn)]} if tp else {})}
+                      for n in expert_weights(module)}
         return Local(fn, in_src=dict.fromkeys(range(3), whole), in_dst=dict.fromkeys(range(3), tokens),
-                     out_src={"output": {**tokens, **({tp: Partial()} if tp else {})}},
-                     out_dst={"output": whole}, params=params, setup=partial(_localise, axis=axis), axis=axis)
+                     out_src={"output": {**tokens, **({tp: Partial()} if tp else {})}}, out_dst={"output": whole},
+                     params=params, setup=None if members else partial(_localise, axis=axis), axis=axis)
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
-        if not expert_weights(module):
+        if not is_experts(module):
             own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
+            kind = type(module).__name__
+            if expert_members(module):
+                raise PlanError(f"{fqn}: Experts on a {kind} of expert modules needs the container to take the routing "
+                                "itself, as HF's experts do: forward(hidden [T, H], top_k_index [T, k] (or a one-hot "
+                                f"mask [T, k, E]), top_k_weights [T, k]); {kind} has no forward (the MoE block loops "
+                                "over it), so there is no call to dispatch")
             raise PlanError(f"{fqn}: Experts needs stacked expert weights ([num_experts, ...] parameters and a "
-                            f"num_experts attribute, as HF's fused experts); {type(module).__name__} has {own}")
+                            f"num_experts attribute, as HF's fused experts) or a ModuleList/ModuleDict of expert "
+                            f"modules numbered 0 … num_experts − 1; {kind} has {own}")
+        if self.tp_axis is not None and not expert_weights(module):
+            raise PlanError(f"{fqn}: TP inside experts needs the fused [num_experts, ...] weights; "
+                            f"{type(module).__name__} holds one module per expert: plan Experts(tp_axis=None)")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise PlanError(f"{fqn}: Experts capacity_factor must be positive, got {self.capacity_factor!r}")
         if self.tokens not in TOKENS:
@@ -214,7 +285,8 @@ def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object],
     match a module (a family's plan names dense-MLP paths that an all-MoE config lacks), the
     config's ``base_model_ep_plan`` experts as ``Experts(tp_axis=tp_axis, tokens=tokens)`` (TP inside each
     expert where the mesh has that axis), and TP on the shared experts' projections.  Models
-    without an ``ep_plan`` get the same ``Experts`` on every module holding stacked expert weights."""
+    without an ``ep_plan`` get the same ``Experts`` on every module holding stacked expert weights
+    or a numbered container of expert modules (HF's Switch Transformers)."""
     modules = dict(model.named_modules())
     entries = {p: s for p, s in tp_entries.items() if any(path_matches(p, m) for m in modules)}
     ep = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
@@ -226,11 +298,12 @@ def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object],
         if _HF_EP[style] == "experts":
             entries[prefix + pattern] = Experts(tp_axis=tp_axis, tokens=tokens)
     if not any(isinstance(s, Experts) for s in entries.values()):
-        found = [n for n, m in modules.items() if n and expert_weights(m)]
+        found = [n for n, m in modules.items() if n and is_experts(m) and hasattr(m, "num_experts")]
         if not found:
             raise PlanError(f"ep_axis: {type(model).__name__} has no experts to shard (no base_model_ep_plan and no "
-                            "module with stacked [num_experts, ...] weights)")
-        entries.update(dict.fromkeys(layer_patterns(found), Experts(tp_axis=tp_axis, tokens=tokens)))
+                            "module with stacked [num_experts, ...] weights or a numbered container of expert modules)")
+        fused = all(expert_weights(modules[n]) for n in found)  # TP inside experts needs the fused weights
+        entries.update(dict.fromkeys(layer_patterns(found), Experts(tp_axis=tp_axis if fused else None, tokens=tokens)))
     shared = [n for n, m in modules.items() if n.rpartition(".")[2] in ("shared_expert", "shared_experts")
               and all(isinstance(getattr(m, c, None), nn.Linear) for c in _SHARED)]
     for pattern in layer_patterns(shared):

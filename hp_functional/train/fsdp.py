@@ -58,7 +58,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..compile.agree import agree
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
-from ..core.placement import RowSplit, ShardInfo, fmt_placements
+from ..core.placement import RowSplit, ShardInfo, fmt_placements, splits
 from ..core.program import Program
 from ..runtime.checkpoint import Checkpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
 from .fsdp_bucket import Bucket, Piece, Sync
@@ -326,7 +326,7 @@ def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axis: str, param_dtyp
         theirs = dict(zip(info.mesh.mesh_dim_names, info.mesh.shape, strict=True))
         if any(sizes.get(a) != n for a, n in theirs.items()):
             raise PlanError(f"fsdp: the mesh {sizes} does not contain shard()'s mesh {theirs} (parameter {k})")
-        if isinstance(info.axes.get(axis), Shard):
+        if splits(info.axes.get(axis)):
             raise PlanError(f"fsdp: parameter {k} is already sharded on mesh axis {axis!r} "
                             f"({fmt_placements(info.placements)}); choose another axis for fsdp")
         if len(info.local_shape) == 0:

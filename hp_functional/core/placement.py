@@ -159,9 +159,11 @@ def local_layout(
             continue
         n, axis, index = mesh.size(mdim), mesh.mesh_dim_names[mdim], coords[mdim]
         if isinstance(p, StackedShard):
-            if not shape or p.count % n:
+            if not shape:
+                raise PlanError(f"{where}: {p} on axis {axis!r} needs a tensor with dims, not a scalar")
+            if p.count % n:
                 raise ShapeError(f"{where}: {p.count} stacked tensors (one per expert) are not divisible by mesh axis "
-                                 f"{axis!r} (size {n})" if shape else f"{where}: {p} needs a tensor with dims")
+                                 f"{axis!r} (size {n})")
             if p.owner(n) != index:
                 shape[0] = 0
             continue

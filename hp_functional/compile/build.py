@@ -11,7 +11,11 @@ every rank before any collective):
 5. ``check_head_counts`` — head-count attributes the skeleton divides must divide;
 6. ``place_parameters`` — storage placements, tied and packed leaves (``compile.place``);
 7. ``analyse_regions`` — rank-varying compute and regions (``compile.regions``);
-8. ``lower_boundaries`` / ``lower_parameter_conversions`` — every src → dst to ``Step``s (``compile.lower``);
+8. ``lower_boundaries`` / ``lower_parameter_conversions`` — every src → dst to ``Step``s (``compile.lower``),
+   the latter also for the replicated parameters that ``trace_dataflow`` finds rank-varying data
+   reaching outside the planned modules (``compile.dataflow``);
+9. ``bucket_parameter_conversions`` — the ``copy_to``-only conversions bucketed (one all-reduce per
+   bucket and axis in the backward);
 
 A new parallelism adds a pass here (or a transform over the result), not branches in these.
 """
@@ -30,9 +34,10 @@ from ..core.errors import PlanError, PlanWarning
 from ..core.program import Planned, Program
 from ..plan.plan import ShardingPlan, as_plan
 from ..plan.styles import ModuleSpec
+from .dataflow import trace_dataflow
 from .kv_heads import replicate_kv_heads
 from .lint import Finding, enforce, lint_entries, lint_specs, shadowed
-from .lower import lower_boundaries, lower_parameter_conversions
+from .lower import bucket_parameter_conversions, lower_boundaries, lower_parameter_conversions
 from .place import place_parameters
 from .regions import analyse_regions
 
@@ -82,7 +87,8 @@ def check_head_counts(planned: list[Planned], specs: Mapping[str, ModuleSpec], g
                 )
 
 
-def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: bool) -> Program:
+def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: bool,
+           varying_uses: Mapping[str, frozenset[str]] | None = None, real: bool = False) -> Program:
     groups = check_mesh(model, mesh)
     planned, specs = replicate_kv_heads(model, *resolve_specs(model, plan, mesh), groups)
     if run_lint:
@@ -90,21 +96,47 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
     check_head_counts(planned, specs, groups)
     placed = place_parameters(model, plan, mesh, specs)
     analysis = analyse_regions(planned, specs, list(groups))
+    boundaries = lower_boundaries(planned, specs, analysis, groups)
+    tree_steps = lower_parameter_conversions(placed, specs, analysis, groups)
+    covered = {k: {s.axis for s in v} for k, v in tree_steps.items()}
+    flow = trace_dataflow(model, boundaries, analysis, placed.infos, placed.leaf_of, list(groups), covered, real=real)
+    uses = dict(flow.varying_uses)
+    for key, axes in (varying_uses or {}).items():
+        uses[key] = uses.get(key, frozenset()) | axes
+    param_steps = lower_parameter_conversions(placed, specs, analysis, groups, uses)
+    dtypes = {leaf: model.get_parameter(leaf).dtype for leaf in placed.infos}
     return Program(
         mesh=mesh,
-        boundaries=lower_boundaries(planned, specs, analysis, groups),
+        boundaries=boundaries,
         infos=placed.infos,
         leaf_of=placed.leaf_of,
-        param_steps=lower_parameter_conversions(placed, specs, analysis, groups),
+        param_steps=param_steps,
         groups=groups,
-        dtypes={leaf: model.get_parameter(leaf).dtype for leaf in placed.infos},
+        dtypes=dtypes,
+        param_buckets=bucket_parameter_conversions(param_steps, placed.infos, dtypes),
+        dataflow_skipped="" if varying_uses is not None else flow.skipped,
     )
 
 
-def build_program(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> Program:
+def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> tuple[dict[str, frozenset[str]], str]:
+    """(``compile.dataflow``'s varying uses of ``model``'s parameters traced on ``model`` itself —
+    real tensors, for a private probe copy whose forward cannot run on meta —, why not if it failed)."""
+    program = _build(model, as_plan(plan), mesh, run_lint=False, real=True)
+    uses: dict[str, frozenset[str]] = {}
+    for key, steps in program.param_steps.items():
+        axes = frozenset(s.axis for s in steps if s.name == "copy_to")
+        if axes:
+            uses[key] = axes
+    return uses, program.dataflow_skipped
+
+
+def build_program(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *,
+                  varying_uses: Mapping[str, frozenset[str]] | None = None) -> Program:
     """Compile ``plan`` for ``model`` on ``mesh`` (the passes above).  Reads ``model`` and
-    ``plan``; communicates nothing; raises ``PlanError``/``ShapeError`` naming the culprit."""
-    return _build(model, as_plan(plan), mesh, run_lint=True)
+    ``plan``; communicates nothing; raises ``PlanError``/``ShapeError`` naming the culprit.
+    ``varying_uses`` (leaf key → axes): what a trace of a real probe copy found, for a model whose
+    forward cannot run on meta tensors (``shard()`` passes it)."""
+    return _build(model, as_plan(plan), mesh, run_lint=True, varying_uses=varying_uses)
 
 
 def lint(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> list[Finding]:

@@ -6,18 +6,24 @@ becomes ``Step``s through the one table (``core.lowering.lower``), once.
 * ``lower_parameter_conversions``: per leaf, the steps from its storage placement to its use
   (replicated parameters used by rank-varying compute: identity / all-reduce; a Rowwise bias:
   Replicate → Partial).  Tied parameters must be used alike.
+* ``bucket_parameter_conversions``: the leaves whose only steps are ``copy_to`` run together,
+  one all-reduce per bucket and axis in the backward instead of one per parameter.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch.distributed.tensor import Placement, Replicate
 
+from ..core.buckets import BUCKET_BYTES, plan_buckets
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.lowering import Step, lower
-from ..core.program import Boundary, Planned
+from ..core.placement import ShardInfo
+from ..core.program import Boundary, ParamBucket, Planned
 from ..plan.styles import ModuleSpec
 from .place import Placed, declared
 from .regions import Varying, consumer_axes
@@ -71,16 +77,19 @@ def lower_boundaries(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec]
 
 
 def lower_parameter_conversions(placed: Placed, specs: Mapping[str, ModuleSpec], analysis: Mapping[str, Varying],
-                                groups: Mapping[str, AxisGroup]) -> dict[str, list[Step]]:
-    """Leaf key → the steps from its storage placement to its use in the forward (only leaves with steps)."""
+                                groups: Mapping[str, AxisGroup], varying_uses: Mapping[str, frozenset[str]] | None = None
+                                ) -> dict[str, list[Step]]:
+    """Leaf key → the steps from its storage placement to its use in the forward (only leaves with
+    steps).  ``varying_uses``: leaf key → axes on which ``compile.dataflow`` saw rank-varying data
+    reach it, wherever its module sits (added to what the module tree decides)."""
     param_steps: dict[str, list[Step]] = {}
     for name, leaf in placed.leaf_of.items():
         owner = placed.owners[name]
         stored = placed.infos[leaf].axes
         found = declared(name, owner, specs)
         used = {**stored, **(found[0].param_dst.get(found[1], {}) if found else {})}
-        steps = tensor_steps(stored, used, groups, consumer=consumer_axes(owner.module, analysis), src_varying=set(),
-                             where=f"parameter {name}")
+        consumer = consumer_axes(owner.module, analysis) | set((varying_uses or {}).get(leaf, ()))
+        steps = tensor_steps(stored, used, groups, consumer=consumer, src_varying=set(), where=f"parameter {name}")
         if leaf in param_steps and _signature(param_steps[leaf]) != _signature(steps):
             raise PlanError(f"tied parameter {name} is used with different conversions by its modules")
         param_steps[leaf] = steps
@@ -89,3 +98,21 @@ def lower_parameter_conversions(placed: Placed, specs: Mapping[str, ModuleSpec],
 
 def _signature(steps: Sequence[Step]) -> list[tuple[str, str, str]]:
     return [(s.axis, s.forward, s.backward) for s in steps]
+
+
+def bucket_parameter_conversions(param_steps: Mapping[str, Sequence[Step]], infos: Mapping[str, ShardInfo],
+                                 dtypes: Mapping[str, torch.dtype], bucket_bytes: int = BUCKET_BYTES
+                                 ) -> tuple[ParamBucket, ...]:
+    """The leaves whose steps are all ``copy_to`` (one per axis), grouped by those axes, in
+    buckets of one dtype up to ``bucket_bytes`` (``core.buckets.plan_buckets``)."""
+    by_axes: dict[tuple[str, ...], list[str]] = {}
+    for key, steps in param_steps.items():
+        if steps and all(s.name == "copy_to" for s in steps):
+            by_axes.setdefault(tuple(s.axis for s in steps), []).append(key)
+    out = []
+    for axes, keys in by_axes.items():
+        index = {k: i for i, k in enumerate(keys)}
+        items = ((k, dtypes[k], math.prod(infos[k].local_shape) * dtypes[k].itemsize) for k in keys)
+        buckets = tuple(tuple(index[k] for k in b) for b in plan_buckets(items, bucket_bytes))
+        out.append(ParamBucket(tuple(keys), axes, buckets))
+    return tuple(out)

@@ -24,11 +24,13 @@ from ..plan.styles import ModuleSpec
 @dataclass(frozen=True)
 class Varying:
     """One planned module's analysis: ``varying`` axes of its compute; ``region`` the varying
-    axes on which it is a region; ``inside`` the region axes of the regions enclosing it."""
+    axes on which it is a region; ``inside`` the region axes of the regions enclosing it;
+    ``data`` the axes over which it splits the data its subtree computes on."""
 
     varying: frozenset[str]
     region: frozenset[str]
     inside: frozenset[str]
+    data: frozenset[str] = frozenset()  # ModuleSpec.data_axes: the data below is split over these
 
 
 def is_below(fqn: str, ancestor: str) -> bool:
@@ -58,12 +60,13 @@ def analyse_regions(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec],
             region = frozenset(a for a in varying if any(isinstance(d.get(a), Replicate) for d in spec.in_dst.values()))
         else:
             region = frozenset(varying) if spec.region else frozenset()
-        out[p.fqn] = Varying(frozenset(varying), region, inside)
+        out[p.fqn] = Varying(frozenset(varying), region, inside, frozenset(a for a in spec.data_axes if a in axes))
     return out
 
 
 def consumer_axes(module: str, analysis: Mapping[str, Varying]) -> set[str]:
     """The axes on which the compute that uses ``module``'s parameters differs per rank: the
-    module's own varying axes and those of every region enclosing (or being) it."""
+    module's own varying axes and those of every region, or data-splitting module (context
+    parallelism's root: ``ModuleSpec.data_axes``), enclosing (or being) it."""
     own = set(analysis[module].varying) if module in analysis else set()
-    return own.union(*(v.region for m, v in analysis.items() if module == m or is_below(module, m)))
+    return own.union(*(v.region | v.data for m, v in analysis.items() if module == m or is_below(module, m)))

@@ -57,6 +57,7 @@ class Step:
     axis: str
     forward: str  # collective in the forward ("all_gather(1)", "identity", ...)
     backward: str  # collective in the backward
+    name: str = ""  # the collective of core.collectives it applies ("copy_to", ...)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.fn(x)
@@ -64,7 +65,7 @@ class Step:
 
 def _step(op: Callable, g: C.AxisGroup, fwd: str, bwd: str, *args) -> Step:
     """A Step running ``op(x, *args, g)``."""
-    return Step(lambda x: op(x, *args, g), g.axis, fwd, bwd)
+    return Step(lambda x: op(x, *args, g), g.axis, fwd, bwd, op.__name__)
 
 
 def lower(

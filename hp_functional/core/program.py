@@ -45,6 +45,17 @@ class Boundary:
     varying: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class ParamBucket:
+    """Leaves whose only conversions are ``copy_to`` on ``axes`` (replicated parameters consumed by
+    rank-varying compute), applied together by ``core.buckets.copy_to_many``: ``buckets`` are
+    lists of indices into ``keys``, one all-reduce per bucket and axis in the backward."""
+
+    keys: tuple[str, ...]
+    axes: tuple[str, ...]
+    buckets: tuple[tuple[int, ...], ...]
+
+
 @dataclass
 class Program:
     """Everything ``build_program`` decided: placements, boundaries and parameter conversions."""
@@ -56,3 +67,7 @@ class Program:
     param_steps: dict[str, list[Step]]  # leaf key → conversions applied before the forward
     groups: dict[str, AxisGroup]
     dtypes: dict[str, torch.dtype]  # leaf key → dtype (for the cross-rank fingerprint)
+    # how apply_fn runs the copy_to-only conversions of param_steps: bucketed (param_steps still lists them all)
+    param_buckets: tuple[ParamBucket, ...] = ()
+    # why compile.dataflow could not trace the model ("" when it did): shard()'s probe then traces a real copy
+    dataflow_skipped: str = ""

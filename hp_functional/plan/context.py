@@ -16,9 +16,9 @@ Everything else (embeddings, norms, MLPs, the head) is per-token and runs unchan
 local chunk, so CP composes with the TP entries of the same plan on a ``(cp, tp)`` mesh and
 with data parallelism on ``(dp, cp)``.  The logits come back in the layout's order
 (``hpf.cp_unshard(out.logits, mesh, 1)`` gives global order).  Parameters are replicated over
-``cp`` and each rank's gradients are its tokens' share: sum them over the axis
-(``hpf.reduce_gradients(grads, info, mesh, axis="cp", op="sum")``, bucketed, as for data
-parallelism — or FSDP over the axis).
+``cp``; the root declares ``data_axes=(cp,)``, so every replicated parameter's gradient (each
+rank's tokens' share) is summed over ``cp`` inside ``apply_fn``'s backward, bucketed: the
+gradient of what ``apply_fn`` returns is its gradient.
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ class ContextParallelForward:
 
 def context_parallel_root(axis: str, layout: str, vocab_axis: str | None = None) -> Local:
     """The root entry a plan with ``cp_axis`` adds (``ShardingPlan.resolve``)."""
-    return Local(ContextParallelForward(axis, check_layout(layout), vocab_axis), varying=False, axis=axis)
+    return Local(ContextParallelForward(axis, check_layout(layout), vocab_axis), varying=False, axis=axis,
+                 data_axes=(axis,))
 
 
 def attention_patterns(model: nn.Module) -> list[str]:

@@ -75,7 +75,9 @@ class Local(Style):
     attributes such as head counts there.  ``varying=False``: ``fn`` computes the same on every
     rank apart from its children's boundaries and the collectives it calls (the loss-parallel
     root), so it is no region.  ``check``: True raises ``ReplicationError`` when a
-    Replicate output differs across ranks; a callable receives the error instead.
+    Replicate output differs across ranks; a callable receives the error instead.  ``data_axes``:
+    axes over which ``fn`` splits the data its children compute on (the context-parallel root):
+    the replicated parameters below get their gradients summed over them (``ModuleSpec``).
 
     Example — a sequence-parallel MLP that gathers and scatters the sequence itself::
 
@@ -101,6 +103,7 @@ class Local(Style):
     check: bool | OnMismatch = False
     varying: bool = True
     axis: str | None = None
+    data_axes: tuple[str, ...] = ()
 
     @property
     def named_axes(self) -> set[str]:
@@ -117,7 +120,7 @@ class Local(Style):
             params=_per_axis(self.params, axis, "params"), param_dst=_per_axis(self.param_dst, axis, "param_dst"),
             in_src=_per_axis(self.in_src, axis, "in_src"), in_dst=_per_axis(self.in_dst, axis, "in_dst"),
             out_src=_per_axis(self.out_src, axis, "out_src"), out_dst=_per_axis(self.out_dst, axis, "out_dst"),
-            varying=self.varying, region=self.varying, divide_attrs=self.divide_attrs,
+            varying=self.varying, region=self.varying, divide_attrs=self.divide_attrs, data_axes=self.data_axes,
         )
         return spec.spec(module, fqn, axis)
 

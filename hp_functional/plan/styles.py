@@ -71,6 +71,9 @@ class ModuleSpec(Style):
     ``summed_axes``: axes on which every rank feeds its own data through this module's sharded
     parameters (experts when ``ep`` shares ranks with ``dp``); their gradients arrive summed over
     the axis, recorded as ``ShardInfo.summed`` for ``reduce_gradients``.
+    ``data_axes``: axes over which the data this module's subtree computes on is split per rank
+    (context parallelism's sequence chunks): every replicated parameter below is consumed by
+    rank-varying compute there, so its gradient is summed over those axes in the backward.
     """
 
     params: Mapping[str, AxisPlacements] = field(default_factory=dict)
@@ -85,6 +88,7 @@ class ModuleSpec(Style):
     region: bool | None = None
     set_attrs: Mapping[str, int] = field(default_factory=dict)
     summed_axes: tuple[str, ...] = ()
+    data_axes: tuple[str, ...] = ()
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         """A ModuleSpec in a plan is used as written."""

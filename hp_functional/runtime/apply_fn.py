@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from ..core.buckets import copy_to_many
 from ..core.errors import PlanError
 from ..core.program import Program
 from .boundary import ConversionCache
@@ -35,7 +36,10 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
         store = skeleton.get_submodule(mod)._parameters
         slots.append((index[key], store, name, store[name]))
     slots = tuple(slots)
-    converted = tuple(i for i, s in enumerate(steps) if s)
+    bucketed = tuple((tuple(index[k] for k in b.keys), b.buckets, tuple(program.groups[a] for a in b.axes))
+                     for b in program.param_buckets)
+    in_bucket = {i for idx, _, _ in bucketed for i in idx}
+    converted = tuple(i for i, s in enumerate(steps) if s and i not in in_bucket)
     devices = frozenset({program.mesh.device_type, "meta"})  # meta: shapes only (explain, simulate)
 
     def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
@@ -44,11 +48,14 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
             _raise_shape(values, keys, shapes)
         if not {v.device.type for v in values} <= devices:
             _raise_device(values, keys, devices)
-        if converted:
+        if converted or bucketed:
             values = list(values)
             for i in converted:
                 for step in steps[i]:
                     values[i] = step(values[i])
+            for idx, buckets, groups in bucketed:  # copy_to-only conversions: one all-reduce per bucket
+                for i, v in zip(idx, copy_to_many([values[i] for i in idx], buckets, groups), strict=True):
+                    values[i] = v
         try:
             for i, store, name, _ in slots:
                 store[name] = values[i]

@@ -11,9 +11,10 @@ Phases (hyper_parallel's ``apply_sharding_plan`` without touching the model):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from torch import Tensor, nn
@@ -23,6 +24,7 @@ from ..compile.agree import agree
 from ..compile.build import build_program
 from ..core.placement import ShardInfo
 from ..core.program import Program
+from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan
 from .apply_fn import make_apply_fn
 from .boundary import ConversionCache, install_boundary
@@ -34,6 +36,7 @@ from .checkpoint import (
     neutralise_hf_checkpointing,
     resolve_checkpoint,
 )
+from .probe import probe_copy_or_reason, probe_varying_uses, run_probe
 from .skeleton import build_skeleton
 from .values import Values
 
@@ -50,6 +53,7 @@ class Runtime:
     template: nn.Module
     program: Program
     checkpoint: CheckpointPlan | None
+    checks: Mapping[str, str] = field(default_factory=dict)  # shard-time proof: what ran, what was skipped and why
 
     def build(self, program: Program | None = None, install: Installer | None = None) -> Callable:
         """A new ``apply_fn`` on a fresh skeleton (``program`` replaces this one's, e.g. with
@@ -87,7 +91,7 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
 def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
     seed: int | None = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
-    checkpoint: bool | Sequence[str] | Checkpoint | None = None,
+    checkpoint: bool | Sequence[str] | Checkpoint | None = None, verify: bool = True,
 ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
@@ -100,6 +104,11 @@ def shard(
     different weights raise ``PlanMismatchError`` naming the first tensor that differs.  A rank
     that does not arrive within ``agree_timeout`` seconds raises too (None: the process group's
     timeout).
+
+    ``verify`` (default True): the shard-time proof — the plan is run on a small private copy of
+    the model (one block of each kind, random init, a synthetic batch) against the same copy
+    unsharded, loss and every gradient, on the real ranks; a mismatch raises ``PlanError``
+    (``runtime.probe``; ``apply_fn.runtime.checks`` says what ran).  False skips it.
 
     ``weights`` (a safetensors file, a folder with ``model.safetensors`` or a sharded
     checkpoint's index): the values come from there, each rank reading only its slices (build
@@ -117,6 +126,32 @@ def shard(
     preserve_rng=...)``.  A pattern that matches no module raises ``PlanError``.
     """
     program = build_program(model, plan, mesh)
+    checks = {"dataflow": program.dataflow_skipped or "traced on meta tensors"}
+    probe, probe_uses = None, None
+    if verify and seed is not None:
+        probe, why = probe_copy_or_reason(model, seed, mesh_device(mesh))
+        checks["probe"] = why
+        if probe is not None and program.dataflow_skipped:  # trace the real copy instead (local, no collective)
+            probe_uses, uses, skipped = probe_varying_uses(probe, plan, mesh)
+            if not skipped:
+                program = build_program(model, plan, mesh, varying_uses=uses)
+                checks["dataflow"] = "traced on the probe's real copy"
+    apply_fn, params, infos = _shard(model, plan, mesh, program, weights, seed, agree_timeout, verify_values, checkpoint)
+    if probe is not None:
+        def shard_probe(m, p, msh, uses):
+            prog = build_program(m, p, msh, varying_uses=uses)
+            return _shard(m, p, msh, prog, None, 0, agree_timeout, False, False)
+        checks["probe"] = run_probe(probe, plan, mesh, shard_probe, probe_uses) or "exact on the probe copy"
+    elif "probe" not in checks:
+        checks["probe"] = "skipped: verify=False" if not verify else "skipped: seed=None (shapes only)"
+    apply_fn.runtime = dataclasses.replace(apply_fn.runtime, checks=checks)
+    return apply_fn, params, infos
+
+
+def _shard(model: nn.Module, plan, mesh: DeviceMesh, program: Program, weights, seed: int | None,
+           agree_timeout: float | None, verify_values: bool, checkpoint) -> tuple[Callable, dict[str, Tensor],
+                                                                                  dict[str, ShardInfo]]:
+    """``shard()`` after compiling: agree, slice, build the runtime."""
     blocks = resolve_checkpoint(model, checkpoint)
     if blocks is not None:
         check_recorded_outputs(model, "shard(checkpoint=...)", "drop checkpoint=")

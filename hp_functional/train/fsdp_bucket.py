@@ -94,6 +94,11 @@ class Bucket:
         self.keys = tuple(p.key for p in self.pieces)
         self.segment = sum(p.size for p in self.pieces)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        # replicated parameters consumed by rank-varying compute (every piece converted by copy_to on
+        # the same axes, as under context parallelism): one copy_to on the gathered buffer instead
+        signatures = {tuple((s.name, s.axis) for s in p.steps) for p in self.pieces}
+        shared = next(iter(signatures)) if len(signatures) == 1 else ()
+        self.copy_to = self.pieces[0].steps if shared and all(n == "copy_to" for n, _ in shared) else ()
 
     def unsharded_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the gathered parameters (what a rank holds while the group is gathered)."""
@@ -110,11 +115,13 @@ class Bucket:
         dtype = local.dtype
         full = GatherParams.apply(local, self.group, self.param_dtype or dtype, self.reduce_dtype or dtype,
                                   self.unreduced, self.sync)
+        for step in self.copy_to:
+            full = step(full)
         full = full.view(self.group.size, self.segment)
         out = []
         for piece in self.pieces:
             t = full[:, piece.start:piece.start + piece.size].reshape(-1, *piece.shape[1:])[:piece.shape[0]]
-            for step in piece.steps:
+            for step in () if self.copy_to else piece.steps:
                 t = step(t)
             out.append(t)
         return out

@@ -1,0 +1,231 @@
+"""Pass: which replicated parameters does rank-varying data reach — wherever they sit.
+
+The region analysis (``compile.regions``) sees the module tree: a replicated parameter gets its
+gradient summed over an axis when its module is planned and varying there, or sits inside a
+region.  A parameter used *between* planned modules escapes it: a per-head ``q_norm`` applied to
+the output of a colwise ``q_proj``, the learnable scalars of an activation on colwise-sharded
+features (Apertus' xIELU).  Each rank then computes only its share of that gradient.
+
+This pass follows the data instead.  One forward of a meta copy of the model (global shapes, a
+synthesized batch, nothing communicated) carries, per tensor, the set of mesh axes on which it
+differs per rank ("taint", JAX's varying type):
+
+* a parameter stored sharded on an axis is varying there, so is everything computed from it;
+* a planned module's output leaves varying on an axis where its boundary hands it on sharded
+  or partial, and invariant where it hands it on replicated (a rowwise all-reduce);
+* an input a boundary splits (``in_dst`` sharded) and the data below a data-splitting module
+  (``ModuleSpec.data_axes``) are varying on those axes.
+
+Every operation that takes a replicated parameter together with data varying on an axis makes
+that parameter's gradient a per-rank share there.  The result: per parameter FQN, the axes on
+which it is consumed by rank-varying compute, for ``lower_parameter_conversions``; a parameter
+consumed both by varying and by invariant compute on one axis is refused by name (one
+conversion cannot give both uses their gradient).  Where no batch can be synthesized, or the
+forward cannot run on meta tensors, ``trace_dataflow`` returns None with the reason, and
+``shard()``'s numeric probe is what checks the plan.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from ..core.errors import PlanError
+from ..core.placement import ShardInfo, splits
+from ..core.program import Boundary
+from ..plan.trace import _leaves
+from .reduce import Reduced, reduced_copy
+from .regions import Varying
+
+
+@dataclass(frozen=True)
+class Dataflow:
+    """The pass's result: ``varying_uses`` parameter FQN → axes on which rank-varying data
+    reaches it; ``skipped`` the reason when the forward could not be traced (else "")."""
+
+    varying_uses: dict[str, frozenset[str]]
+    skipped: str = ""
+
+
+def synthesize_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
+    """A tiny batch for a model that starts with an embedding (``input_ids`` [1, 8], or the first
+    positional argument), else None."""
+    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    if not isinstance(first, nn.Embedding):
+        return None
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    params = inspect.signature(model.forward).parameters
+    return ((), {"input_ids": ids}) if "input_ids" in params else ((ids,), {})
+
+
+#: collectives after which a boundary hands a value on identical on every rank of the axis
+_INVARIANT_AFTER = frozenset({"reduce_from", "gather_from", "leave_region", "reduce_from_replicas"})
+#: collectives after which a boundary hands a value on split across the ranks of the axis
+_VARYING_AFTER = frozenset({"split_to", "partial_from", "all_to_all", "reduce_scatter"})
+
+
+class _Taint(TorchFunctionMode):
+    """Carries each tensor's varying axes through every torch function.  Data is what derives
+    from the inputs; a value computed from parameters, buffers and constants alone
+    (``softplus(alpha) + beta``, ``1 + weight``) stays *parameter-derived*, tagged with its
+    parameters; when one meets data, ``varying`` records the axes of that data for them and
+    ``invariant`` the replicated axes on which it does not vary."""
+
+    def __init__(self, params: Mapping[int, tuple[str, frozenset[str]]], axes: Sequence[str]):
+        super().__init__()
+        self.params, self.axes = params, frozenset(axes)
+        self.data: dict[int, frozenset[str]] = {}  # tensor id -> varying axes
+        self.derived: dict[int, tuple[frozenset[str], frozenset[str]]] = {}  # id -> (params, their split axes)
+        self.keep: list[Tensor] = []
+        self.varying: dict[str, set[str]] = {}
+        self.invariant: dict[str, set[str]] = {}
+        self.scope: list[frozenset[str]] = [frozenset()]  # axes every value computed here varies on
+
+    def _kind(self, t: Tensor) -> tuple[frozenset[str], frozenset[str]] | None:
+        """(params, split axes) of a parameter-derived tensor, else None (data)."""
+        p = self.params.get(id(t))
+        return (frozenset({p[0]}), p[1]) if p else self.derived.get(id(t))
+
+    def of(self, obj) -> frozenset[str]:
+        """The varying axes of the data tensors in ``obj``."""
+        out: frozenset[str] = frozenset()
+        for t in _leaves(obj):
+            if isinstance(t, Tensor) and id(t) in self.data:
+                out |= self.data[id(t)]
+        return out
+
+    def set(self, obj, taint: frozenset[str]) -> None:
+        for t in _leaves(obj):
+            if isinstance(t, Tensor) and id(t) not in self.params:
+                self.keep.append(t)
+                self.derived.pop(id(t), None)
+                self.data[id(t)] = taint
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in _leaves((args, kwargs)) if isinstance(t, Tensor)]
+        data = [t for t in tensors if id(t) in self.data]  # derived from the inputs
+        derived = [k for t in tensors if (k := self._kind(t)) is not None]  # buffers and constants: neither
+        if not data and not derived:
+            return out
+        if not data:  # parameters (and constants) only: the result is parameter-derived too
+            params = frozenset().union(*(k[0] for k in derived))
+            split = frozenset().union(*(k[1] for k in derived))
+            for t in _leaves(out):
+                if isinstance(t, Tensor) and id(t) not in self.params:
+                    self.keep.append(t)
+                    self.derived[id(t)] = (params, split)
+            return out
+        met = self.of(data) | self.scope[-1] | frozenset().union(*(k[1] for k in derived))
+        for params, split in derived:
+            for key in params:
+                replicated = self.axes - split
+                self.varying.setdefault(key, set()).update(met & replicated)
+                self.invariant.setdefault(key, set()).update(replicated - met)
+        self.set(out, met)
+        return out
+
+
+def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: Mapping[str, Varying],
+                   infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str], axes: Sequence[str],
+                   covered: Mapping[str, set[str]], inputs: tuple[tuple, dict] | None = None, *,
+                   real: bool = False) -> Dataflow:
+    """The varying uses of every parameter (see the module docstring); raises ``PlanError`` for a
+    replicated parameter used both with varying and with invariant data on an axis that the
+    module tree does not already decide (``covered``: leaf → axes its conversions already have).
+    ``real``: run ``model`` itself on real tensors (a private probe copy) instead of a meta copy."""
+    inputs = inputs or synthesize_inputs(model)
+    if inputs is None:
+        return Dataflow({}, f"{type(model).__name__} does not start with an embedding: no batch to trace")
+    reduced = Reduced(model, {}) if real else reduced_copy(model)
+    twin = reduced.model
+    names = list(axes)
+    params: dict[int, tuple[str, frozenset[str]]] = {}
+    for name, prm in twin.named_parameters(remove_duplicate=False):
+        original = reduced.names.get(name, [name])
+        info = infos[leaf_of[original[0]]]
+        stored = frozenset(a for a, p in zip(names, info.placements, strict=True) if splits(p))
+        params.setdefault(id(prm), (name, stored))
+    mode = _Taint(params, names)
+    args, kwargs = (inputs if real else (_meta(inputs[0]), _meta(inputs[1])))
+    mode.set((args, kwargs), frozenset())
+    modules = dict(twin.named_modules())
+    hooked: dict[str, Boundary] = {}
+    for b in boundaries:  # one block of each kind stands for the others
+        path = _reduced_path(b.planned.fqn, reduced)
+        if path is not None and path in modules:
+            hooked.setdefault(path, b)
+    handles = [h for path, b in hooked.items() for h in _hooks(modules[path], b, analysis[b.planned.fqn], mode)]
+    try:
+        with torch.no_grad(), mode:
+            twin(*args, **kwargs)
+    except PlanError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - meta-hostile code: reported, the numeric probe checks instead
+        where = "real" if real else "meta"
+        return Dataflow({}, f"one forward on {where} tensors failed ({type(exc).__name__}: {str(exc)[:120]})")
+    finally:
+        for h in handles:
+            h.remove()
+    varying = {leaf_of[o]: v for k, v in mode.varying.items() for o in reduced.names.get(k, [k])}
+    invariant = {leaf_of[o]: v for k, v in mode.invariant.items() for o in reduced.names.get(k, [k])}
+    mixed = {k: (v & invariant.get(k, set())) - covered.get(k, set()) for k, v in varying.items()}
+    for key, both in mixed.items():
+        if both:
+            raise PlanError(f"parameter {key} is used both with data that differs per rank and with data that does not "
+                            f"on mesh axis {sorted(both)[0]!r}: no single conversion gives both uses their gradient; "
+                            "plan its module (e.g. NoParallel or a style that shards it) or keep it out of the "
+                            "sharded region")
+    return Dataflow({k: frozenset(v) for k, v in varying.items() if v})
+
+
+def _reduced_path(fqn: str, reduced: Reduced) -> str | None:
+    """The path in the reduced copy of original module ``fqn`` (None: its block was dropped, a
+    kept block of the same kind stands for it)."""
+    if not reduced.names or not fqn:
+        return fqn
+    for copy_name, originals in reduced.names.items():
+        for o in originals:
+            if o.startswith(fqn + ".") or o == fqn:
+                rest = o[len(fqn):]
+                if copy_name.endswith(rest):
+                    return copy_name[: len(copy_name) - len(rest)] if rest else copy_name
+    return None
+
+
+def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
+    """Hooks on one planned module of the twin: inside it, values vary on the axes its boundary
+    splits an input over and on its ``data_axes``; its output is invariant on an axis where the
+    boundary reduces or gathers it, varying where it splits it, else as computed."""
+    split_in = frozenset(s.axis for steps in b.in_steps.values() for s in steps if s.name in _VARYING_AFTER) | v.data
+    out_steps = [s for steps in b.out_steps.values() for s in steps]
+    reduced = frozenset(s.axis for s in out_steps if s.name in _INVARIANT_AFTER)
+    split_out = frozenset(s.axis for s in out_steps if s.name in _VARYING_AFTER)
+
+    def pre(_module, args, kwargs):
+        mode.scope.append(mode.scope[-1] | split_in)
+
+    def post(_module, args, kwargs, output):
+        mode.scope.pop()
+        out = output.view_as(output) if isinstance(output, Tensor) else output
+        mode.set(out, (mode.of(output) - reduced) | split_out)
+        return out
+
+    return (module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True))
+
+
+def _meta(obj):
+    if isinstance(obj, Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_meta(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _meta(v) for k, v in obj.items()}
+    return obj

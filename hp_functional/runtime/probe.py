@@ -1,0 +1,149 @@
+"""The shard-time numeric probe: the plan, run on a small private copy of the model, against the
+same copy unsharded — loss and every gradient — on the real ranks, before ``shard()`` returns.
+
+The copy (``probe_copy``) keeps the model's structure with each stack of blocks reduced to one
+block of each distinct kind (structure and layer type), seeded random values (meta-built models
+included), buffers recomputed by their modules' init; nothing of the user's weights or data is
+used.  ``run_probe`` shards it with the same plan on the same mesh, feeds both a tiny synthetic
+batch and compares.  A mismatch raises ``PlanError`` on every rank (every rank compares the same
+gathered numbers), naming the worst parameter.  The probe also lends its real copy to
+``compile.dataflow`` when the model's forward cannot run on meta tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from ..compile.build import varying_uses
+from ..compile.dataflow import synthesize_inputs
+from ..compile.reduce import Reduced, reduced_copy
+from ..core.errors import PlanError
+from ..core.gather import unshard
+from .loss import scalar_loss
+from .weights import recompute_buffers
+
+#: relative tolerance of the comparison (fp32; the sharded sums run in another order)
+TOLERANCE = 1e-4
+
+
+def probe_copy(model: nn.Module, seed: int, device: torch.device) -> Reduced:
+    """``compile.reduce.reduced_copy`` of ``model`` on ``device`` with seeded random values (unit-scale
+    activations; no module init needed) and its buffers recomputed by their modules' init."""
+    probe = reduced_copy(model)
+    twin = probe.model.eval()  # dropout off: the probe compares functions, not random draws
+    originals = dict(model.named_buffers())
+    buffers, missing = {}, []
+    for name, _ in twin.named_buffers():  # the model's own constants where it has them, else recomputed
+        b = originals.get(probe.original(name))
+        if b is not None and b.device.type != "meta":
+            buffers[name] = b.detach().clone().to(device)
+        else:
+            missing.append(name)
+    buffers |= recompute_buffers(twin, missing, device)
+    twin = twin.to_empty(device=device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in twin.parameters():
+            values = torch.rand(p.shape, generator=gen) + 0.5 if p.dim() < 2 else \
+                torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5
+            p.copy_(values.to(p.dtype))
+            p.requires_grad_(True)
+        for name, b in buffers.items():
+            owner, _, attr = name.rpartition(".")
+            twin.get_submodule(owner)._buffers[attr] = b
+    return Reduced(twin, probe.names, probe.renames)
+
+
+def probe_varying_uses(probe: Reduced, plan, mesh) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]], str]:
+    """``compile.dataflow`` on the probe's real copy: (its varying uses by the copy's FQNs, the same
+    by the original FQNs, why not if that forward failed too)."""
+    uses, skipped = varying_uses(probe.model, plan, mesh)
+    return uses, {o: axes for k, axes in uses.items() for o in probe.names.get(k, [k])}, skipped
+
+
+def _batch(model: nn.Module, mesh) -> dict | None:
+    """A tiny batch the model's forward takes (ids long enough for every context-parallel layout)."""
+    inputs = synthesize_inputs(model)
+    if inputs is None:
+        return None
+    seq = 8 * mesh.size()
+    ids = torch.randint(0, _vocab(model), (2, seq), generator=torch.Generator().manual_seed(0))
+    params = inspect.signature(model.forward).parameters
+    batch = {"input_ids": ids} if "input_ids" in params else {next(iter(params)): ids}
+    if "labels" in params:
+        batch["labels"] = ids
+    return batch
+
+
+def _vocab(model: nn.Module) -> int:
+    emb = next(m for m in model.modules() if isinstance(m, nn.Embedding))
+    return emb.num_embeddings
+
+
+def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[str, frozenset[str]] | None) -> str:
+    """Shard the probe copy (``shard_fn``: ``shard`` without the probe), run both on one batch and
+    compare loss and every gradient; returns why the comparison was skipped ("" when it ran) and
+    raises ``PlanError`` on a mismatch.  Collective: every rank calls it."""
+    model = probe.model
+    batch = _batch(model, mesh)
+    if batch is None:
+        return f"{type(model).__name__} does not start with an embedding: no batch to probe with"
+    batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
+    apply_fn, params, info = shard_fn(model, plan, mesh, varying)
+    out = apply_fn(params, **batch)
+    ref_out = model(**batch)
+    if getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
+        return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
+    loss, ref = scalar_loss(out), scalar_loss(ref_out)
+    keys = [k for k, v in params.items() if v.requires_grad]
+    grads = dict(zip(keys, torch.autograd.grad(loss, [params[k] for k in keys], allow_unused=True), strict=True))
+    grads = {k: torch.zeros_like(params[k]) if g is None else g for k, g in grads.items()}
+    full = unshard(grads, info)
+    ref_grads = dict(zip(keys, torch.autograd.grad(ref, [model.get_parameter(k) for k in keys], allow_unused=True),
+                         strict=True))
+    _compare(loss.detach(), ref.detach(), full, ref_grads, probe.names)
+    return ""
+
+
+def first_shape(out: object) -> tuple | None:
+    t = out if isinstance(out, Tensor) else getattr(out, "logits", None)
+    if t is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        t = out[0]
+    return tuple(t.shape) if isinstance(t, Tensor) else None
+
+
+def _compare(loss: Tensor, ref: Tensor, grads: Mapping[str, Tensor], ref_grads: Mapping[str, Tensor | None],
+             names: Mapping[str, list[str]]) -> None:
+    hint = ("shard(..., verify=False) skips this check, but the plan would then compute something other than the "
+            "model; docs/guarantees.md#exact-or-refused")
+    if not torch.allclose(loss.float(), ref.float(), rtol=TOLERANCE, atol=TOLERANCE):
+        raise PlanError(f"shard-time probe: on a random copy of the model the sharded loss {loss.item():.6g} differs from "
+                        f"the unsharded {ref.item():.6g}; the plan does not compute the model's function. {hint}")
+    worst, where = 0.0, ""
+    for key, g in grads.items():
+        r = ref_grads.get(key)
+        r = torch.zeros_like(g) if r is None else r
+        scale = max(r.abs().max().item() if r.numel() else 0.0, 1e-3)
+        err = (g.float() - r.float()).abs().max().item() / scale if g.numel() else 0.0
+        if err > worst:
+            worst, where = err, key
+    if worst > TOLERANCE * 10:
+        original = names.get(where, [where])[0]
+        raise PlanError(f"shard-time probe: on a random copy of the model the gradient of {original} differs from the "
+                        f"unsharded one by {worst:.2g} of its largest entry (the loss agrees); the plan gives that "
+                        f"parameter a wrong gradient. {hint}")
+
+
+def probe_copy_or_reason(model: nn.Module, seed: int, device: torch.device) -> tuple[Reduced | None, str]:
+    """``probe_copy``, or why the model cannot be copied and initialised for the probe."""
+    try:
+        return probe_copy(model, seed, device), ""
+    except PlanError as exc:
+        return None, f"no probe copy: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a model whose init cannot run privately: reported, not probed
+        return None, f"no probe copy: {type(exc).__name__}: {str(exc)[:160]}"
+

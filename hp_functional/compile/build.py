@@ -22,6 +22,7 @@ A new parallelism adds a pass here (or a transform over the result), not branche
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 
@@ -105,15 +106,17 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
         uses[key] = uses.get(key, frozenset()) | axes
     param_steps = lower_parameter_conversions(placed, specs, analysis, groups, uses)
     dtypes = {leaf: model.get_parameter(leaf).dtype for leaf in placed.infos}
+    infos = {k: dataclasses.replace(i, reduced=tuple(s.axis for s in param_steps.get(k, ()) if s.name == "copy_to"))
+             for k, i in placed.infos.items()}
     return Program(
         mesh=mesh,
         boundaries=boundaries,
-        infos=placed.infos,
+        infos=infos,
         leaf_of=placed.leaf_of,
         param_steps=param_steps,
         groups=groups,
         dtypes=dtypes,
-        param_buckets=bucket_parameter_conversions(param_steps, placed.infos, dtypes),
+        param_buckets=bucket_parameter_conversions(param_steps, infos, dtypes),
         dataflow_skipped="" if varying_uses is not None else flow.skipped,
     )
 

@@ -214,7 +214,9 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
     def post(_module, args, kwargs, output):
         mode.scope.pop()
         out = output.view_as(output) if isinstance(output, Tensor) else output
-        mode.set(out, (mode.of(output) - reduced) | split_out)
+        for t, o in zip(_leaves(output), _leaves(out), strict=True):  # each output as computed, then the boundary
+            if isinstance(t, Tensor) and id(t) in mode.data:
+                mode.set(o, (mode.data[id(t)] - reduced) | split_out)
         return out
 
     return (module.register_forward_pre_hook(pre, with_kwargs=True),

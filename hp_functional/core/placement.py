@@ -87,6 +87,8 @@ class ShardInfo:
     split: RowSplit | None = None  # functional FSDP: dim 0 of ``split.inner``'s local shard chunked over an axis
     summed: tuple[str, ...] = ()  # sharded axes whose ranks each feed their own data through this leaf (experts
     # when ``ep`` shares ranks with ``dp``): its gradient arrives already summed over them
+    reduced: tuple[str, ...] = ()  # replicated axes over which apply_fn's backward already sums this leaf's
+    # gradient (it is consumed by rank-varying compute there: TP regions, context parallelism)
 
     @property
     def axes(self) -> dict[str, Placement]:

@@ -94,7 +94,10 @@ def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[s
         return f"{type(model).__name__} does not start with an embedding: no batch to probe with"
     batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
     apply_fn, params, info = shard_fn(model, plan, mesh, varying)
-    out = apply_fn(params, **batch)
+    try:
+        out = apply_fn(params, **batch)
+    except PlanError as exc:  # a refusal of this batch (raised alike on every rank, before any collective)
+        return f"skipped: the plan refuses the probe's batch ({str(exc).splitlines()[0][:160]})"
     ref_out = model(**batch)
     if getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
         return "the output is laid out differently per rank and the model takes no labels: nothing to compare"

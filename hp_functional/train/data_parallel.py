@@ -68,6 +68,11 @@ def reduce_gradients(
     if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
         raise ValueError(f"reduce_gradients: bucket_bytes must be a positive int, got {bucket_bytes!r}")
     leaves = check_grads(grads, shard_info, "reduce_gradients")
+    owed = next((name for name, g, info in leaves if axis in info.reduced), None)
+    if owed is not None:
+        raise PlanError(f"reduce_gradients: the gradient of {owed} is already summed over mesh axis {axis!r} inside "
+                        f"apply_fn's backward (ShardInfo.reduced); reducing it again over {axis!r} would count it "
+                        f"{mesh.size(names.index(axis))} times; drop this call (context parallelism needs none)")
     summed = {}
     for name, g, info in leaves:
         p = info.axes.get(axis)

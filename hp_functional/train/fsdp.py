@@ -150,7 +150,7 @@ def split_info(info: ShardInfo, mesh: DeviceMesh, axis: str) -> ShardInfo:
     mine = _StridedShard(0, split_factor=factor) if later else Shard(0)
     placements = tuple(mine if n == axis else inner.get(n, Replicate()) for n in names)
     return ShardInfo(placements, mesh, info.global_shape, torch.Size((rows, *info.local_shape[1:])),
-                     (info.offset[0] + start, *info.offset[1:]), info.aliases, None, split, info.summed)
+                     (info.offset[0] + start, *info.offset[1:]), info.aliases, None, split, info.summed, info.reduced)
 
 
 @dataclass(frozen=True)

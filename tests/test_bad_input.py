@@ -189,7 +189,7 @@ def test_apply_fn_params_on_another_device_type_than_the_mesh():
     from hp_functional.runtime.apply_fn import make_apply_fn
 
     infos = {"weight": SimpleNamespace(local_shape=(2, 2))}
-    program = SimpleNamespace(infos=infos, leaf_of={"weight": "weight"}, param_steps={}, loss_parallel=None,
+    program = SimpleNamespace(infos=infos, leaf_of={"weight": "weight"}, param_steps={}, param_buckets=(), loss_parallel=None,
                       mesh=SimpleNamespace(device_type="cuda"))
     apply_fn = make_apply_fn(nn.Linear(2, 2, bias=False).to("meta"), program)
     with pytest.raises(hpf.PlanError, match=r"params\['weight'\] is on cpu, but the mesh's device type is cuda"):

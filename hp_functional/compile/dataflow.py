@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from ..core.errors import PlanError
 from ..core.placement import ShardInfo, splits
 from ..core.program import Boundary
+from ..core.signature import arg_slots, map_arguments
 from ..plan.trace import _leaves
 from .reduce import Reduced, reduced_copy
 from .regions import Varying
@@ -199,17 +200,34 @@ def _reduced_path(fqn: str, reduced: Reduced) -> str | None:
     return None
 
 
+def _axes_after(steps, names: frozenset[str]) -> frozenset[str]:
+    return frozenset(s.axis for s in steps if s.name in names)
+
+
 def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
-    """Hooks on one planned module of the twin: inside it, values vary on the axes its boundary
-    splits an input over and on its ``data_axes``; its output is invariant on an axis where the
-    boundary reduces or gathers it, varying where it splits it, else as computed."""
-    split_in = frozenset(s.axis for steps in b.in_steps.values() for s in steps if s.name in _VARYING_AFTER) | v.data
+    """Hooks on one planned module of the twin: each input enters as its boundary converts it
+    (invariant on an axis it is gathered or reduced over, varying on one it is split over);
+    everything inside varies on the module's ``data_axes``; each output leaves invariant on an
+    axis where the boundary reduces or gathers it, varying where it splits it, else as computed."""
+    ins = {k: (_axes_after(st, _INVARIANT_AFTER), _axes_after(st, _VARYING_AFTER)) for k, st in b.in_steps.items()}
     out_steps = [s for steps in b.out_steps.values() for s in steps]
-    reduced = frozenset(s.axis for s in out_steps if s.name in _INVARIANT_AFTER)
-    split_out = frozenset(s.axis for s in out_steps if s.name in _VARYING_AFTER)
+    reduced, split_out = _axes_after(out_steps, _INVARIANT_AFTER), _axes_after(out_steps, _VARYING_AFTER)
+
+    slots = arg_slots(module.forward, list(ins), b.planned.fqn) if ins else []
+
+    def entering(slot, t):
+        if not isinstance(t, Tensor) or id(t) not in mode.data:
+            return t
+        alias = t.view_as(t)
+        mode.set(alias, (mode.data[id(t)] - ins[slot.key][0]) | ins[slot.key][1])
+        return alias
 
     def pre(_module, args, kwargs):
-        mode.scope.append(mode.scope[-1] | split_in)
+        mode.scope.append(mode.scope[-1] | v.data)
+        if not slots:
+            return None
+        args, kwargs = map_arguments(slots, args, dict(kwargs), entering)
+        return tuple(args), kwargs
 
     def post(_module, args, kwargs, output):
         mode.scope.pop()

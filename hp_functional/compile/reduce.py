@@ -46,8 +46,13 @@ def _is_block_stack(container: nn.Module) -> bool:
 
 def reduced_copy(model: nn.Module) -> Reduced:
     """A meta copy of ``model`` whose ``ModuleList``/``ModuleDict`` stacks of blocks (children named
-    ``*Layer``/``*Block``) keep the first block of each kind, in order.  ``model`` is only read."""
+    ``*Layer``/``*Block``) keep the first block of each kind, in order, without the user's module
+    hooks.  ``model`` is only read."""
     twin = meta_copy(model)
+    for m in twin.modules():  # the user's hooks are the user's: a private check must not run them
+        for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks,
+                      m._forward_hooks_with_kwargs, m._forward_pre_hooks_with_kwargs, m._forward_hooks_always_called):
+            hooks.clear()
     renames: list[tuple[str, tuple[str, ...]]] = []  # (copy prefix, every original prefix it stands for)
     for path, container in list(twin.named_modules()):
         if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or not _is_block_stack(container):

@@ -106,6 +106,9 @@ def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[s
     grads = dict(zip(keys, torch.autograd.grad(loss, [params[k] for k in keys], allow_unused=True), strict=True))
     grads = {k: torch.zeros_like(params[k]) if g is None else g for k, g in grads.items()}
     full = unshard(grads, info)
+    for k, i in info.items():  # every rank fed the same batch through leaves summed over an axis (experts on dp ranks)
+        for axis in i.summed:
+            full[k] = full[k] / mesh.size(mesh.mesh_dim_names.index(axis))
     ref_grads = dict(zip(keys, torch.autograd.grad(ref, [model.get_parameter(k) for k in keys], allow_unused=True),
                          strict=True))
     _compare(loss.detach(), ref.detach(), full, ref_grads, probe.names)

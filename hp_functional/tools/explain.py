@@ -179,8 +179,10 @@ def explain(
             params = {k: v.detach().to(dtype).requires_grad_(v.requires_grad) for k, v in params.items()}
         axes = {g.group_name: axis for axis, g in program.groups.items()}
         # the parameter conversions run first, one autograd node per step of a parameter needing grad
+        bucketed = {k for b in program.param_buckets for k in b.keys}
         flat = [(key.rpartition(".")[0], s.backward) for key in program.infos if params[key].requires_grad
-                for s in program.param_steps.get(key, ())]
+                and key not in bucketed for s in program.param_steps.get(key, ())]
+        flat += [("(parameters)", "all_reduce") for _ in program.param_buckets]  # then one node per bucketed group
         clock = ModuleClock({b.planned.fqn for b in program.boundaries})
         recorder = CollectiveRecorder(clock, axes, flat, torch._C._autograd._get_sequence_nr())
         try:

@@ -1,0 +1,163 @@
+"""Issue 30: the gradient of what ``apply_fn`` returns is its gradient, on the models where it
+was silently wrong, and the shard-time proof (dataflow pass + numeric probe) refuses what it
+cannot make exact.
+
+* Apertus (xIELU's learnable scalars on colwise-sharded features), Param2MoE and Sarvam-MoE
+  (``q_norm``/``k_norm`` on sharded heads; their MoE forward cannot run on meta tensors, so the
+  dataflow runs on the probe's real copy) with HF's own plans at tp 2 and tp 4;
+* GLM4 under context parallelism: ``torch.func.grad`` of the loss is the full gradient, with
+  no ``reduce_gradients`` call, and the cp reduction is one bucketed all-reduce, not one per
+  parameter;
+* the probe refuses a plan whose gradients are wrong (the dataflow pass switched off on purpose)
+  on every rank, naming the parameter; ``verify=False`` then shows that those gradients really
+  are wrong.
+Each: loss and every gradient vs the unsharded model, ``.backward()`` and ``torch.func.grad``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad_and_value
+
+import hp_functional as hpf
+from tests.conftest import get_pool
+from tests.helpers import assert_close, mesh, rank, world
+
+FAMILIES = {
+    "apertus": {},
+    "param2moe": {},
+    "sarvam_moe": {},
+}
+
+
+def _config(family: str, **overrides):
+    from transformers import AutoConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0)
+    kw.update(overrides)
+    config = AutoConfig.for_model(family, **kw)
+    config._attn_implementation = "eager"
+    return config
+
+
+def _model(family: str, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, **overrides))
+    with torch.no_grad():  # non-trivial scalars and norm weights, so their gradients are really checked
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _ids(seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _check(apply_fn, params, info, model, kwargs) -> dict[str, float]:
+    """Loss and every gradient under .backward() and torch.func.grad vs the unsharded model."""
+    ref = model(**kwargs)
+    ref.loss.backward()
+    ref_grads = {k: p.grad for k, p in model.named_parameters()}
+    out = apply_fn(params, **kwargs)
+    out.loss.backward()
+    backward = {k: p.grad for k, p in params.items()}
+    functional, loss = grad_and_value(lambda p: apply_fn(p, **kwargs).loss)(params)
+    diffs = {"loss": assert_close(loss.detach(), ref.loss.detach(), "loss")}
+    for label, grads in (("backward", backward), ("grad", functional)):
+        full = hpf.unshard(grads, info)
+        diffs[label] = max(assert_close(full[k], g, f"{label} grad {k}") for k, g in ref_grads.items())
+    return diffs
+
+
+def case_family_tp(family: str):
+    model = _model(family)
+    m = mesh((world(),), ("tp",))
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m)
+    checks = apply_fn.runtime.checks
+    assert checks["probe"] == "exact on the probe copy", checks
+    ids = _ids()
+    return {**_check(apply_fn, params, info, model, dict(input_ids=ids, labels=ids)), **checks}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_replicated_parameters_in_sharded_regions(pool, family):
+    out = pool.run(case_family_tp, family)[0]
+    print(family, pool.world, out)
+    if family != "apertus":  # their MoE forward does not run on meta tensors: traced on the probe's real copy
+        assert out["dataflow"] == "traced on the probe's real copy", out
+
+
+def case_cp_gradient(family: str):
+    model = _model(family)
+    m = mesh((world(),), ("cp",))
+    plan = hpf.ShardingPlan.from_hf(model, cp_axis="cp")
+    apply_fn, params, info = hpf.shard(model, plan, m)
+    ids = _ids(8 * world())
+    diffs = _check(apply_fn, params, info, model, dict(input_ids=ids, labels=ids))
+    # the cp reduction: one bucketed all-reduce in the backward, not one per parameter
+    e = hpf.explain(model, plan, m, input_ids=ids, labels=ids)
+    rows = [r for r in e.schedule.rows if r.axis == "cp" and r.op == "all_reduce" and r.direction == "bwd"]
+    diffs["cp all_reduce bwd"] = len(rows)
+    diffs["parameters"] = len(params)
+    return diffs
+
+
+def test_context_parallel_gradient_is_the_gradient(pool):
+    out = pool.run(case_cp_gradient, "glm4")[0]
+    print(f"glm4 cp {pool.world}: {out}")
+    assert out["cp all_reduce bwd"] == 1 < out["parameters"], out
+
+
+def case_probe_refuses(family: str):
+    """The dataflow pass switched off (as if it had missed the parameters): the probe refuses the
+    plan on every rank; with verify=False the gradients are indeed wrong."""
+    from hp_functional.compile import build
+    from hp_functional.compile.dataflow import Dataflow
+
+    model = _model(family)
+    m = mesh((world(),), ("tp",))
+    plan = hpf.ShardingPlan.from_hf(model)
+    original = build.trace_dataflow
+    build.trace_dataflow = lambda *a, **k: Dataflow({})
+    try:
+        with pytest.raises(hpf.PlanError) as refused:
+            hpf.shard(model, plan, m)
+        apply_fn, params, info = hpf.shard(model, plan, m, verify=False)
+    finally:
+        build.trace_dataflow = original
+    ids = _ids()
+    try:
+        _check(apply_fn, params, info, model, dict(input_ids=ids, labels=ids))
+        wrong = ""
+    except AssertionError as exc:
+        wrong = str(exc).splitlines()[0]
+    return str(refused.value), wrong, apply_fn.runtime.checks["probe"]
+
+
+def test_probe_refuses_a_wrong_gradient():
+    for message, wrong, probe in get_pool(2).run(case_probe_refuses, "apertus"):
+        assert "shard-time probe" in message and "act_fn.alpha" in message, message
+        assert "grad model.layers" in wrong and "act_fn.alpha" in wrong, wrong  # the gradient it refused is wrong
+        assert probe == "skipped: verify=False"
+
+
+def case_no_batch():
+    """A model that does not start with an embedding: the dataflow and the probe say why they
+    did not run (what the proof cannot see), and sharding still works."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    apply_fn, params, info = hpf.shard(model, {"0": hpf.Colwise(), "2": hpf.Rowwise()}, mesh((world(),), ("tp",)))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank() * 0))
+    assert_close(apply_fn(params, x), model(x), "output")
+    return apply_fn.runtime.checks
+
+
+def test_proof_reports_what_it_cannot_see():
+    checks = get_pool(2).run(case_no_batch)[0]
+    assert "does not start with an embedding" in checks["dataflow"], checks
+    assert "does not start with an embedding" in checks["probe"], checks

@@ -12,7 +12,10 @@ differs per rank ("taint", JAX's varying type):
 
 * a parameter stored sharded on an axis is varying there, so is everything computed from it;
 * a planned module's output leaves varying on an axis where its boundary hands it on sharded
-  or partial, and invariant where it hands it on replicated (a rowwise all-reduce);
+  or partial, and invariant where it reduces or gathers it (a rowwise all-reduce); a style with
+  a forward of its own (``Local``, ``Experts``: ``Style.own_forward``) hands its outputs on varying
+  only as its inputs did (its function communicates as it declares, which the module's own
+  forward traced here does not show);
 * an input a boundary splits (``in_dst`` sharded) and the data below a data-splitting module
   (``ModuleSpec.data_axes``) are varying on those axes.
 
@@ -229,12 +232,17 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
         args, kwargs = map_arguments(slots, args, dict(kwargs), entering)
         return tuple(args), kwargs
 
+    local = not b.planned.style.own_forward
+
     def post(_module, args, kwargs, output):
         mode.scope.pop()
         out = output.view_as(output) if isinstance(output, Tensor) else output
+        entered = mode.of((args, kwargs))
         for t, o in zip(_leaves(output), _leaves(out), strict=True):  # each output as computed, then the boundary
             if isinstance(t, Tensor) and id(t) in mode.data:
-                mode.set(o, (mode.data[id(t)] - reduced) | split_out)
+                # a Local's fn makes its outputs what it declares with its own collectives (the module's own
+                # forward traced here does not): they vary only as its inputs did, or where declared split
+                mode.set(o, ((entered if local else mode.data[id(t)]) - reduced) | split_out)
         return out
 
     return (module.register_forward_pre_hook(pre, with_kwargs=True),

@@ -195,6 +195,8 @@ class Experts(Style):
     >>> plan = hpf.ShardingPlan({"model.layers.*.mlp.experts": hpf.Experts()}, ep_axis="ep")
     """
 
+    own_forward = False
+
     capacity_factor: float | None = None
     on_drop: OnDrop | None = None
     tp_axis: str | None = None

@@ -91,6 +91,8 @@ class Local(Style):
     (``examples/local_attention.py``: tensor-parallel attention with the heads split by hand.)
     """
 
+    own_forward = False
+
     fn: LocalFn
     in_src: Mapping[Key, Layout] = field(default_factory=dict)
     in_dst: Mapping[Key, Layout] = field(default_factory=dict)

@@ -29,6 +29,9 @@ class Style:
 
     axis: str | None = None
     axis_role = "tp"
+    #: whether the local forward is the module's own forward (False: the style computes with a function
+    #: of its own, which communicates as its boundaries declare — ``Local`` and the styles built on it)
+    own_forward = True
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         raise NotImplementedError

@@ -92,7 +92,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     gib = 3 * ROWS * COLS * LAYERS * 4 / 2**30
     print("hash rate on one core, GB/s:", ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
-    print(f"hpf.save / hpf.load of {gib:.1f} GiB (params + AdamW moments) at world size 2 (CPU/gloo), median of 3, "
+    print(f"hpf.save / hpf.load of {gib:.2f} GiB (params + AdamW moments) at world size 2 (CPU/gloo), median of 3, "
           "checksums on vs off in the same run")
     print(f"{'op':>5} {'on s':>7} {'off s':>7} {'ratio':>6}")
     for op in ("save", "load"):

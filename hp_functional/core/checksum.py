@@ -13,7 +13,7 @@ import mmap
 import os
 
 ALGORITHM = "xxh3_64"
-_BLOCK = 64 << 20  # hashed 64 MiB of the map at a time
+_BLOCK = 64 << 20  # one memory-mapped window
 
 
 def digest(data: bytes | bytearray | memoryview) -> str:
@@ -25,7 +25,8 @@ def digest(data: bytes | bytearray | memoryview) -> str:
 
 def file_digest(path: str | os.PathLike, offset: int = 0, length: int | None = None) -> str:
     """The hex checksum of ``length`` bytes of ``path`` from ``offset`` (None: to the end), hashed
-    straight from the page cache through a read-only memory map (no copy); a file shorter than
+    straight from the page cache through read-only memory maps of 64 MiB at a time (no copy, and
+    at most one window resident: a rank's peak does not grow with the file); a file shorter than
     the range hashes what it has (its checksum then differs)."""
     import xxhash
 
@@ -33,12 +34,12 @@ def file_digest(path: str | os.PathLike, offset: int = 0, length: int | None = N
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         end = size if length is None else min(size, offset + length)
-        if end > offset:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for start in range(offset, end, _BLOCK):
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            with mmap.mmap(f.fileno(), min(end, start + _BLOCK) - base, offset=base, access=mmap.ACCESS_READ) as mm:
                 view = memoryview(mm)
                 try:
-                    for start in range(offset, end, _BLOCK):
-                        h.update(view[start:min(end, start + _BLOCK)])
+                    h.update(view[start - base:])
                 finally:
                     view.release()
     return h.hexdigest()

@@ -288,8 +288,11 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
             raise as_checkpoint_error(exc, "save") from None
         commit()
         return SaveHandle(path)
-    future = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(),
-                            process_group=_async_group(tuple(range(world))), async_stager=_Stager())
+    try:
+        future = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(),
+                                process_group=_async_group(tuple(range(world))), async_stager=_Stager())
+    except CheckpointException as exc:
+        raise as_checkpoint_error(exc, "save") from None
     _pending = SaveHandle(path, future, commit)
     return _pending
 
@@ -322,8 +325,8 @@ def _check_sizes(path: str, marker: dict) -> None:
     """The marker is this version's, and every file it lists has its recorded size."""
     if marker.get("format") != FORMAT:
         raise CheckpointError(f"load: {path} was saved in checkpoint format {marker.get('format')!r}; this version reads "
-                              f"format {FORMAT} (checksummed, extra without pickle) only: re-save it with the version "
-                              "that wrote it, or load it there")
+                              f"format {FORMAT} (checksummed, extra without pickle) only: load it with the version that "
+                              "wrote it and save it again with this one")
     for name, size in marker.get("files", {}).items():
         full = os.path.join(path, name)
         actual = os.path.getsize(full) if os.path.isfile(full) else None

@@ -264,8 +264,8 @@ def _mlp():
 def test_killed_rank_leaves_the_previous_checkpoint(crash_run):
     proc, root, log = crash_run
     assert proc.wait(timeout=120) != 0, log.read_text()
-    assert sorted(os.listdir(root)) == ["A", "B.partial"], os.listdir(root)
-    assert not (root / "B.partial" / MARKER).exists()
+    assert sorted(os.listdir(root)) == ["A", "B.hpf-partial"], os.listdir(root)
+    assert not (root / "B.hpf-partial" / MARKER).exists()
     assert latest(root) == str(root / "A")
     get_pool(2).run(case_load_mlp, str(root / "A"), make_mlp_state())
 

@@ -122,7 +122,7 @@ def _export_round_trip(folder: str, family: str, out: str) -> bool:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_hf_round_trips_through_from_pretrained(pool, saved, family, tmp_path):
     assert all(pool.run(_export_round_trip, saved[family][1]["parts"], family, str(tmp_path / "export")))
-    assert not (tmp_path / "export.partial").exists()
+    assert not (tmp_path / "export.hpf-partial").exists() and (tmp_path / "export" / "hpf_checksums.json").is_file()
 
 
 # ---------------------------------------------------------------- peak memory

@@ -3,7 +3,9 @@
 It reads ``config.json``, builds the model on the meta device (no memory), takes the plan the
 model declares (``ShardingPlan.from_hf``) unless one is given, and calls ``shard(...,
 weights=path)``, so each rank reads only its slices of the safetensors files.  Nothing is
-downloaded: ``path`` is a local folder (``save_pretrained``'s output).
+downloaded: ``path`` is a local folder (``save_pretrained``'s or ``export_hf``'s output); only
+files inside it are read, and ``export_hf``'s checksum manifest, when present, is verified
+(``config.json`` here, every tensor in ``open_weights``) before anything is used.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..core.errors import PlanError
 from ..core.placement import ShardInfo
 from ..plan.plan import ShardingPlan
 from .shard import shard
+from .weight_sums import verify_files
 
 
 def from_pretrained(
@@ -37,6 +40,7 @@ def from_pretrained(
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise PlanError(f"from_pretrained: {folder} has no config.json (expected a save_pretrained folder)")
+    verify_files(folder, ["config.json"])
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     dtype = torch_dtype or _config_dtype(config)
     with torch.device("meta"):

@@ -3,7 +3,9 @@
 ``open_weights(path)`` reads the headers of a single file, a folder with ``model.safetensors``
 or a sharded checkpoint (``model.safetensors.index.json`` + parts) — every rank reads every
 header, so a missing tensor, a wrong shape or a truncated file raises on every rank before any
-collective.  ``read_local`` then reads each leaf's boxes (``core.placement.boxes``) through
+collective; files are read only from inside the given folder (an index naming ``../x`` or an
+absolute path is refused), and a folder with ``export_hf``'s checksum manifest is verified
+tensor by tensor first (``weight_sums``).  ``read_local`` then reads each leaf's boxes (``core.placement.boxes``) through
 ``safe_open(...).get_slice``: a packed or vocab-parallel leaf is read as its slices, never whole,
 and a tied group is read once.  Why safetensors' own reader: it memory-maps the file and reads a
 slice without the rest, which is what makes a rank's peak its shards plus one slice.
@@ -24,6 +26,7 @@ from torch import Tensor, nn
 from ..core.errors import PlanError, ShapeError
 from ..core.placement import ShardInfo, boxes
 from ..core.program import Program
+from .weight_sums import inside, verify_safetensors
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -64,7 +67,9 @@ def _files_of(path: Path) -> list[Path]:
             weight_map = json.loads(path.read_text())["weight_map"]
         except (ValueError, KeyError) as exc:
             raise PlanError(f"weights {path}: not a safetensors index (a JSON object with 'weight_map'): {exc}") from exc
-        files = sorted({path.parent / f for f in weight_map.values()})
+        if not isinstance(weight_map, dict):
+            raise PlanError(f"weights {path}: its weight_map is not a JSON object")
+        files = sorted({inside(path.parent, f, f"weights {path}: weight_map entry {t!r}") for t, f in weight_map.items()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise PlanError(f"weights {path}: the index names files that do not exist: {missing[:3]}")
@@ -78,7 +83,9 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
     from safetensors import SafetensorError, safe_open
 
     files, shapes, dtypes = {}, {}, {}
-    for file in _files_of(Path(path)):
+    found = _files_of(Path(path))
+    verify_safetensors(Path(path) if Path(path).is_dir() else Path(path).parent, found)
+    for file in found:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)

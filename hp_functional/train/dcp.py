@@ -5,9 +5,12 @@ chunk per ``Box`` of ``boxes(info)`` (so packed and ``hpf.fsdp`` row-split layou
 cannot express, save like plain ones); DCP keeps one copy of a box that several ranks hold.
 ``load`` reads those chunks into the boxes of a *target* ``shard_info`` (any mesh, plan or world
 size: resharding is DCP's chunk overlap, not a gather).  A save is crash safe: it writes
-``<path>.partial``, and rank 0 renames it onto ``path`` once every rank has written and a
-completion marker is on disk (``latest`` only sees completed checkpoints).  Inverses side by side:
-``save``/``load``; docs/checkpoints.md has the layout, the guarantees and their limits.
+``<path>.hpf-partial``, and rank 0 renames it onto ``path`` once every rank has written and a
+completion marker, with every chunk's checksum, is on disk (``latest`` only sees completed
+checkpoints); it replaces or deletes only directories it made (``ckpt_files``).  ``load``
+executes nothing from disk and verifies every chunk before use (``ckpt_integrity``); ``extra`` is
+JSON plus tensors (``ckpt_extra``).  Inverses side by side: ``save``/``load``;
+docs/checkpoints.md has the layout, the guarantees, the trust model and their limits.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -35,12 +37,14 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from ..core.errors import CheckpointError, PlanError, ShapeError
 from ..core.placement import Box, ShardInfo, boxes
 from ..core.raw_collectives import mesh_device
+from . import ckpt_extra
+from .ckpt_files import OLD, SCRATCH, check_targets, prepare_scratch, replace_dir, untag
+from .ckpt_integrity import SummingWriter, VerifyingReader, as_checkpoint_error, marker_sums, parse_sums, read_metadata
 from .optim import state_info
 
 MARKER = "hpf_complete.json"  # written last, by rank 0: a directory without it is not a checkpoint
-PARTIAL, OLD = ".partial", ".old"  # <path>.partial while writing; <path>.old while replacing <path>
-EXTRA = "extra"  # rank r's extra is the byte item "extra/<r>"
-FORMAT = 1
+EXTRA = "extra"  # rank r's extra is the byte item "extra/<r>" (ckpt_extra's encoding)
+FORMAT = 2  # 1: pickled extra, no checksums (refused by load)
 
 
 class Loaded(NamedTuple):
@@ -87,7 +91,11 @@ class _SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, _Boxed) else obj  # else: extra's pickle
+        return obj.__get_tensor_shard__(index) if isinstance(obj, _Boxed) else obj  # else: extra's bytes
+
+    def transform_object(self, write_item: WriteItem, obj: Any) -> Any:
+        # the default one pickles byte items (torch.save): extra's bytes are written as they are
+        return io.BytesIO(obj) if write_item.type == WriteItemType.BYTE_IO else obj
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -103,6 +111,10 @@ class _LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
         return self.state_dict[index.fqn].__get_tensor_shard__(index)
+
+    def load_bytes(self, read_item, value) -> None:
+        # the default one unpickles them (weights_only=False): kept raw, decoded by ckpt_extra
+        self.state_dict[read_item.dest_index.fqn] = value.read()
 
 
 class _Stager(AsyncStager):
@@ -173,7 +185,10 @@ class SaveHandle:
             commit, self._commit = self._commit, None
             if _pending is self:
                 _pending = None
-            self._future.result()
+            try:
+                self._future.result()
+            except CheckpointException as exc:
+                raise as_checkpoint_error(exc, "save") from None
             commit()
         return self.path
 
@@ -201,15 +216,7 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
             status[0] = f"{what}: {type(exc).__name__}: {exc}"
     dist.broadcast_object_list(status, src=0)
     if status[0] is not None:
-        raise RuntimeError(status[0])
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        raise CheckpointError(status[0])
 
 
 def _write_synced(path: str, data: bytes) -> None:
@@ -219,46 +226,32 @@ def _write_synced(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _prepare(tmp: str) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save's leftovers
-    os.makedirs(tmp)
-
-
-def _commit(tmp: str, path: str, world: int) -> None:
-    """Rank 0, after every rank's data and DCP's .metadata are on disk: the marker, then the rename."""
+def _commit(tmp: str, path: str, world: int, writer: SummingWriter) -> None:
+    """Rank 0, after every rank's data and DCP's .metadata are on disk: the marker (file sizes and
+    every chunk's checksum), then the rename."""
+    untag(tmp)
     files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
-    marker = {"format": FORMAT, "time_ns": time.time_ns(), "world_size": world, "files": files}
+    marker = {"format": FORMAT, "time_ns": time.time_ns(), "world_size": world, "files": files,
+              "checksums": marker_sums(writer, tmp)}
     _write_synced(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
-    replace_dir(tmp, path)
-
-
-def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Make the finished directory ``tmp`` visible as ``path`` (a rename, synced); an existing
-    ``path`` is moved to ``<path>.old`` first (``os.replace`` cannot replace a non-empty
-    directory) and deleted after.  Used by ``save`` and ``export_hf``."""
-    tmp, path = os.fspath(tmp), os.fspath(path)
-    _fsync_dir(tmp)
-    old = path + OLD
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, path, MARKER, "checkpoint", "save")
 
 
 def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], *,
          opt_state: Any = None, extra: Any = None, async_save: bool = False) -> SaveHandle:
-    """Write ``params`` (and ``opt_state``, and this rank's picklable ``extra``) as a checkpoint of
-    global tensors at ``path``; a collective (every rank calls it).  Each rank writes its own boxes,
-    nothing is gathered.  ``async_save=True`` copies the shards to CPU memory, writes them in a
-    thread and returns a handle whose ``wait()`` every rank must call.  Inverse: ``load``."""
+    """Write ``params`` (and ``opt_state``, and this rank's ``extra``: JSON-like data and tensors,
+    see ``ckpt_extra``) as a checkpoint of global tensors at ``path``; a collective (every rank
+    calls it).  Each rank writes its own boxes, nothing is gathered.  ``path`` must be new, empty
+    or an earlier checkpoint (anything else: ``CheckpointError``, before anything is written).
+    ``async_save=True`` copies the shards to CPU memory, writes them in a thread and returns a
+    handle whose ``wait()`` every rank must call.  Inverse: ``load``."""
     global _pending
     path = os.fspath(path)
-    if path.endswith(PARTIAL) or path.endswith(OLD):
-        raise PlanError(f"save: {path!r} ends with {PARTIAL!r} or {OLD!r}, names reserved for checkpoints being written")
+    if path.endswith(SCRATCH) or path.endswith(OLD):
+        raise PlanError(f"save: {path!r} ends with {SCRATCH!r} or {OLD!r}, names reserved for checkpoints being written")
     if os.path.exists(path) and not os.path.isdir(path):
         raise PlanError(f"save: {path!r} exists and is not a directory")
+    check_targets(path, MARKER, "checkpoint", "save")
     _check_keys("save", params, shard_info)
     _check_mesh("save", shard_info)
     entries: dict[str, tuple[Tensor, ShardInfo]] = {}
@@ -275,25 +268,31 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
             if key in entries:
                 raise PlanError(f"save: optimizer key {key!r} collides with a parameter's name")
             entries[key] = (leaf, info)
-    buf = io.BytesIO()
-    torch.save(extra, buf)  # pickled now: an unpicklable extra fails before any collective, a later change is not saved
+    extra_bytes = ckpt_extra.encode(extra)  # now: an unstorable extra fails before any collective, a later change is not saved
     if _pending is not None:  # one async save at a time: finish the previous one first
         _pending.wait()
     rank, world = dist.get_rank(), dist.get_world_size()
-    tmp = path + PARTIAL
-    _on_rank0(lambda: _prepare(tmp), f"save: cannot create {tmp!r}")  # before any rank's DCP creates it again
+    tmp = path + SCRATCH
+    _on_rank0(lambda: prepare_scratch(tmp, MARKER, "save"), f"save: cannot create {tmp!r}")  # before any rank's DCP does
     state: dict[str, Any] = {k: _Boxed(t.detach(), boxes(info), info.global_shape) for k, (t, info) in entries.items()}
-    state[f"{EXTRA}/{rank}"] = buf.getvalue()  # a DCP byte item of this rank's own: its write errors are DCP's
+    state[f"{EXTRA}/{rank}"] = extra_bytes  # a DCP byte item of this rank's own: its write errors are DCP's
+    writer = SummingWriter(tmp)
 
     def commit() -> None:
-        _on_rank0(lambda: _commit(tmp, path, world), f"save: cannot complete {path!r}")
+        _on_rank0(lambda: _commit(tmp, path, world, writer), f"save: cannot complete {path!r}")
 
     if not async_save:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=_SavePlanner())
+        try:
+            dcp.save(state, storage_writer=writer, planner=_SavePlanner())
+        except CheckpointException as exc:
+            raise as_checkpoint_error(exc, "save") from None
         commit()
         return SaveHandle(path)
-    future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), planner=_SavePlanner(),
-                            process_group=_async_group(tuple(range(world))), async_stager=_Stager())
+    try:
+        future = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(),
+                                process_group=_async_group(tuple(range(world))), async_stager=_Stager())
+    except CheckpointException as exc:
+        raise as_checkpoint_error(exc, "save") from None
     _pending = SaveHandle(path, future, commit)
     return _pending
 
@@ -310,26 +309,34 @@ def _marker(path: str) -> dict | None:
 
 def latest(root: str | os.PathLike) -> str | None:
     """The newest complete checkpoint directly under ``root`` (newest by its marker's time), or
-    None; directories being written (``*.partial``) and without a marker are ignored."""
+    None; directories being written (``*.hpf-partial``) and without a marker are ignored."""
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
     found = []
     for name in os.listdir(root):
         full = os.path.join(root, name)
-        if not name.endswith(PARTIAL) and os.path.isdir(full) and (m := _marker(full)) is not None:
+        if not name.endswith(SCRATCH) and os.path.isdir(full) and (m := _marker(full)) is not None:
             found.append((m["time_ns"], full))
     return max(found)[1] if found else None
 
 
-def _check_files(path: str, marker: dict, metadata) -> None:
-    """Every file the marker lists has its recorded size, and every chunk .metadata references fits in its file."""
+def _check_sizes(path: str, marker: dict) -> None:
+    """The marker is this version's, and every file it lists has its recorded size."""
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(f"load: {path} was saved in checkpoint format {marker.get('format')!r}; this version reads "
+                              f"format {FORMAT} (checksummed, extra without pickle) only: load it with the version that "
+                              "wrote it and save it again with this one")
     for name, size in marker.get("files", {}).items():
         full = os.path.join(path, name)
         actual = os.path.getsize(full) if os.path.isfile(full) else None
         if actual != size:
             raise CheckpointError(f"load: {full} is {'missing' if actual is None else f'{actual} bytes'} but the checkpoint "
                                   f"recorded {size} bytes: a corrupt or partial copy")
+
+
+def _check_extents(path: str, metadata) -> None:
+    """Every chunk .metadata references fits in its file."""
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():  # FileSystemWriter's (relative_path, offset, length) records
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -369,8 +376,10 @@ def load(path: str | os.PathLike, shard_info: Mapping[str, ShardInfo], *, opt_st
     if marker is None:
         raise CheckpointError(f"load: {path} is an incomplete checkpoint (no marker {MARKER}): a save that did not "
                               "finish; use hpf.latest(root) to find the newest complete one")
-    metadata = FileSystemReader(path).read_metadata()  # a local file read, no collective
-    _check_files(path, marker, metadata)
+    _check_sizes(path, marker)  # local file reads from here to dcp.load, no collective
+    metadata = read_metadata(path, (marker.get("checksums") or {}).get("metadata"))
+    _check_extents(path, metadata)
+    sums = parse_sums(path, marker, metadata)
     if params is not None:
         _check_keys("load", params, shard_info)
     _check_mesh("load", shard_info)
@@ -395,8 +404,11 @@ def load(path: str | os.PathLike, shard_info: Mapping[str, ShardInfo], *, opt_st
     if extra_key not in metadata.state_dict_metadata:
         raise CheckpointError(f"load: {path} has no {extra_key!r} (saved by {marker.get('world_size')} ranks)")
     state_dict: dict[str, Any] = {**state, extra_key: None}
-    dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=_LoadPlanner())
-    extra = torch.load(io.BytesIO(state_dict[extra_key]), weights_only=False)  # the user's own pickle
+    try:  # every chunk is verified before it is used; a failure on any rank raises on every rank
+        dcp.load(state_dict, storage_reader=VerifyingReader(path, metadata, sums), planner=_LoadPlanner())
+    except CheckpointException as exc:
+        raise as_checkpoint_error(exc, "load") from None
+    extra = ckpt_extra.decode(state_dict[extra_key], f"load: {path}")
     loaded = {name: state[name].local for name in shard_info}
     new_opt = None if opt is None else optree.tree_unflatten(opt[1], [state[k].local for k in opt[0]])
     return Loaded(loaded, new_opt, extra)

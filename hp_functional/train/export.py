@@ -5,8 +5,10 @@ The inverse of ``hpf.from_pretrained``: full safetensors (``model.safetensors``,
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` reloads the unsharded model.  Each part is one
 bucket of ``core.gather.iter_full`` (a few collectives per part, never one per tensor), written
 by rank 0 and dropped before the next: no rank holds the whole model.  Rank 0 writes into
-``<out_dir>.partial`` and renames it onto ``out_dir`` when every part is written, so a crash
-leaves no half-written export; every rank returns once it is visible.
+``<out_dir>.hpf-partial``, then a checksum manifest of every file and tensor
+(``hpf_checksums.json``, verified by ``from_pretrained``), and renames it onto ``out_dir``, so a
+crash leaves no half-written export; every rank returns once it is visible.  An existing
+``out_dir`` is replaced only when it is empty or an earlier export (``ckpt_files``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import copy
 import json
 import os
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -26,8 +27,9 @@ from torch import Tensor, nn
 from ..core.errors import PlanError, ShapeError
 from ..core.gather import check_gatherable, iter_full, mesh_barrier, plan_buckets
 from ..core.placement import ShardInfo
+from ..runtime.weight_sums import MANIFEST, write_manifest
 from ..runtime.weights import read_buffers
-from .dcp import replace_dir
+from .ckpt_files import SCRATCH, check_targets, prepare_scratch, replace_dir, untag
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
@@ -71,21 +73,24 @@ def export_hf(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
     """Write the full model to ``out_dir`` as Hugging Face safetensors plus ``model.config``
     (a collective: call on every rank).  ``model`` gives the names and config (it may be on
     the meta device; meta persistent buffers are recomputed by their module's init);
-    ``dtype`` casts floating tensors on the way out.  Returns ``out_dir``."""
+    ``dtype`` casts floating tensors on the way out.  ``out_dir`` must be new, empty or an
+    earlier export (anything else: ``CheckpointError`` on every rank, before anything is
+    written).  Returns ``out_dir``."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     _check(params, shard_info, model)
+    check_targets(str(out), MANIFEST, "export", "export_hf")
     limit = parse_size(max_shard_size)
     buckets = plan_buckets(params, shard_info, limit)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     persistent = set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {n: b for n, b in read_buffers(None, model, torch.device("cpu")).items() if n in persistent}
     parts = len(buckets) + bool(buffers)
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(out.name + SCRATCH)
     if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        prepare_scratch(str(tmp), MANIFEST, "export_hf")
     weight_map, total = {}, 0
 
     def write(i: int, tensors: dict[str, Tensor]) -> None:
@@ -108,7 +113,9 @@ def export_hf(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         _write_configs(model, tmp, dtype)
-        replace_dir(tmp, out)
+        untag(str(tmp))
+        write_manifest(tmp)
+        replace_dir(tmp, out, MANIFEST, "export", "export_hf")
     mesh_barrier(next(iter(shard_info.values())).mesh)
     return out
 

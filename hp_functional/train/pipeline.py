@@ -39,7 +39,7 @@ from ..plan.plan import ShardingPlan
 from ..plan.styles import path_matches
 from ..runtime.shard import shard
 from .module import FunctionalModule
-from .pipeline_trace import RootOps, trace_root
+from .pipeline_trace import RootTrace, trace_root
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ def pipeline_split(model: nn.Module, num_stages: int, *, layers: Sequence[int] |
         raise PlanError(f"pipeline_split: layers={counts} must give each of the {num_stages} stages at least one of "
                         f"the {total} layers of {path!r}")
     at = points.index(path)
-    before, after = tuple(points[:at]), tuple(points[at + 1:])
-    ops = trace_root(model, before, path, after) if num_stages > 1 else RootOps((), ())
+    ops = trace_root(model, points, path) if num_stages > 1 else RootTrace(tuple(points[:at]), tuple(points[at + 1:]), (), ())
+    before, after = ops.before, ops.after
     starts = [sum(counts[:i]) for i in range(num_stages)]
     stages = [Stage(i, num_stages, path, tuple(range(s, s + c)), before if i == 0 else (),
                     after if i == num_stages - 1 else (),

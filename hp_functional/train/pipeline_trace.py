@@ -40,10 +40,13 @@ _HERE, _TORCH = str(Path(__file__).resolve()), str(Path(torch.__file__).resolve(
 
 
 @dataclass(frozen=True)
-class RootOps:
-    """The root forward's operations on the data outside the split modules: ``first`` run before
-    the first layer (the first stage's), ``last`` after the last layer (the last stage's)."""
+class RootTrace:
+    """Where the root forward calls the split points other than the layers (``before`` the first
+    layer, ``after`` the last, in call order) and its own operations on the data outside them:
+    ``first`` before the first layer (the first stage's), ``last`` after the last (the last stage's)."""
 
+    before: tuple[str, ...]
+    after: tuple[str, ...]
     first: tuple[str, ...]
     last: tuple[str, ...]
 
@@ -129,103 +132,140 @@ def _alias(t):
     return t.view_as(t) if isinstance(t, Tensor) else t
 
 
-def trace_root(model: nn.Module, before: Sequence[str], layers_path: str, after: Sequence[str]) -> RootOps:
-    """The root forward's extra operations by stage (``RootOps``), or a ``PlanError`` naming an
-    operation or input a stage boundary would get wrong.  ``model`` is only read."""
-    name = type(model).__name__
-    n = len(model.get_submodule(layers_path))
-    layer = [f"{layers_path}.{i}" for i in range(n)]
-    ends = {p: "first" for p in before} | {p: "last" for p in after}
-    tracer = _Tracer()
-    zone: dict[str, str] = {IDS: "first", **ends, layer[-1]: "last"}
-    found: dict[str, set[str]] = {"first": set(), "last": set()}
+class _Root:
+    """One traced forward's checks (``trace_root``): the hooks on the split modules of ``twin``."""
 
-    def zones(labels) -> set[str]:
-        out = set()
-        for x in labels:
-            if x in zone:
-                out.add(zone[x])
-            elif not _is_op(x):
-                out.add(x)  # a middle layer's output
-        return out
+    def __init__(self, name: str, points: Sequence[str], layers: Sequence[str]):
+        self.name, self.layers, self.tracer = name, list(layers), _Tracer()
+        self.zone: dict[str, str] = {IDS: "first"}  # label -> "first" / "last" (a middle layer: none)
+        self.order: list[str] = []  # the split points in call order (layers excluded)
+        self.found: dict[str, set[str]] = {"first": set(), "last": set()}
+        self.stack: list[str] = []  # the split modules running; left as it was where the forward raised
+        self.called = 0  # layers called so far
+        self.points = [p for p in points if p not in self.layers]
 
-    def refuse(what: str, labels) -> None:
+    def zones(self, labels) -> set[str]:
+        return {self.zone.get(x, x) for x in labels if not _is_op(x)}
+
+    def refuse(self, what: str, labels) -> None:
         ops = [x for x in labels if _is_op(x)]
         how = f"through {_shown(ops)} in the root forward" if ops else "directly"
-        source = _shown(x for x in labels if not _is_op(x))
-        raise PlanError(f"pipeline_split: in {name}'s forward, the {what} derives from {source} {how}; a stage "
+        source = _shown(x for x in labels if not _is_op(x)) or "nothing the previous stage hands on"
+        raise PlanError(f"pipeline_split: in {self.name}'s forward, the {what} derives from {source} {how}; a stage "
                         f"boundary would skip or misplace it. Only operations before the first layer (first stage) "
                         f"or after the last layer (last stage) can be placed: move it into a module, or split "
                         f"elsewhere with plan=[...]")
 
-    def check(path: str, args: tuple, kwargs: dict) -> None:
-        if path in layer:
-            i = layer.index(path)
-            x = _stream(args, kwargs)
-            if x is None:
-                raise PlanError(f"pipeline_split: {name}'s layer {path!r} takes no hidden states as its first argument "
-                                f"or hidden_states=, so a stage cannot hand it the previous stage's output")
-            got = tracer.of(x)
-            ok = zones(got) == {"first"} if i == 0 else got == {f"{layer[i - 1]}"}
-            if not ok:
-                refuse(f"input of layer {path!r}", got)
-            if i == 0:
-                found["first"].update(filter(_is_op, got))
-            for k, v in [*enumerate(args), *kwargs.items()]:
-                if v is not x and tracer.of(v):
-                    refuse(f"argument {k!r} of layer {path!r}", tracer.of(v))
-        else:
-            got = tracer.of((args, kwargs))
-            if zones(got) - {ends[path]}:
-                refuse(f"input of {path!r}", got)
-            found[ends[path]].update(filter(_is_op, got))
+    def check_layer(self, path: str, args: tuple, kwargs: dict) -> None:
+        i, x, of = self.layers.index(path), _stream(args, kwargs), self.tracer.of
+        if x is None:
+            raise PlanError(f"pipeline_split: {self.name}'s layer {path!r} takes no hidden states as its first argument "
+                            f"or hidden_states=, so a stage cannot hand it the previous stage's output")
+        if i != self.called:
+            raise PlanError(f"pipeline_split: {self.name}'s forward calls layer {path!r} out of order")
+        got = of(x)
+        if not (self.zones(got) == {"first"} if i == 0 else got == {self.layers[i - 1]}):
+            self.refuse(f"input of layer {path!r}", got)
+        if i == 0:
+            self.found["first"].update(filter(_is_op, got))
+        for k, v in [*enumerate(args), *kwargs.items()]:
+            if v is not x and of(v):
+                self.refuse(f"argument {k!r} of layer {path!r}", of(v))
+        self.called += 1
 
-    def pre(path):
-        def hook(module, args, kwargs):
-            if not tracer.depth:
-                check(path, args, kwargs)
-            tracer.depth += 1
-        return hook
+    def check_point(self, path: str, args: tuple, kwargs: dict) -> None:
+        if 0 < self.called < len(self.layers):
+            raise PlanError(f"pipeline_split: {self.name}'s forward calls {path!r} between its layers; a split point "
+                            f"runs before the first layer or after the last")
+        where = "first" if not self.called else "last"
+        got = self.tracer.of((args, kwargs))
+        if self.zones(got) - {where}:
+            self.refuse(f"input of {path!r}", got)
+        self.found[where].update(filter(_is_op, got))
+        self.zone[path] = where
+        self.order.append(path)
 
-    def post(path):
-        def hook(module, args, kwargs, output):
-            tracer.depth -= 1
-            if tracer.depth:
+    def hooks(self, twin: nn.Module) -> None:
+        def pre(path):
+            def hook(module, args, kwargs):
+                if not self.tracer.depth:
+                    (self.check_layer if path in self.layers else self.check_point)(path, args, kwargs)
+                self.tracer.depth += 1
+                self.stack.append(path)
+            return hook
+
+        def post(path):
+            def hook(module, args, kwargs, output):
+                self.tracer.depth -= 1
+                self.stack.pop()
+                if self.tracer.depth:
+                    return output
+                if path == self.layers[-1]:
+                    self.zone[path] = "last"
+                if isinstance(output, Tensor):
+                    output = _alias(output)
+                elif type(output) is tuple:
+                    output = tuple(_alias(o) for o in output)
+                    self.tracer.tag(output[1:], frozenset({f"{path} (other outputs)"}))
+                    self.tracer.tag(output[0], frozenset({path}))
+                    return output
+                self.tracer.tag(output, frozenset({path}))
                 return output
-            if isinstance(output, Tensor):
-                output = _alias(output)
-                tracer.tag(output, frozenset({path}))
-            elif type(output) is tuple:
-                output = tuple(_alias(o) for o in output)
-                tracer.tag(output[1:], frozenset({f"{path} (other outputs)"}))
-                tracer.tag(output[0], frozenset({path}))
-            else:
-                tracer.tag(output, frozenset({path}))
-            return output
-        return hook
+            return hook
 
-    twin = meta_copy(model)
-    for path in [*before, *layer, *after]:
-        m = twin.get_submodule(path)
-        m.register_forward_pre_hook(pre(path), with_kwargs=True)
-        m.register_forward_hook(post(path), with_kwargs=True)
-    fake = FakeTensorMode(allow_non_fake_inputs=True)  # HF skips its data-dependent checks on fake tensors
-    try:
-        with torch.no_grad(), fake, tracer:
+        for path in [*self.points, *self.layers]:
+            m = twin.get_submodule(path)
+            m.register_forward_pre_hook(pre(path), with_kwargs=True)
+            m.register_forward_hook(post(path), with_kwargs=True)
+
+    def run(self, twin: nn.Module) -> None:
+        """One forward of ``twin`` on fake ``input_ids`` (HF skips its data-dependent checks on
+        fake tensors), then the check of its output (the logits)."""
+        self.hooks(twin)
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), self.tracer:
             ids = torch.zeros((2, 4), dtype=torch.long, device="meta")
-            tracer.tag(ids, frozenset({IDS}))
+            self.tracer.tag(ids, frozenset({IDS}))
             out = twin(input_ids=ids, use_cache=False)
-    except PlanError:
-        raise
-    except Exception as exc:
-        raise PlanError(f"pipeline_split: could not trace {name}'s forward on meta tensors to check where its "
-                        f"operations run ({type(exc).__name__}: {exc})") from exc
-    logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
-    if logits is None and isinstance(out, (tuple, list)) and out:
-        logits = out[0]
-    got = tracer.of(logits)
-    if zones(got) != {"last"}:
-        refuse("output", got)
-    found["last"].update(filter(_is_op, got))
-    order = {op: i for i, op in enumerate(tracer.ops)}
-    return RootOps(*(tuple(op.rpartition(" #")[0] for op in sorted(found[z], key=order.get)) for z in ("first", "last")))
+        logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
+        if logits is None and isinstance(out, (tuple, list)) and out:
+            logits = out[0]
+        got = self.tracer.of(logits)
+        if self.zones(got) != {"last"}:
+            self.refuse("output", got)
+        self.found["last"].update(filter(_is_op, got))
+
+
+def _stub(*args, **kwargs) -> Tensor:
+    """A layer that returns a copy of its hidden states (the retry of a layer that fake tensors
+    cannot run: the root's operations are traced, not the layers')."""
+    return _stream(args, kwargs).clone()
+
+
+def trace_root(model: nn.Module, points: Sequence[str], layers_path: str) -> RootTrace:
+    """Where ``model``'s forward calls the split ``points`` and computes (``RootTrace``), or a
+    ``PlanError`` naming an operation or input a stage boundary would get wrong.  A layer that
+    fake tensors cannot run (a kernel without a meta implementation at this dtype) is replaced by
+    a copy of its hidden states and the trace run again.  ``model`` is only read."""
+    name = type(model).__name__
+    layers = [f"{layers_path}.{i}" for i in range(len(model.get_submodule(layers_path)))]
+    for stub in (False, True):
+        root, twin = _Root(name, points, layers), meta_copy(model)
+        if stub:
+            for path in layers:
+                twin.get_submodule(path).forward = _stub
+        try:
+            root.run(twin)
+            break
+        except PlanError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported below, or retried with the layers stubbed
+            if not stub and root.stack and root.stack[0] in layers:
+                continue
+            raise PlanError(f"pipeline_split: could not trace {name}'s forward on fake tensors to check where its "
+                            f"operations run ({type(exc).__name__}: {exc})") from exc
+    at = list(points).index(layers_path)  # a point the forward never called: where the module order puts it
+    first = [p for p in root.order if root.zone[p] == "first"] + [p for p in points[:at] if p not in root.order]
+    last = [p for p in root.order if root.zone[p] == "last"] + [p for p in points[at + 1:] if p not in root.order]
+    rank = {op: i for i, op in enumerate(root.tracer.ops)}
+    ops = [tuple(op.rpartition(" #")[0] for op in sorted(root.found[z], key=rank.get)) for z in ("first", "last")]
+    return RootTrace(tuple(first), tuple(last), *ops)

@@ -13,7 +13,11 @@ stage's blocks are copied (as meta placeholders) and only its parameters sliced 
 ``weights=``.  FQNs stay the full model's, so every stage's checkpoint together is the model.
 
 A stage runs the model's own forward: later stages receive ``inputs_embeds`` (so the embedding
-is skipped), earlier ones return the hidden states (their norm and head are identities).
+is skipped) and their first layer takes exactly that tensor; earlier stages stop after their
+last layer and return its output.  So a boundary lies between two layers, and the root
+forward's own operations before the first layer run on the first stage only, those after the
+last layer on the last stage only; ``pipeline_trace`` checks on fake tensors that there are no
+others (``Stage.root_ops`` names them; an operation between layers raises ``PlanError``).
 ``stage_module`` gives the ``nn.Module`` that ``torch.distributed.pipelining.PipelineStage``
 wraps, so torch's schedules (GPipe, 1F1B, ...) drive it.  Parameters tied across stages (the
 input embedding and the output head) are held by both end stages when the split declares

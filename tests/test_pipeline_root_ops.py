@@ -8,8 +8,9 @@ the first layer runs on the first stage only, and what it computes after the las
 last stage only).  Tiny Cohere (tied) and Granite (untied) at 2 stages, on (pp 2, tp 2) with the
 HF TP plan, (pp 2, dp 2) with ``hpf.fsdp``, and (pp 2, dp 1), under torch's ``Schedule1F1B`` and
 ``hpf.gpipe`` with ``torch.func.grad``: the last stage's loss and every gradient within 1e-5 of
-the unsharded model.  A root forward computing between two layers, or feeding a layer anything
-but the previous layer's output, is refused naming the operation, on every rank."""
+the unsharded model.  A root forward computing between two layers, feeding a layer anything
+but the previous layer's output, or picking a layer's inputs by the loop's index where a stage
+would start off the pattern, is refused naming the operation or argument, on every rank."""
 
 import pytest
 import torch
@@ -138,8 +139,10 @@ class Toy(nn.Module):
     def forward(self, input_ids=None, inputs_embeds=None, use_cache=None):
         e = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         h = e * 2.0 if self.mode == "ends" else e
-        for layer in self.layers:
-            h = layer(h, extra=e if self.mode == "embeddings to every layer" else None)
+        biases = [torch.zeros(8), torch.ones(8)]  # "alternating": the loop's index picks a layer's input
+        for i, layer in enumerate(self.layers):
+            extra = {"embeddings to every layer": e, "alternating": biases[i % 2]}.get(self.mode)
+            h = layer(h, extra=extra)
             if self.mode == "between layers":
                 h = torch.sigmoid(h)
         out = self.head(self.norm(h))
@@ -150,10 +153,12 @@ PLAN = ["embed", "layers", "norm", "head"]
 
 
 def case_toy():
-    """A root forward computing between two layers, or passing the embeddings to every layer, is
-    refused by name; one computing only before the first and after the last layer is exact."""
-    errors = plan_errors({mode: lambda mode=mode: hpf.pipeline_split(Toy(mode), 2, plan=PLAN)
-                          for mode in ("between layers", "embeddings to every layer")})
+    """A root forward computing between two layers, passing the embeddings to every layer, or
+    alternating the layers' inputs by the loop's index (split off the pattern) is refused by
+    name; one computing only before the first and after the last layer is exact."""
+    errors = plan_errors({mode: lambda mode=mode: hpf.pipeline_split(Toy(mode), 2, plan=PLAN, layers=[1, 3])
+                          for mode in ("between layers", "embeddings to every layer", "alternating")})
+    assert [s.layers for s in hpf.pipeline_split(Toy("alternating"), 2, plan=PLAN)] == [(0, 1), (2, 3)]
     torch.manual_seed(0)
     model = Toy("ends")
     m = mesh((2, 1), ("pp", "dp"))
@@ -171,5 +176,6 @@ def case_toy():
 def test_toy_root_ops_refused_or_exact():
     results = get_pool(2).run(case_toy)
     assert_errors([r[0] for r in results], {
-        "between layers": "sigmoid", "embeddings to every layer": "'embed'"})
+        "between layers": "sigmoid", "embeddings to every layer": "'embed'",
+        "alternating": "layer 1 gets other arguments (['extra']) than layer 0"})
     print([r[1] for r in results])

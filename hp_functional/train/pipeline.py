@@ -124,6 +124,7 @@ def pipeline_split(model: nn.Module, num_stages: int, *, layers: Sequence[int] |
     ops = trace_root(model, points, path) if num_stages > 1 else RootTrace(tuple(points[:at]), tuple(points[at + 1:]), (), ())
     before, after = ops.before, ops.after
     starts = [sum(counts[:i]) for i in range(num_stages)]
+    ops.check_offsets(type(model).__name__, starts, counts)
     stages = [Stage(i, num_stages, path, tuple(range(s, s + c)), before if i == 0 else (),
                     after if i == num_stages - 1 else (),
                     root_ops=(ops.first if i == 0 else ()) + (ops.last if i == num_stages - 1 else ()))

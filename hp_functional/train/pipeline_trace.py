@@ -49,6 +49,20 @@ class RootTrace:
     after: tuple[str, ...]
     first: tuple[str, ...]
     last: tuple[str, ...]
+    layer_args: tuple[tuple, ...] = ()  # per layer, what its other arguments are (``_Root.signature``)
+
+    def check_offsets(self, name: str, starts: Sequence[int], counts: Sequence[int]) -> None:
+        """A ``PlanError`` unless every stage's ``i``-th layer gets the arguments the model's
+        ``i``-th layer gets: a stage runs the root's loop over its own layers only, so a root that
+        picks a layer's inputs by the loop's index (Gemma 2's ``layer_types[i]`` masks) hands
+        layer ``start + i`` the inputs of layer ``i``."""
+        for start, count in zip(starts, counts, strict=True):
+            for i in range(count):
+                if self.layer_args and self.layer_args[start + i] != self.layer_args[i]:
+                    which = sorted({k for k, _ in self.layer_args[start + i] ^ self.layer_args[i]}, key=str)
+                    raise PlanError(f"pipeline_split: {name}'s layer {start + i} gets other arguments ({which}) than "
+                                    f"layer {i}, and a stage starting at layer {start} would run it as the loop's "
+                                    f"{i}-th layer; split where the layers' arguments repeat (layers=[...])")
 
 
 def _leaves(obj) -> list:
@@ -142,6 +156,8 @@ class _Root:
         self.found: dict[str, set[str]] = {"first": set(), "last": set()}
         self.stack: list[str] = []  # the split modules running; left as it was where the forward raised
         self.called = 0  # layers called so far
+        self.args: list[frozenset] = []  # per layer, its arguments other than the hidden states
+        self.seen: dict[int, int] = {}  # tensor id -> its number among the layers' arguments
         self.points = [p for p in points if p not in self.layers]
 
     def zones(self, labels) -> set[str]:
@@ -171,7 +187,20 @@ class _Root:
         for k, v in [*enumerate(args), *kwargs.items()]:
             if v is not x and of(v):
                 self.refuse(f"argument {k!r} of layer {path!r}", of(v))
+        self.args.append(frozenset((k, self.signature(v)) for k, v in [*enumerate(args), *kwargs.items()] if v is not x))
         self.called += 1
+
+    def signature(self, value) -> tuple:
+        """What a layer argument is, comparably across layers: each tensor by identity (the same
+        mask object for every layer, or one of several), other values by ``repr``."""
+        out = []
+        for leaf in _leaves(value):
+            if isinstance(leaf, Tensor):
+                self.tracer.keep.append(leaf)
+                out.append(self.seen.setdefault(id(leaf), len(self.seen)))
+            else:
+                out.append(repr(leaf) if isinstance(leaf, (int, float, str, bool, type(None))) else type(leaf).__name__)
+        return tuple(out)
 
     def check_point(self, path: str, args: tuple, kwargs: dict) -> None:
         if 0 < self.called < len(self.layers):
@@ -268,4 +297,4 @@ def trace_root(model: nn.Module, points: Sequence[str], layers_path: str) -> Roo
     last = [p for p in root.order if root.zone[p] == "last"] + [p for p in points[at + 1:] if p not in root.order]
     rank = {op: i for i, op in enumerate(root.tracer.ops)}
     ops = [tuple(op.rpartition(" #")[0] for op in sorted(root.found[z], key=rank.get)) for z in ("first", "last")]
-    return RootTrace(tuple(first), tuple(last), *ops)
+    return RootTrace(tuple(first), tuple(last), *ops, tuple(root.args))

@@ -1,4 +1,4 @@
-"""Where a model's root forward computes, relative to its split points: traced on meta tensors.
+"""Where a model's root forward computes, relative to its split points: traced on fake tensors.
 
 A pipeline stage hands its last decoder layer's output to the next stage, whose first layer
 takes it (``pipeline.StageLayers``).  So what the root forward computes on the data between the
@@ -6,7 +6,10 @@ embedding and the first layer runs on the first stage only, what it computes aft
 layer on the last stage only (Granite's embedding multiplier, Cohere's and Granite's logit
 scales), and that is exact.  What it computes *between* two layers, or a layer fed anything but
 the previous layer's output (the embeddings, values of ``input_ids``), would be skipped or wrong
-at a stage boundary: ``trace_root`` refuses it with a ``PlanError`` naming the operation.
+at a stage boundary: ``trace_root`` refuses it with a ``PlanError`` naming the operation.  A
+stage runs the root's loop over its own layers only, so the layers' other arguments (masks,
+positions) are recorded too: a split where a stage's ``i``-th layer would get other arguments
+than the model's ``i``-th layer is refused (``RootTrace.check_offsets``).
 
 The trace runs one forward of a meta copy of the model on fake ``input_ids`` under a
 ``TorchFunctionMode``.  Every tensor carries labels: ``input_ids``, the split-point module whose

@@ -102,9 +102,9 @@ def measure_size(size: Size, mesh, opts: argparse.Namespace, checkpoint_dir: str
     else:
         variants += [hf_tp_variant(model, checkpoint_dir, ids), megatron_variant(params, ids, model.config, mesh),
                      hf_megatron_variant(model, params, ids, mesh)]
-        if opts.compile != "none":
-            compiled, compile_info = compiled_variant(apply_fn, params, ids, opts.compile, a)
-            variants.insert(1, compiled)
+    if opts.compile != "none":  # at world size 1 too: compiled against model(...) (on a GPU, Inductor's kernels)
+        compiled, compile_info = compiled_variant(apply_fn, params, ids, opts.compile, a)
+        variants.insert(1 + (world == 1), compiled)
     runnable = [v for v in variants if v.step is not None]
     loss_delta = {v.key: abs(v.step().item() - reference) for v in runnable}
     warmup, steps = opts.warmup or (2 if size.name == "large" else 5), opts.steps or (12 if size.name == "large" else 30)
@@ -167,9 +167,15 @@ def report(results: dict[int, dict], opts: argparse.Namespace) -> None:
             for key in ORDER:
                 if key in rows:
                     print(_fmt_row(key, rows))
+            c = res["compile"]
+            compiled = (f"torch.compile(apply_fn, backend={c['backend']!r}): {c['graphs']} graph(s), {c['breaks']} graph "
+                        f"break(s), first step {c['seconds']:.1f} s; vs eager |dloss| {c['loss_diff']:.1e}, max |dgrad| "
+                        f"{c['grad_diff']:.1e}") if c else None
             if world == 1:
                 print(f"overhead budget: apply_fn / model(...) at a 1-sized tp axis = {ratio(rows, 'a', 'd')} (budget <= 1.15)")
                 print(f"dispatch only (no communication): hp_functional / DTensor = {ratio(rows, 'a', 'b')}")
+                if compiled:
+                    print(f"compiled apply_fn / model(...) = {ratio(rows, 'a+', 'd')}\n{compiled}")
                 continue
             print(f"hp_functional / DTensor  = {ratio(rows, 'a', 'b')}")
             print(f"hp_functional / HF TP    = {ratio(rows, 'a', 'c')}")
@@ -178,10 +184,8 @@ def report(results: dict[int, dict], opts: argparse.Namespace) -> None:
             print(f"hp_functional / Megatron collectives in HF modules = {by_hand} (apply_fn's own cost)")
             fg = ratio(rows, "a'", "b")
             print(f"hp_functional f/g plan / DTensor = {fg}")
-            c = res["compile"]
-            if c:
-                print(f"torch.compile(apply_fn, backend={c['backend']!r}): {c['graphs']} graph(s), {c['breaks']} graph break(s), "
-                      f"first step {c['seconds']:.1f} s; vs eager |dloss| {c['loss_diff']:.1e}, max |dgrad| {c['grad_diff']:.1e}")
+            if compiled:
+                print(compiled)
 
 
 def main(argv: list[str] | None = None) -> int:

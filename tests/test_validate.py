@@ -196,3 +196,45 @@ def test_bad_input_raises_before_any_collective(pool, states):
     errors = pool.run(case_bad_input, states)[0]
     assert "mode 'jax'" in errors[0] and "tolerance" in errors[1] and "loss_fn" in errors[2], errors
     assert "check_axes" in errors[3] and "mode='numeric'" in errors[4], errors
+
+
+def _local_attention():
+    """examples/local_attention.py as a module (hand-written TP attention with ``hpf.Local``)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "local_attention.py"
+    spec = importlib.util.spec_from_file_location("local_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def case_local_attention(states: dict, broken: bool):
+    """The example's plan on an eager Llama, whose attention returns its weights where the
+    ``Local`` returns None; ``broken``: the heads' partial sums declared Replicate, never reduced."""
+    example = _local_attention()
+    model = build_hf("llama", states["llama"])  # eager attention: output[1] is the attention weights
+    plan = example.attention_plan()
+    if broken:
+        attention = plan["model.layers.*.self_attn"]
+        plan["model.layers.*.self_attn"] = dataclasses.replace(attention, out_src={"output": Replicate()})
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(7))
+    report = validate(model, plan, mesh(), input_ids=ids, labels=ids)
+    return report.ok, str(report), [(d.name, d.what, d.ok, d.compared, d.note) for d in report.modules]
+
+
+def test_local_attention_without_weights_is_not_a_divergence(pool, states):
+    """issue 30 finding 6: the attention weights only the reference returns are "not compared",
+    not a divergence of max|Δ| inf; everything both sides return is compared, and a real
+    divergence of the same module is still reported."""
+    ok, text, rows = pool.run(case_local_attention, states, False)[0]
+    assert ok, text
+    skipped = [r for r in rows if not r[3]]
+    assert {(r[0], r[1]) for r in skipped} == {(f"model.layers.{i}.self_attn", "output[1]") for i in range(2)}, text
+    assert all(r[2] and "not compared: the sharded run returns no tensor" in r[4] for r in skipped), text
+    assert {(r[0], r[1]) for r in rows if r[3]} >= {(f"model.layers.{i}.self_attn", "output") for i in range(2)}, text
+    assert "2 outputs not compared" in text.splitlines()[0], text
+    ok, text, rows = pool.run(case_local_attention, states, True)[0]
+    failing = [(r[0], r[1]) for r in rows if not r[2]]
+    assert not ok and failing[0] == ("model.layers.0.self_attn", "output"), text

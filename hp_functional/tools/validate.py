@@ -118,7 +118,8 @@ class OutputRecorder:
         def record(module, args, out):  # a plain function: deepcopy keeps it, so the skeleton's copy records here too
             if self.target is not None:
                 call = sum(1 for f, _ in self.target if f == fqn)
-                self.target[(fqn, call)] = {k: v.detach().clone() for k, v in output_items(out) if isinstance(v, Tensor)}
+                self.target[(fqn, call)] = {k: v.detach().clone() if isinstance(v, Tensor) else None
+                                            for k, v in output_items(out)}
 
         return record
 
@@ -186,6 +187,7 @@ class _Entry(NamedTuple):
     reference: Tensor
     placements: dict[str, Placement] | None  # None: cannot be compared (``note`` says why)
     note: str
+    compared: bool = True  # False: one side returns no tensor here (an output its consumers ignore); not a failure
 
 
 class _Replica(NamedTuple):
@@ -269,7 +271,9 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
 
     rows: list[tuple[str, str, _Measured]] = []
     for e in entries:
-        if e.placements is None:
+        if not e.compared:
+            rows.append((e.fqn, e.what, _Measured(0.0, 0.0, True, e.note)))
+        elif e.placements is None:
             rows.append((e.fqn, e.what, _Measured(math.inf, math.inf, False, e.note)))
         else:
             m = _diff(to_full(e.local, [e.placements.get(a, Replicate()) for a in axes], [groups[a] for a in axes]),
@@ -291,7 +295,9 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
     values = torch.tensor([[m.max_abs, m.max_rel, float(not m.ok)] for _, _, m in rows]
                           + [[r.max_abs, r.differs, 0.0] for r in replicas], dtype=torch.float64, device=device).reshape(-1, 3)
     worst = _mesh_gather(values, groups, axes).amax(0).tolist()
-    diffs = [Diff(name, what, w[0], w[1], not w[2], m.note) for (name, what, m), w in zip(rows, worst, strict=False)]
+    skipped = {(e.fqn, e.what) for e in entries if not e.compared}
+    diffs = [Diff(name, what, w[0], w[1], not w[2], m.note, (name, what) not in skipped)
+             for (name, what, m), w in zip(rows, worst, strict=False)]
     mods, prms = diffs[:n_modules], diffs[n_modules:]
     mods = [d for d in mods if not d.ok] + sorted((d for d in mods if d.ok), key=lambda d: -d.max_rel)
     prms = sorted(prms, key=lambda d: (d.ok, -d.max_rel))
@@ -307,15 +313,29 @@ def _checking_locals(plan: ShardingPlan, on_mismatch: Callable[[ReplicationError
 
 
 def _entries(boundaries: dict[str, Boundary], ref_out: dict, local_out: dict, axes: list[str], groups) -> list[_Entry]:
-    """One ``_Entry`` per recorded output, in forward order."""
+    """One ``_Entry`` per recorded output, in forward order.  An output that one side returns as
+    no tensor (``None``: a ``Local`` attention returning no attention weights beside an eager
+    reference that does) is listed as not compared; the module's main output missing, or a module
+    that did not run in the sharded run, is a failure."""
     entries = []
     for (fqn, call), outs in ref_out.items():
-        b, got = boundaries[fqn], local_out.get((fqn, call), {})
-        for key, r in outs.items():
+        b, ran = boundaries[fqn], (fqn, call) in local_out
+        got = local_out.get((fqn, call), {})
+        for key in [*outs, *(k for k in got if k not in outs)]:
+            r, local = outs.get(key), got.get(key)
             what = ("output" if key == "output" else f"output[{key}]") + (f" (call {call})" if call else "")
-            local, placements, note = got.get(key), _out_placements(b, key, axes), "declared"
+            if r is None and local is None:
+                continue
+            if ran and key != "output" and (r is None or local is None):
+                side = "the sharded run" if local is None else "the unsharded model"
+                entries.append(_Entry(fqn, what, local, r, None, f"not compared: {side} returns no tensor here",
+                                      compared=False))
+                continue
+            placements, note = _out_placements(b, key, axes), "declared"
             if local is None:
                 placements, note = None, "missing in the sharded run"
+            elif r is None:
+                placements, note = None, "missing in the unsharded model"
             elif placements is None:
                 inferred = _infer(local, r, groups[b.planned.axis].size)
                 placements = None if inferred is None else {b.planned.axis: inferred}

@@ -49,6 +49,7 @@ class Diff:
     max_rel: float  # max_abs / max |reference|
     ok: bool
     note: str = ""  # placements used, or why it could not be compared
+    compared: bool = True  # False: one side returns no tensor for this output (e.g. no attention weights)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,9 @@ class ValidationReport:
         if self.ok and self.mode == "dtensor":
             return f"validate (dtensor): ok, {self.placements_checked} declared placements match DTensor propagation"
         if self.ok:
-            return f"validate ({self.mode}): ok, {len(self.modules)} module outputs and {len(self.params)} gradients match"
+            skipped = sum(not d.compared for d in self.modules)
+            return (f"validate ({self.mode}): ok, {len(self.modules) - skipped} module outputs and {len(self.params)} "
+                    f"gradients match" + (f" ({skipped} outputs not compared: one side returns no tensor)" if skipped else ""))
         parts = [str(e) for e in self.placement_mismatches[:1]] + self.replication[:1]
         if self.failed_modules:
             d = self.failed_modules[0]
@@ -120,6 +123,9 @@ class ValidationReport:
             lines.append(f"  {'':4} {'kind':6} {'name':<{width}} {'max|Δ|':>9} {'rel':>9}  note")
             for kind, d in rows:
                 label = d.name + ("" if kind == "grad" else " " + d.what)
+                if not d.compared:
+                    lines.append(f"  {'--':4} {kind:6} {label:<{width}} {'-':>9} {'-':>9}  {d.note}")
+                    continue
                 status = "ok" if d.ok else "FAIL"
                 lines.append(f"  {status:4} {kind:6} {label:<{width}} {d.max_abs:9.2e} {d.max_rel:9.2e}  {d.note}")
         lines += [f"  FAIL replica {r.param} on axis {r.axis!r}: max|Δ| between ranks {r.max_abs:.3g}"

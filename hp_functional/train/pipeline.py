@@ -13,7 +13,11 @@ stage's blocks are copied (as meta placeholders) and only its parameters sliced 
 ``weights=``.  FQNs stay the full model's, so every stage's checkpoint together is the model.
 
 A stage runs the model's own forward: later stages receive ``inputs_embeds`` (so the embedding
-is skipped), earlier ones return the hidden states (their norm and head are identities).
+is skipped) and their first layer takes exactly that tensor; earlier stages stop after their
+last layer and return its output.  So a boundary lies between two layers, and the root
+forward's own operations before the first layer run on the first stage only, those after the
+last layer on the last stage only; ``pipeline_trace`` checks on fake tensors that there are no
+others (``Stage.root_ops`` names them; an operation between layers raises ``PlanError``).
 ``stage_module`` gives the ``nn.Module`` that ``torch.distributed.pipelining.PipelineStage``
 wraps, so torch's schedules (GPipe, 1F1B, ...) drive it.  Parameters tied across stages (the
 input embedding and the output head) are held by both end stages when the split declares
@@ -23,6 +27,7 @@ input embedding and the output head) are held by both end stages when the split 
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -38,6 +43,7 @@ from ..plan.plan import ShardingPlan
 from ..plan.styles import path_matches
 from ..runtime.shard import shard
 from .module import FunctionalModule
+from .pipeline_trace import RootTrace, trace_root
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class Stage:
     held: tuple[str, ...] = ()
     tied: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()  # the split's modules this stage neither runs nor holds: identities in its view
+    root_ops: tuple[str, ...] = ()  # the root forward's own operations this stage runs (``pipeline_trace``)
 
     @property
     def is_first(self) -> bool:
@@ -114,10 +121,14 @@ def pipeline_split(model: nn.Module, num_stages: int, *, layers: Sequence[int] |
         raise PlanError(f"pipeline_split: layers={counts} must give each of the {num_stages} stages at least one of "
                         f"the {total} layers of {path!r}")
     at = points.index(path)
-    before, after = tuple(points[:at]), tuple(points[at + 1:])
+    ops = trace_root(model, points, path) if num_stages > 1 else RootTrace(tuple(points[:at]), tuple(points[at + 1:]), (), ())
+    before, after = ops.before, ops.after
     starts = [sum(counts[:i]) for i in range(num_stages)]
+    ops.check_offsets(type(model).__name__, starts, counts)
     stages = [Stage(i, num_stages, path, tuple(range(s, s + c)), before if i == 0 else (),
-                    after if i == num_stages - 1 else ()) for i, (s, c) in enumerate(zip(starts, counts, strict=True))]
+                    after if i == num_stages - 1 else (),
+                    root_ops=(ops.first if i == 0 else ()) + (ops.last if i == num_stages - 1 else ()))
+              for i, (s, c) in enumerate(zip(starts, counts, strict=True))]
     return _tie(model, stages, embedding_group)
 
 
@@ -152,27 +163,85 @@ def _tie(model: nn.Module, stages: list[Stage], embedding_group: bool) -> list[S
             raise PlanError(f"pipeline_split: stage {s.index} would hold {bad[0]!r} (tied) without running it; only "
                             "the input embedding, which later stages skip, can be held so")
         dropped = tuple(p for p in splits if p not in _runs(s) and p not in held)
-        out.append(Stage(s.index, s.num_stages, s.layers_path, s.layers, s.before, s.after, held, tied, dropped))
+        out.append(Stage(s.index, s.num_stages, s.layers_path, s.layers, s.before, s.after, held, tied, dropped,
+                         s.root_ops))
     return out
+
+
+class StageExit(Exception):  # noqa: N818 - control flow, not an error
+    """Raised after a non-last stage's last layer: its output is the stage's (``_stage_forward``)."""
+
+    def __init__(self, output: Tensor):
+        super().__init__()
+        self.output = output
+
+
+class _Boundary:
+    """A stage's first or last layer as the root forward calls it: ``entry`` (the previous
+    stage's output) replaces its hidden states; ``stop`` ends the forward with its output."""
+
+    def __init__(self, layer: nn.Module, entry: Tensor | None, stop: bool):
+        self.layer, self.entry, self.stop = layer, entry, stop
+
+    def __getattr__(self, name: str):  # the root may read the layer's attributes (attention_type)
+        return getattr(self.__dict__["layer"], name)
+
+    def __call__(self, *args, **kwargs):
+        if self.entry is not None:
+            args, kwargs = ((self.entry, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": self.entry})
+        out = self.layer(*args, **kwargs)
+        if self.stop:
+            raise StageExit(out if isinstance(out, Tensor) else out[0])
+        return out
 
 
 class StageLayers(nn.Module):
     """A stage's decoder layers under their global indices (``model.layers.5``): iterates, slices
-    and has a length like the model's ``ModuleList``; an int index is the global one."""
+    and has a length like the model's ``ModuleList``; an int index is the global one.  During a
+    stage's forward (``_stage_forward``) its first layer takes the previous stage's output
+    (``enter``) and its last ends the forward (``leave``): a stage boundary lies between two
+    layers, so the root's operations before the first layer and after the last run on the first
+    and the last stage only."""
 
-    def __init__(self, layers: Mapping[int, nn.Module]):
+    def __init__(self, layers: Mapping[int, nn.Module], enter: bool = False, leave: bool = False):
         super().__init__()
         for i, layer in layers.items():
             self.add_module(str(i), layer)
+        self.enter, self.leave = enter, leave
+        self.running, self.entry = False, None
+
+    def _calls(self) -> list:
+        calls: list = list(self._modules.values())
+        if self.running:
+            if self.enter:
+                calls[0] = _Boundary(calls[0], self.entry, False)
+            if self.leave:
+                calls[-1] = _Boundary(calls[-1], None, True)
+        return calls
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._modules.values())
+        return iter(self._calls())
 
     def __len__(self) -> int:
         return len(self._modules)
 
     def __getitem__(self, idx: int | slice):
-        return list(self)[idx] if isinstance(idx, slice) else self._modules[str(idx)]
+        return self._calls()[idx] if isinstance(idx, slice) else self._modules[str(idx)]
+
+
+def _stage_forward(self: nn.Module, *args, **kwargs):
+    """A stage view's forward: the model's own, its ``StageLayers`` running (see there); a
+    non-last stage returns its last layer's output (hidden states), not the model's."""
+    layers = self.get_submodule(self._hpf_stage_layers)
+    if layers.enter and not isinstance(kwargs.get("inputs_embeds"), Tensor):
+        raise PlanError("a pipeline stage after the first takes the previous stage's output as inputs_embeds=")
+    layers.running, layers.entry = True, kwargs.get("inputs_embeds") if layers.enter else None
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    except StageExit as stop:
+        return stop.output
+    finally:
+        layers.running, layers.entry = False, None
 
 
 def _replaced(module: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:
@@ -192,9 +261,14 @@ def _replaced(module: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Mo
 def stage_view(model: nn.Module, stage: Stage) -> nn.Module:
     """The module tree ``stage`` runs (see the module docstring); shares the model's modules."""
     layers = model.get_submodule(stage.layers_path)
-    swaps: dict[str, nn.Module] = {stage.layers_path: StageLayers({i: layers[i] for i in stage.layers})}
+    swaps: dict[str, nn.Module] = {stage.layers_path: StageLayers(
+        {i: layers[i] for i in stage.layers}, enter=not stage.is_first, leave=not stage.is_last)}
     swaps.update({p: nn.Identity() for p in stage.dropped})
-    return _replaced(model, swaps)
+    view = _replaced(model, swaps)
+    if stage.num_stages > 1:  # an attribute of the view alone; deep copies (the skeleton) rebind it
+        view._hpf_stage_layers = stage.layers_path
+        view.forward = types.MethodType(_stage_forward, view)
+    return view
 
 
 def stage_plan(plan: ShardingPlan | Mapping, view: nn.Module) -> ShardingPlan:

@@ -42,7 +42,7 @@ from ..core.errors import PlanError
 from ..core.placement import ShardInfo, splits
 from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments
-from ..plan.trace import _leaves
+from ..plan.trace import _leaves, _to_meta
 from .reduce import Reduced, reduced_copy
 from .regions import Varying
 
@@ -157,7 +157,7 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
         stored = frozenset(a for a, p in zip(names, info.placements, strict=True) if splits(p))
         params.setdefault(id(prm), (name, stored))
     mode = _Taint(params, names)
-    args, kwargs = (inputs if real else (_meta(inputs[0]), _meta(inputs[1])))
+    args, kwargs = (inputs if real else (_to_meta(inputs[0]), _to_meta(inputs[1])))
     mode.set((args, kwargs), frozenset())
     modules = dict(twin.named_modules())
     hooked: dict[str, Boundary] = {}
@@ -247,13 +247,3 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
 
     return (module.register_forward_pre_hook(pre, with_kwargs=True),
             module.register_forward_hook(post, with_kwargs=True))
-
-
-def _meta(obj):
-    if isinstance(obj, Tensor):
-        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_meta(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _meta(v) for k, v in obj.items()}
-    return obj

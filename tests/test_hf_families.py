@@ -43,7 +43,7 @@ FAMILIES = {  # family: (model_type, config fields, whether a rank must hold < 8
     "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, num_key_value_heads=8), True),
     "glm4_moe": ("glm4_moe", dict(MOE, **KV2, n_routed_experts=4, first_k_dense_replace=0, n_group=1, topk_group=1),
                  True),
-    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(KV2, num_experts=4, moe_topk=2, moe_intermediate_size=32), True),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(KV2, num_experts=4, moe_topk=2, intermediate_size=32), True),
     "gemma4_text": ("gemma4_text", dict(num_hidden_layers=2, global_head_dim=16, num_global_key_value_heads=2,
                                         attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"],
                                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,

@@ -142,10 +142,10 @@ def _chunks_gate_up(module: nn.Module) -> bool:
 
 
 def tp_experts(model: nn.Module, entries: Mapping[str, object], ep_plan: Mapping[str, str], prefix: str,
-               notes: dict[str, str]) -> dict[str, object]:
+               unplanned: dict[str, str]) -> dict[str, object]:
     """Routed-experts entries for a mesh without ``ep`` (see the module docstring): experts named by
     the config's ``ep_plan`` (``ep_dispatch_experts``), else found by their stacked weights, that
-    no entry plans yet; those of another layout are left whole and noted."""
+    no entry plans yet; those of another layout are left whole, and why goes to ``unplanned``."""
     modules = dict(model.named_modules())
     named = [prefix + p for p, s in ep_plan.items() if s == "ep_dispatch_experts"]
     found = [n for n, m in modules.items() if n and (any(path_matches(p, n) for p in named)
@@ -157,7 +157,7 @@ def tp_experts(model: nn.Module, entries: Mapping[str, object], ep_plan: Mapping
         module = next(modules[n] for n in found if path_matches(pattern, n))
         own = sorted(n for n, _ in module.named_parameters())
         if own != sorted(n for n, _ in TP_EXPERT_PARAMS) or not _chunks_gate_up(module):
-            notes[pattern] = (f"routed experts kept whole on tp: TP inside them shards gate_up_proj [E, 2I, H] "
+            unplanned[pattern] = (f"routed experts kept whole on tp: TP inside them shards gate_up_proj [E, 2I, H] "
                               f"(split in two halves) and down_proj [E, H, I]; {type(module).__name__} holds {own}")
             continue
         out[pattern] = LocalParams(TP_EXPERT_PARAMS, partial_output=True)

@@ -81,7 +81,7 @@ class ShardingPlan:
         tp_optional: bool = False,
         special_handlers: Mapping[str, str] | None = None,
         handlers: Mapping[str, ParamHandler] | None = None,
-        notes: Mapping[str, str] | None = None,
+        unplanned: Mapping[str, str] | None = None,
     ):
         self.entries: dict[str, Style] = {
             pattern: _as_style(style, f"plan entry {pattern!r}") for pattern, style in entries.items()
@@ -90,7 +90,7 @@ class ShardingPlan:
         self.loss_parallel = loss_parallel
         self.cp_axis, self.cp_layout, self.tp_optional = cp_axis, check_layout(cp_layout), tp_optional
         self.ep_axis = ep_axis
-        self.notes = dict(notes or {})  # pattern -> what from_hf did with an HF entry (dropped, kept whole)
+        self.unplanned = dict(unplanned or {})  # HF pattern -> why from_hf left it unplanned (dropped, kept whole)
         self._check_context_entries()
         experts = next((p for p, s in self.entries.items() if isinstance(s, Experts)), None)
         if experts is not None and ep_axis is None and not any(s.axis for s in self.entries.values()
@@ -120,7 +120,7 @@ class ShardingPlan:
         """A new plan of ``entries`` with this plan's settings (``changes`` override them)."""
         settings = dict(tp_axis=self.tp_axis, loss_parallel=self.loss_parallel, cp_axis=self.cp_axis,
                         cp_layout=self.cp_layout, ep_axis=self.ep_axis, tp_optional=self.tp_optional,
-                        special_handlers=self.special_handlers, handlers=self.handlers, notes=self.notes)
+                        special_handlers=self.special_handlers, handlers=self.handlers, unplanned=self.unplanned)
         return ShardingPlan(entries, **{**settings, **changes})
 
     def _check_context_entries(self) -> None:
@@ -166,14 +166,14 @@ class ShardingPlan:
         if not raw:
             base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
             raw = {prefix + k: v for k, v in base.items()}
-        raw, notes = hf_entries(model, raw)
+        raw, unplanned = hf_entries(model, raw)
         if ep_axis is not None:
             raw = hf_ep_entries(model, raw, tp_axis, ep_tokens)
         else:
             ep_plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
-            raw.update(tp_experts(model, raw, ep_plan, prefix, notes))
+            raw.update(tp_experts(model, raw, ep_plan, prefix, unplanned))
         if not raw and cp_axis is None:
-            dropped = f" (its entries match nothing here: {sorted(notes)})" if notes else ""
+            dropped = f" (its entries match nothing here: {sorted(unplanned)})" if unplanned else ""
             raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)"
                             f"{dropped}")
         if cp_axis is not None:
@@ -183,12 +183,12 @@ class ShardingPlan:
                                 "named *Attention with an is_causal attribute) to plan ContextParallel on")
             raw.update(dict.fromkeys(attention, ContextParallel(cp_strategy)))
         return cls(raw, tp_axis=tp_axis, loss_parallel=loss_parallel, cp_axis=cp_axis, cp_layout=cp_layout,
-                   ep_axis=ep_axis, tp_optional=cp_axis is not None or ep_axis is not None, notes=notes)
+                   ep_axis=ep_axis, tp_optional=cp_axis is not None or ep_axis is not None, unplanned=unplanned)
 
     def explain(self) -> str:
         """The plan's entries, one per line, and what ``from_hf`` dropped or left whole and why."""
         lines = [f"{pattern or '<root>'}: {style}" for pattern, style in self.entries.items()]
-        lines += [f"not planned: {pattern}: {why}" for pattern, why in self.notes.items()]
+        lines += [f"not planned: {pattern}: {why}" for pattern, why in self.unplanned.items()]
         return "\n".join(lines)
 
     @classmethod

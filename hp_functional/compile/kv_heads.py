@@ -13,8 +13,10 @@ skeleton copy holds one local KV head and ``H / n`` query heads per KV head
 (``num_key_value_groups``; the user's module and config keep theirs).
 
 A K/V projection is a planned Colwise ``nn.Linear`` (weight stored ``Shard(0)``, output left
-sharded) directly under a module that states a KV-head count and a head dim (attributes, else its
-``config``), with ``kv_heads × head_dim`` output features.  A count that neither divides nor is
+sharded) directly under an attention module (one holding a KV-head count, or a class named
+``*Attention``/``*Attn``) that states a KV-head count and a head dim (attributes, else its
+``config``), with ``kv_heads × head_dim`` output features: an MLP whose projection happens to
+have that width (GLM4-MoE's shared expert) is no K/V projection.  A count that neither divides nor is
 divided by the axis size raises ``PlanError`` naming the module (query heads that do not divide
 it are lint's ``heads`` error).  Packed (fused ``qkv_proj``) projections are not replicated: they raise when they would
 need it.  Communicates nothing.
@@ -40,21 +42,51 @@ GROUP_COUNTS = ("num_key_value_groups", "n_rep", "num_kv_groups", "num_queries_p
 PATTERN = "(kv-head replication)"
 
 
+def _read(source: object, name: str) -> object:
+    """``source.name``, or None where reading it raises (transformers' heterogeneous configs refuse
+    a per-layer attribute such as Gemma 4's ``head_dim`` on the global config)."""
+    try:
+        return getattr(source, name, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and the like: not known here
+        return None
+
+
 def _count(module: nn.Module, names: Sequence[str]) -> tuple[str | None, int | None]:
     """(attribute, value) of the first int count the module holds, else (None, the config's)."""
     for source, own in ((module, True), (getattr(module, "config", None), False)):
         for name in names:
-            value = getattr(source, name, None)
+            value = _read(source, name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return (name if own else None), value
     return None, None
 
 
+def _kv_count(module: nn.Module, heads: int | None) -> tuple[str | None, int | None]:
+    """The module's KV-head count: its own attribute, else its query heads over its own group
+    count (a per-layer count the global config cannot give, Gemma 4), else its config's."""
+    for name in KV_COUNTS:
+        value = _read(module, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    group_attr, groups = _count(module, GROUP_COUNTS)
+    if group_attr and heads and heads % groups == 0:
+        return None, heads // groups
+    return _count(module, KV_COUNTS)
+
+
+def _is_attention(module: nn.Module, kv_attr: str | None) -> bool:
+    """Whether ``module`` is an attention module: it holds a KV-head count itself, or its class is
+    named so.  A module that only reaches the count through its ``config`` (an MLP, a shared expert
+    whose projection happens to have ``kv_heads × head_dim`` features) is not one."""
+    name = type(module).__name__.lower()
+    return kv_attr is not None or "attention" in name or "attn" in name
+
+
 def _head_dim(module: nn.Module, query_heads: int) -> int | None:
-    value = getattr(module, "head_dim", None) or getattr(getattr(module, "config", None), "head_dim", None)
+    value = _read(module, "head_dim") or _read(getattr(module, "config", None), "head_dim")
     if isinstance(value, int) and value > 0:
         return value
-    hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+    hidden = _read(getattr(module, "config", None), "hidden_size")
     return hidden // query_heads if isinstance(hidden, int) and hidden % query_heads == 0 else None
 
 
@@ -79,8 +111,10 @@ def replicate_kv_heads(
             continue
         parent_fqn = p.fqn.rpartition(".")[0]
         parent = modules[parent_fqn]
-        kv_attr, kv = _count(parent, KV_COUNTS)
         _, heads = _count(parent, QUERY_COUNTS)
+        kv_attr, kv = _kv_count(parent, heads)
+        if not _is_attention(parent, kv_attr):
+            continue
         head_dim = _head_dim(parent, heads) if heads else None
         if kv is None or head_dim is None or p.module.out_features != kv * head_dim or kv % n == 0 or heads % n:
             continue  # whole KV heads per rank already; query heads that do not divide: lint's ``heads``

@@ -1,15 +1,118 @@
 """Hugging Face ``tp_plan`` strings → styles (``ShardingPlan.from_hf``); other strings raise
-naming the style and the module."""
+naming the style and the module.
+
+An HF plan names modules and, for styles that act on bare parameters, parameters
+(``experts.gate_up_proj: "packed_rowwise"``, ``self_attn.sinks: "colwise"``).  ``hf_entries``
+turns one into plan entries on modules only, as transformers 5.25 applies it
+(``transformers/distributed/tensor_parallel.py``):
+
+* a parameter entry shards that parameter as the HF style does for its rank (``colwise``: the
+  second-to-last dim, a 1-D one its only dim; ``rowwise``: the last dim, a ``bias``
+  replicated; ``packed_colwise``/``packed_rowwise``: the same dims, each of the two packed
+  halves sharded separately; ``replicate``); it belongs to its owner's entry, which must be
+  ``local_params`` (the owner's forward on local shards) or ``moe_tp_experts`` (the same, and
+  the output is a partial sum reduced once, the hidden states' and routing weights' gradients
+  reduced at the entry) — ``LocalParams``;
+* ``unit_colwise`` is ``colwise``: with fewer KV heads than ranks the heads are replicated per
+  group of ranks (``compile.kv_heads``), HF's unit mesh;
+* ``mla_kv_a_proj`` (MLA's shared latent + ``k_rot`` projection): the projection stays
+  replicated and its attention module becomes a rank-varying region (``mla_region``): the
+  ``k_rot`` slice reaches every rank's heads, so its gradient and the hidden states' are summed
+  over the ranks once at the attention's entry;
+* an entry that matches no module or parameter of this model is dropped, as HF drops it (a
+  family's generic plan names dense-MLP paths that an all-MoE configuration lacks); the plan
+  says so in ``ShardingPlan.explain()``.
+
+On a mesh without ``ep`` the routed experts that HF's plan leaves whole (Mixtral, OLMoE,
+Qwen3-MoE) get ``moe_tp_experts`` too (``tp_experts``): the fused ``gate_up_proj`` packed
+colwise, ``down_proj`` rowwise, as ``Experts(tp_axis=)`` does inside each ep shard.
+"""
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from .styles import Colwise, NoParallel, Rowwise, SequenceParallel, Style
+from torch import nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from ..core.errors import PlanError
+from .experts import expert_weights, is_experts
+from .styles import Colwise, ModuleSpec, NoParallel, Rowwise, SequenceParallel, Style, layer_patterns, path_matches
 from .vocab import VocabEmbedding
+
+#: HF styles of a parameter entry (``LocalParams``).
+PARAM_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate")
+#: HF styles of a module that runs its forward on its parameters' local shards.
+OWNER_STYLES = ("local_params", "moe_tp_experts")
+
+
+def param_placement(style: str, name: str, ndim: int, where: str) -> tuple[Placement, int | None]:
+    """(storage placement, packed blocks) of a parameter of ``ndim`` dims under HF ``style``."""
+    if style not in PARAM_STYLES:
+        raise PlanError(f"{where}: HF style {style!r} on a parameter is not supported (supported: {list(PARAM_STYLES)})")
+    if style == "replicate" or (style in ("rowwise", "packed_rowwise") and (ndim == 1 or name.endswith("bias"))):
+        return Replicate(), None
+    dim = max(ndim - 2, 0) if style in ("colwise", "packed_colwise") else ndim - 1
+    return Shard(dim), (2 if style.startswith("packed") and ndim > 1 else None)
+
+
+@dataclass(frozen=True)
+class LocalParams(Style):
+    """HF ``local_params`` / ``moe_tp_experts``: the module's own forward on local shards of the
+    parameters ``params`` names (``(name, HF parameter style)`` pairs).  ``partial_output``
+    (``moe_tp_experts``): every rank computes part of every expert, so the output is a partial
+    sum reduced once, and the hidden states (argument 0) and routing weights (argument 2, when
+    the forward takes it) enter replicated, their gradients reduced at the entry."""
+
+    params: tuple[tuple[str, str], ...] = ()
+    partial_output: bool = False
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        own = dict(module.named_parameters())
+        placements, blocks = {}, {}
+        for name, style in self.params:
+            if name not in own:
+                raise PlanError(f"{fqn}: the HF plan shards parameter {name!r}, module has {sorted(own)[:12]}")
+            placement, packed = param_placement(style, name, own[name].dim(), f"{fqn}.{name}")
+            placements[name] = {axis: placement}
+            if packed:
+                blocks[name] = packed
+        if not self.partial_output:
+            return ModuleSpec(params=placements, param_blocks=blocks)
+        if not any(isinstance(p[axis], Shard) for p in placements.values()):
+            raise PlanError(f"{fqn}: moe_tp_experts sums every rank's output, so it needs parameter entries that shard "
+                            f"the experts (HF: '{fqn}.gate_up_proj': 'packed_colwise', '{fqn}.down_proj': 'rowwise')")
+        whole = {axis: Replicate()}
+        positional = [p for p in inspect.signature(module.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        keys = [k for k in (0, 2) if k < len(positional)]
+        return ModuleSpec(params=placements, param_blocks=blocks, in_src=dict.fromkeys(keys, whole),
+                          in_dst=dict.fromkeys(keys, whole), out_src={"output": {axis: Partial()}},
+                          out_dst={"output": whole}, varying=True)
+
+
+@dataclass(frozen=True)
+class MlaRegion(Style):
+    """An MLA attention module (DeepSeek) whose ``kv_a_proj_with_mqa`` is HF's ``mla_kv_a_proj``:
+    a rank-varying region entered with replicated hidden states, so the replicated latent and
+    ``k_rot`` computed inside it get their gradients summed over the ranks once, at the entry.
+    The head-count attributes its copy holds are divided by the axis size."""
+
+    attrs: tuple[str, ...] = ("num_heads",)
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        whole = {axis: Replicate()}
+        return ModuleSpec(in_src={"hidden_states": whole}, in_dst={"hidden_states": whole}, varying=True, region=True,
+                          divide_attrs=tuple(a for a in self.attrs if isinstance(getattr(module, a, None), int)))
+
 
 HF_STYLES: dict[str, Style] = {
     "colwise": Colwise(),
+    "unit_colwise": Colwise(),  # fewer KV heads than ranks: replicated per group (compile.kv_heads)
     "rowwise": Rowwise(),
     "colwise_gather_output": Colwise(gather_output=True),
     "colwise_rep": Colwise(gather_output=True),
@@ -20,4 +123,76 @@ HF_STYLES: dict[str, Style] = {
     "packed_colwise": Colwise(packed=2),
     "sequence_parallel": SequenceParallel(),
     "replicate": NoParallel(),
+    "local_params": LocalParams(),
+    "moe_tp_experts": LocalParams(partial_output=True),
+    "mla_kv_a_proj": NoParallel(),  # its attention module becomes an MlaRegion (hf_entries)
 }
+
+#: The layout HF's ``moe_tp_experts`` gives fused experts ``[E, 2I, H]`` / ``[E, H, I]``.
+TP_EXPERT_PARAMS = (("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise"))
+
+
+def _chunks_gate_up(module: nn.Module) -> bool:
+    """Whether the experts' forward splits ``gate_up_proj``'s output into two halves (``chunk(2``),
+    the packed layout sharded per half; an interleaved one would be sharded wrongly."""
+    try:
+        return ".chunk(2" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+
+
+def tp_experts(model: nn.Module, entries: Mapping[str, object], ep_plan: Mapping[str, str], prefix: str,
+               unplanned: dict[str, str]) -> dict[str, object]:
+    """Routed-experts entries for a mesh without ``ep`` (see the module docstring): experts named by
+    the config's ``ep_plan`` (``ep_dispatch_experts``), else found by their stacked weights, that
+    no entry plans yet; those of another layout are left whole, and why goes to ``unplanned``."""
+    modules = dict(model.named_modules())
+    named = [prefix + p for p, s in ep_plan.items() if s == "ep_dispatch_experts"]
+    found = [n for n, m in modules.items() if n and (any(path_matches(p, n) for p in named)
+                                                       or is_experts(m) and expert_weights(m))]
+    out = {}
+    for pattern in layer_patterns(found):
+        if any(path_matches(pattern, n) and any(path_matches(e, n) for e in entries) for n in found):
+            continue
+        module = next(modules[n] for n in found if path_matches(pattern, n))
+        own = sorted(n for n, _ in module.named_parameters())
+        if own != sorted(n for n, _ in TP_EXPERT_PARAMS) or not _chunks_gate_up(module):
+            unplanned[pattern] = (f"routed experts kept whole on tp: TP inside them shards gate_up_proj [E, 2I, H] "
+                              f"(split in two halves) and down_proj [E, H, I]; {type(module).__name__} holds {own}")
+            continue
+        out[pattern] = LocalParams(TP_EXPERT_PARAMS, partial_output=True)
+    return out
+
+
+def hf_entries(model: nn.Module, raw: Mapping[str, object]) -> tuple[dict[str, object], dict[str, str]]:
+    """``raw`` (an HF ``tp_plan``, full paths) as plan entries on modules (see the module
+    docstring), and the dropped entries with why."""
+    modules = dict(model.named_modules())
+    params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    entries, owned, dropped = {}, {}, {}
+    for pattern, style in raw.items():
+        if any(path_matches(pattern, m) for m in modules):
+            entries[pattern] = style
+        elif any(path_matches(pattern, p) for p in params):
+            owner, _, name = pattern.rpartition(".")
+            owned.setdefault(owner, []).append((name, style))
+        else:
+            dropped[pattern] = f"{style}: matches no module or parameter of this {type(model).__name__} (HF drops it too)"
+    for owner, names in owned.items():
+        style = entries.get(owner)
+        if style not in OWNER_STYLES:
+            raise PlanError(f"HF plan entries {[f'{owner}.{n}' for n, _ in names]} shard parameters of {owner!r}, "
+                            f"whose own entry is {style!r}, not one of {list(OWNER_STYLES)} (nothing would run their "
+                            "forward on the local shards)")
+        for name, s in names:
+            if not isinstance(s, str):
+                raise PlanError(f"HF plan entry {owner}.{name}: a parameter entry takes an HF style string, got {s!r}")
+        entries[owner] = LocalParams(tuple(names), partial_output=style == "moe_tp_experts")
+    for pattern, style in list(entries.items()):
+        if style == "mla_kv_a_proj":
+            attention = pattern.rpartition(".")[0]
+            if not attention or attention in entries:
+                raise PlanError(f"HF plan entry {pattern!r} (mla_kv_a_proj): its attention module {attention!r} "
+                                "must be unplanned (it becomes the rank-varying region of the shared k_rot)")
+            entries[attention] = MlaRegion()
+    return entries, dropped

@@ -22,7 +22,7 @@ from ..core.errors import PlanError
 from ..core.program import Planned
 from .context import ContextParallel, attention_patterns, context_parallel_root
 from .experts import Experts, hf_ep_entries
-from .hf_styles import HF_STYLES
+from .hf_styles import HF_STYLES, hf_entries, tp_experts
 from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers, path_matches
 from .torch_styles import ParallelStyle, from_torch_style
 from .vocab import loss_parallel_root
@@ -81,6 +81,7 @@ class ShardingPlan:
         tp_optional: bool = False,
         special_handlers: Mapping[str, str] | None = None,
         handlers: Mapping[str, ParamHandler] | None = None,
+        unplanned: Mapping[str, str] | None = None,
     ):
         self.entries: dict[str, Style] = {
             pattern: _as_style(style, f"plan entry {pattern!r}") for pattern, style in entries.items()
@@ -89,6 +90,7 @@ class ShardingPlan:
         self.loss_parallel = loss_parallel
         self.cp_axis, self.cp_layout, self.tp_optional = cp_axis, check_layout(cp_layout), tp_optional
         self.ep_axis = ep_axis
+        self.unplanned = dict(unplanned or {})  # HF pattern -> why from_hf left it unplanned (dropped, kept whole)
         self._check_context_entries()
         experts = next((p for p, s in self.entries.items() if isinstance(s, Experts)), None)
         if experts is not None and ep_axis is None and not any(s.axis for s in self.entries.values()
@@ -118,7 +120,7 @@ class ShardingPlan:
         """A new plan of ``entries`` with this plan's settings (``changes`` override them)."""
         settings = dict(tp_axis=self.tp_axis, loss_parallel=self.loss_parallel, cp_axis=self.cp_axis,
                         cp_layout=self.cp_layout, ep_axis=self.ep_axis, tp_optional=self.tp_optional,
-                        special_handlers=self.special_handlers, handlers=self.handlers)
+                        special_handlers=self.special_handlers, handlers=self.handlers, unplanned=self.unplanned)
         return ShardingPlan(entries, **{**settings, **changes})
 
     def _check_context_entries(self) -> None:
@@ -152,17 +154,28 @@ class ShardingPlan:
         only when the mesh has ``tp_axis``.  ``ep_axis``: expert parallelism too, from the config's
         ``base_model_ep_plan`` (``plan.experts.hf_ep_entries``: ``Experts`` on the routed experts,
         TP on shared experts); the TP entries again apply only when the mesh has ``tp_axis``;
-        ``ep_tokens="local"`` when ``ep`` shares ranks with ``dp`` (``Experts(tokens=)``)."""
+        ``ep_tokens="local"`` when ``ep`` shares ranks with ``dp`` (``Experts(tokens=)``).
+
+        HF's entries are read as transformers applies them (``plan.hf_styles.hf_entries``):
+        parameter entries go to their module's ``local_params``/``moe_tp_experts`` entry, an
+        entry that matches nothing in this model is dropped and noted (``explain()``); without
+        ``ep_axis`` the routed experts HF leaves whole get TP inside them (``tp_experts``)."""
         raw = dict(getattr(model, "_tp_plan", None) or {})
+        prefix = getattr(model, "base_model_prefix", "")
+        prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
         if not raw:
             base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-            prefix = getattr(model, "base_model_prefix", "")
-            has_prefix = prefix and hasattr(model, prefix)
-            raw = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
+            raw = {prefix + k: v for k, v in base.items()}
+        raw, unplanned = hf_entries(model, raw)
         if ep_axis is not None:
             raw = hf_ep_entries(model, raw, tp_axis, ep_tokens)
+        else:
+            ep_plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+            raw.update(tp_experts(model, raw, ep_plan, prefix, unplanned))
         if not raw and cp_axis is None:
-            raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)")
+            dropped = f" (its entries match nothing here: {sorted(unplanned)})" if unplanned else ""
+            raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)"
+                            f"{dropped}")
         if cp_axis is not None:
             attention = attention_patterns(model)
             if not attention:
@@ -170,7 +183,13 @@ class ShardingPlan:
                                 "named *Attention with an is_causal attribute) to plan ContextParallel on")
             raw.update(dict.fromkeys(attention, ContextParallel(cp_strategy)))
         return cls(raw, tp_axis=tp_axis, loss_parallel=loss_parallel, cp_axis=cp_axis, cp_layout=cp_layout,
-                   ep_axis=ep_axis, tp_optional=cp_axis is not None or ep_axis is not None)
+                   ep_axis=ep_axis, tp_optional=cp_axis is not None or ep_axis is not None, unplanned=unplanned)
+
+    def explain(self) -> str:
+        """The plan's entries, one per line, and what ``from_hf`` dropped or left whole and why."""
+        lines = [f"{pattern or '<root>'}: {style}" for pattern, style in self.entries.items()]
+        lines += [f"not planned: {pattern}: {why}" for pattern, why in self.unplanned.items()]
+        return "\n".join(lines)
 
     @classmethod
     def from_torch(cls, plan: Mapping[str, ParallelStyle] | ParallelStyle, tp_axis: str = "tp", *,

@@ -147,6 +147,20 @@ def _projection(module: nn.Module, style: Style, fqn: str) -> tuple[int, int]:
     return 0, 1
 
 
+def _per_feature(module: nn.Module, fqn: str) -> list[str]:
+    """The extra parameters of a Linear subclass, one value per output feature (Dory's LM head
+    ``logit_scale`` [vocab]): sharded with the output features they scale.  Any other extra
+    parameter is a PlanError naming it (its use on the sharded output cannot be known)."""
+    out = getattr(module, "out_features", None) or getattr(module, "nf", None)
+    extra = [(n, p) for n, p in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+    bad = [f"{n} {tuple(p.shape)}" for n, p in extra if tuple(p.shape) != (out,)]
+    if bad:
+        raise PlanError(f"{fqn or '<root module>'}: Colwise shards the output features of {type(module).__name__}, whose "
+                        f"forward also uses {bad}: a parameter that is not one value per output feature ({out}) cannot "
+                        "follow the split; plan this module another way (e.g. Colwise on a plain nn.Linear, or Local)")
+    return [n for n, _ in extra]
+
+
 @dataclass(frozen=True)
 class Colwise(Style):
     """Linear with the output features sharded: weight and bias Shard(0), output Shard(-1).
@@ -156,7 +170,8 @@ class Colwise(Style):
     ``input_layout=Shard(1)`` all-gathers a sequence-sharded input (Megatron-SP);
     ``gather_output=True`` (or ``output_layout=Replicate()``) all-gathers the output.
     ``packed=2`` (or block sizes) shards each block of a fused projection separately, so every
-    rank holds matching slices of, e.g., gate and up (HF ``packed_colwise``).
+    rank holds matching slices of, e.g., gate and up (HF ``packed_colwise``).  A Linear
+    subclass's extra parameters of one value per output feature are sharded with them.
     """
 
     input_layout: Placement = Replicate()
@@ -171,7 +186,7 @@ class Colwise(Style):
         if self.packed and out != Shard(-1):
             raise PlanError(f"{fqn}: a packed Colwise keeps its output sharded (gathering would interleave the blocks "
                             "rank by rank); drop gather_output/output_layout")
-        names = ["weight"] + (["bias"] if module.bias is not None else [])
+        names = ["weight"] + (["bias"] if module.bias is not None else []) + _per_feature(module, fqn)
         return ModuleSpec(
             params={n: {axis: Shard(out_dim if n == "weight" else 0)} for n in names},
             param_blocks={n: self.packed for n in names} if self.packed else {},

@@ -15,10 +15,8 @@ under a ``TorchFunctionMode`` with forward hooks on every module:
   attributes whose ``TracedInt`` appeared in its arguments — exact, not a comparison of values
   (``seq_len == head_dim`` cannot fool it).
 
-``replay(module, args, kwargs, shapes=, attrs=)`` runs one module of the original model alone on a
-meta copy with some parameters at other (local) shapes and some attributes changed, recording
-its shape calls: how ``auto_plan`` checks a candidate set of head counts.  Nothing here
-communicates.
+The recorded arguments of each module's first call are what ``plan.auto_audit`` runs a module
+alone with, at global and at local shapes.  Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -112,7 +110,7 @@ class ShapeCall:
 @dataclass
 class ModuleCall:
     """What a module's calls saw: ``producers`` of all its tensor inputs, ``first`` those of its
-    first tensor argument, the first call's ``args``/``kwargs`` (meta tensors, for ``replay``) and
+    first tensor argument, the first call's ``args``/``kwargs`` (meta tensors, for ``auto_audit.record``) and
     the sources of its outputs (before they are re-tagged as its own)."""
 
     producers: set[str] = field(default_factory=set)
@@ -263,17 +261,3 @@ def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
         h.remove()
     return ModelTrace(calls, tracer.shape_calls, output)
 
-
-def replay(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[str, torch.Size] | None = None,
-           attrs: Mapping[str, int] | None = None) -> tuple[list[ShapeCall], object]:
-    """(the shape calls, the output) of one forward of a meta copy of ``module`` whose parameters
-    have ``shapes`` (by name below it) and whose attributes ``attrs`` (``"sub.attr"`` paths) are
-    set; whatever the forward raises propagates."""
-    twin = meta_copy(module, shapes)
-    for path, value in (attrs or {}).items():
-        owner, _, attr = path.rpartition(".")
-        setattr(twin.get_submodule(owner), attr, value)
-    tracer = _Tracer()
-    with torch.no_grad(), tracer:
-        out = twin(*_to_meta(_snapshot(tuple(args))), **_to_meta(_snapshot(dict(kwargs))))
-    return tracer.shape_calls, out

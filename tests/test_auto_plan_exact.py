@@ -81,3 +81,67 @@ def test_auto_plan_is_exact(pool, kind):
     else:  # the attention block gathered, the MLP sharded
         assert "gathered" in text and "mlp.c_fc" in text, text
     assert share < 0.8
+
+
+# ---------------------------------------------------------------- the shape audit (build_program's lint)
+OPT_ATTN = "model.decoder.layers.*.self_attn"
+OPT_PLAN = {f"{OPT_ATTN}.{n}_proj": hpf.Colwise() for n in "qkv"} | {f"{OPT_ATTN}.out_proj": hpf.Rowwise()}
+
+
+class TwoTensorAttention(torch.nn.Module):
+    """A region whose forward takes two tensors, in a model that does not start with an
+    embedding: its arguments cannot be synthesized."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_heads = 4
+        self.q, self.o = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, scale):
+        b, s, _ = x.shape
+        return self.o((self.q(x).view(b, s, self.n_heads, -1) * scale).reshape(b, s, -1))
+
+
+class Wrapper(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = TwoTensorAttention()
+
+    def forward(self, x):
+        return self.attn(x, x.new_ones(()))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shape_audit_refuses_a_head_count_kept_global(world):
+    """OPT's attention planned by hand without ``Heads``: ``view(bsz, -1, num_heads, head_dim)``
+    runs at local shapes with its ``-1`` on the sequence.  build_program refuses it (before any
+    collective), naming the region, the op and the attribute; with ``Heads(attrs=('num_heads',))``
+    nothing is found.  GPT-BigCode's single K/V head split by a packed Colwise is refused too."""
+    model = build("opt")
+    with pytest.raises(hpf.PlanError) as exc:
+        hpf.simulate(lambda m: hpf.build_program(model, OPT_PLAN, m), world_size=world)
+    text = str(exc.value)
+    for part in ("model.decoder.layers.*.self_attn: op view", "(2 modules)", "attribute num_heads=4",
+                 "plan 'model.decoder.layers.*.self_attn' as Heads(attrs=('num_heads',))"):
+        assert part in text, text
+    good = {OPT_ATTN: hpf.Heads(attrs=("num_heads",)), **OPT_PLAN}
+    assert hpf.simulate(lambda m: hpf.lint(model, good, m), world_size=world) == []
+    hpf.simulate(lambda m: hpf.build_program(model, good, m), world_size=world)
+
+    code = build("gpt_bigcode")
+    A = "transformer.h.*.attn"
+    split_kv = {f"{A}.c_attn": hpf.Colwise(packed=(32, 8, 8)), f"{A}.c_proj": hpf.Rowwise(),
+                A: hpf.Heads(attrs=("embed_dim", "kv_dim"))}
+    found = hpf.simulate(lambda m: hpf.lint(code, split_kv, m), world_size=world)
+    assert [(f.level, f.where) for f in found] == [("error", f"transformer.h.{i}.attn") for i in range(2)], found
+    assert "op scaled_dot_product_attention" in str(found[0]) and "torch would raise" in str(found[0])
+
+
+def test_regions_the_audit_cannot_run_are_noted():
+    """A region whose arguments cannot be synthesized is a ``not-audited`` note of ``hpf.lint``
+    (build_program neither raises nor warns for it)."""
+    plan = {"attn.q": hpf.Colwise(), "attn.o": hpf.Rowwise(), "attn": hpf.Heads(attrs=("n_heads",))}
+    found = hpf.simulate(lambda m: hpf.lint(Wrapper(), plan, m), world_size=2)
+    assert [(f.level, f.code, f.where) for f in found] == [("note", "not-audited", "attn")], found
+    assert "its arguments cannot be synthesized" in str(found[0])
+    hpf.simulate(lambda m: hpf.build_program(Wrapper(), plan, m), world_size=2)

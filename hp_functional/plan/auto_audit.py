@@ -11,8 +11,8 @@ records in step and returns the first op whose local result is not the global re
 along the dimension its inputs say:
 
 * ``raises``: the op raises at local shapes only (``view`` of a wrong size);
-* ``shape``: an output differs from the global one other than by one dim divided by a factor of
-  ``n``;
+* ``shape``: an output differs from the global one other than by dims divided by factors whose
+  product divides ``n`` (one dim, or KV heads and their groups where KV heads are replicated);
 * ``view``: a ``view``/``reshape``/``flatten``/``unflatten`` whose division does not land on the
   outermost dim of the group its divided input dim becomes (a ``-1`` landing on the sequence, a
   head count kept global so that every head's features are cut), computed from the global shapes;
@@ -27,6 +27,7 @@ communicates.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -97,9 +98,9 @@ def record(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[s
     """(the ops of one forward of a meta copy of ``module``, whether it ran to the end).
 
     ``shapes``: parameter shapes by name below ``module``; ``attrs``: ``"sub.attr"`` → value;
-    ``opaque``: relative path of a planned child → ``layout(output, global_output) -> shape``
-    (None: keep), its output at this run's shapes; ``outputs``: filled with each opaque child's
-    output shapes per call (the global run's, handed to ``layout`` in the local run)."""
+    ``opaque``: relative path of a planned child → its ``Handoff`` (None: the global run, inputs
+    and outputs kept); ``outputs``: filled with each opaque child's output shapes per call (the
+    global run's, handed to ``Handoff.output`` in the local run)."""
     twin = meta_copy(module, shapes)
     for path, m in twin.named_modules():
         for attr, value in list(vars(m).items()):
@@ -110,20 +111,28 @@ def record(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[s
         setattr(twin.get_submodule(owner), attr, TracedInt(int(value), {(owner, attr)}))
     rec, handles, seen = _Recorder(), [], {}
     for rel, layout in (opaque or {}).items():
-        def pre(mod, a, rel=rel):
+        def pre(mod, a, rel=rel, layout=layout):
             rec.depth += 1
+            i = seen[rel] = seen.get(rel, -1) + 1
+            calls = (outputs or {}).get(rel, [])
+            first = a[0] if a and isinstance(a[0], Tensor) else None
+            if layout is None:
+                if outputs is not None:
+                    outputs.setdefault(rel, []).append([tuple(first.shape) if first is not None else None, None])
+                return a
+            return layout.input(a, calls[i][0] if i < len(calls) else None)
 
         def post(mod, a, out, rel=rel, layout=layout):
             rec.depth -= 1
             if outputs is None or not isinstance(out, Tensor):
                 return out
-            calls = outputs.setdefault(rel, [])
-            i = seen[rel] = seen.get(rel, -1) + 1
+            calls, i = outputs.setdefault(rel, []), seen[rel]
             if layout is None:
-                calls.append(tuple(out.shape))
+                if i < len(calls):
+                    calls[i][1] = tuple(out.shape)
                 return out
-            glob = calls[i] if i < len(calls) else tuple(out.shape)
-            shape = layout(tuple(out.shape), glob)
+            glob = calls[i][1] if i < len(calls) and calls[i][1] is not None else tuple(out.shape)
+            shape = layout.output(tuple(out.shape), glob)
             return out if shape == tuple(out.shape) else torch.empty(shape, dtype=out.dtype, device="meta")
         sub = twin.get_submodule(rel)
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
@@ -182,7 +191,7 @@ def _check(g: Op, m: Op, n: int) -> tuple[str, str] | None:
     ins = [divided(a, b) for a, b in zip(g.ins, m.ins, strict=True)]
     outs = [divided(a, b) for a, b in zip(g.outs, m.outs, strict=True)]
     for a, b, d in zip(g.outs, m.outs, outs, strict=True):
-        if d is None or len(d) > 1 or any(n % k for _, k in d):
+        if d is None or n % math.prod(k for _, k in d):  # several dims: replicated KV heads expanded over groups
             return "shape", f"its local result {list(b)} is not its global result {list(a)} divided along one dim"
     if g.name in CONTRACTS and len(g.ins) >= 2:
         first = 1 if g.name == "baddbmm" else 0
@@ -236,25 +245,61 @@ def compare(glob: list[Op], local: list[Op], n: int) -> Mismatch | None:
     return None
 
 
-def culprits(ops: list[Op], at: int) -> frozenset[tuple[str, str]]:
-    """The attributes that fed op ``at``, else the nearest earlier op fed by any."""
-    for op in reversed(ops[:at + 1]):
+def culprits(ops: list[Op], at: int) -> tuple[frozenset[tuple[str, str]], Op | None]:
+    """(the attributes that fed op ``at``, None) if any did, else those of the nearest earlier op
+    fed by any, with that op."""
+    if at < len(ops) and ops[at].attrs:
+        return ops[at].attrs, None
+    for op in reversed(ops[:at]):
         if op.attrs:
-            return op.attrs
-    return frozenset()
+            return op.attrs, op
+    return frozenset(), None
 
 
-def handed_on(placement, n: int) -> Callable[[Shape, Shape], Shape]:
-    """The output shape a planned child's boundary hands on, from its local and global results:
-    ``Shard(d)`` divides ``d`` (by ``n`` unless the local result already is), anything else
-    (``Replicate``: gathered or reduced) is the whole global result."""
-    dim = getattr(placement, "dim", None)
+@dataclass(frozen=True)
+class Handoff:
+    """A planned child's boundaries as the audit's local run applies them: ``dst``, the placement
+    its first tensor argument is brought to (``Shard(d)``: divided on ``d``; ``Replicate``: the
+    whole global argument, gathered; None: as it comes), and ``out``, the placement its output is
+    handed on in, when it differs from ``src``, the one it is produced in (``Shard(d)`` divides
+    ``d`` unless its local result already is; anything else — gathered or reduced — is the whole
+    global result)."""
 
-    def layout(local: Shape, glob: Shape) -> Shape:
+    n: int
+    out: object = None
+    dst: object = None
+    src: object = None  # the placement the output is produced in
+
+    def input(self, args: tuple, glob: Shape | None) -> tuple:
+        if self.dst is None or glob is None or not args or not isinstance(args[0], Tensor):
+            return args
+        have = tuple(args[0].shape)
+        want = self._divided(have, glob, getattr(self.dst, "dim", None))
+        return args if want == have else (torch.empty(want, dtype=args[0].dtype, device="meta"), *args[1:])
+
+    def output(self, local: Shape, glob: Shape) -> Shape:
+        if self.out == self.src:
+            return local  # no boundary on the way out: what the module computed
+        return self._divided(local, glob, getattr(self.out, "dim", None))
+
+    def _divided(self, local: Shape, glob: Shape, dim: int | None) -> Shape:
         if dim is None or len(local) != len(glob):
             return glob if dim is None else local
         d = dim % len(glob)
-        if local[d] != glob[d]:
-            return local
-        return (*local[:d], glob[d] // n, *local[d + 1:])
-    return layout
+        if local[d] != glob[d] and all(a == b for i, (a, b) in enumerate(zip(local, glob, strict=True)) if i != d):
+            return local  # already divided there (by n, or by fewer for replicated KV heads)
+        return (*glob[:d], glob[d] // self.n, *glob[d + 1:])
+
+
+def handoff(spec, axis: str, n: int) -> Handoff:
+    """The ``Handoff`` of a planned child from its ``ModuleSpec``."""
+    src = spec.out_src.get("output", {}).get(axis)
+    out = spec.out_dst.get("output", spec.out_src.get("output", {})).get(axis)
+    dst = next((spec.in_dst[k].get(axis) for k in (0, "input") if k in spec.in_dst), None)
+    return Handoff(n, out, dst, src)
+
+
+def boundaries(spec, axis: str) -> bool:
+    """Whether a planned module has boundaries the audit applies (or parameters it shards)."""
+    maps = (spec.params, spec.in_dst, spec.out_dst, spec.out_src)
+    return any(pl.get(axis) is not None for m in maps for pl in m.values())

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from .auto_audit import compare, handed_on, record
+from .auto_audit import compare, handoff, record
 from .styles import Style
 from .trace import RESHAPES, ModelTrace, ShapeCall
 
@@ -55,8 +55,7 @@ def _local(model_block: nn.Module, block: str, styles: Mapping[str, Style], axis
         sub = model_block.get_submodule(rel)
         spec = style.spec(sub, path, axis)
         if rel and any(isinstance(pl.get(axis), Shard) for pl in spec.params.values()):
-            out = spec.out_dst.get("output", spec.out_src.get("output", {})).get(axis)
-            opaque[rel] = handed_on(out, n)
+            opaque[rel] = handoff(spec, axis, n)
         for name, per_axis in spec.params.items():
             pl, full = per_axis.get(axis), getattr(sub, name)
             if isinstance(pl, Shard):

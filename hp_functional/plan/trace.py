@@ -22,6 +22,7 @@ alone with, at global and at local shapes.  Nothing here communicates.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,6 +30,8 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+from ..core.errors import PlanError
 
 INPUT = "<input>"  # the source of the example inputs
 
@@ -261,3 +264,22 @@ def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
         h.remove()
     return ModelTrace(calls, tracer.shape_calls, output)
 
+
+
+def example_call(model: nn.Module, example_inputs=None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of one forward: ``example_inputs`` (a tensor, a tuple of arguments or a
+    dict of keyword arguments), else ``input_ids`` of shape (1, 8) when the model starts with an
+    ``nn.Embedding``; a ``PlanError`` otherwise."""
+    if example_inputs is None:
+        first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+        if not isinstance(first, nn.Embedding):
+            raise PlanError(f"auto_plan: {type(model).__name__} does not start with an nn.Embedding; pass "
+                            "example_inputs=(...) that its forward takes")
+        ids = torch.zeros(1, 8, dtype=torch.long)
+        params = inspect.signature(model.forward).parameters
+        return ((), {"input_ids": ids}) if "input_ids" in params else ((ids,), {})
+    if isinstance(example_inputs, Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    return tuple(example_inputs), {}

@@ -61,13 +61,12 @@ def _one_tensor_forward(module: nn.Module) -> bool:
 
 
 def _sharded_child(p: Planned, spec: ModuleSpec) -> bool:
-    """A planned projection whose output is handed on sharded or whose input arrives sharded."""
+    """A planned projection whose output is handed on sharded or that needs its input sharded."""
     if not (isinstance(p.module, nn.Linear) or is_conv1d(p.module)) or not any(
             splits(pl.get(p.axis)) for pl in spec.params.values()):
         return False
     out = spec.out_dst.get("output", spec.out_src.get("output", {})).get(p.axis)
-    ins = [pl.get(p.axis) for pl in (*spec.in_src.values(), *spec.in_dst.values())]
-    return splits(out) or any(splits(pl) for pl in ins)
+    return splits(out) or any(splits(pl.get(p.axis)) for pl in spec.in_dst.values())
 
 
 class _Inputs:

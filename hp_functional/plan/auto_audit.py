@@ -33,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
+from ..core.placement import STORED_ONLY
 from .trace import TracedInt, _leaves, _plain, _snapshot, _to_meta, meta_copy
 
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
@@ -300,6 +302,6 @@ def handoff(spec, axis: str, n: int) -> Handoff:
 
 
 def boundaries(spec, axis: str) -> bool:
-    """Whether a planned module has boundaries the audit applies (or parameters it shards)."""
-    maps = (spec.params, spec.in_dst, spec.out_dst, spec.out_src)
-    return any(pl.get(axis) is not None for m in maps for pl in m.values())
+    """Whether the audit runs a planned module opaque, its boundaries applied: it shards a
+    parameter (a projection, an embedding)."""
+    return any(isinstance(pl.get(axis), (Shard, *STORED_ONLY)) for pl in spec.params.values())

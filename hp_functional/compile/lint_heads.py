@@ -17,12 +17,15 @@ whole model (``plan.trace``) on synthesized ``input_ids`` (1, 8) — when the mo
 embedding — else, for a forward that takes one tensor, a (1, 4, width) meta tensor.  A region
 whose arguments cannot be synthesized, or whose forward fails at global shapes on meta, is
 reported as a ``note`` (``not-audited``), never skipped silently: ``hpf.lint`` lists them.
-Identical layers are run once.  Nothing here communicates.
+Identical layers are run once, and a model built and sharded again with the same classes,
+shapes, attributes and config is traced and audited once per process (a small bounded memo).
+Nothing here communicates.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
@@ -69,6 +72,49 @@ def _sharded_child(p: Planned, spec: ModuleSpec) -> bool:
     return splits(out) or any(splits(pl.get(p.axis)) for pl in spec.in_dst.values())
 
 
+class _Memo:
+    """A small bounded memo (least recently used out): the same model built again and sharded
+    again (tests, notebooks) is traced and audited once per process.  Keys hold everything the
+    result depends on — classes, shapes, dtypes, scalar attributes, the config — never ids."""
+
+    def __init__(self, size: int = 16):
+        self.size, self.items = size, OrderedDict()
+
+    def get(self, key, make):
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = self.items[key] = make()
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+
+_TRACES, _AUDITS = _Memo(), _Memo(64)
+
+
+def _scalars(obj) -> tuple:
+    return tuple(sorted((k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, str, bool, type(None)))))
+
+
+def fingerprint(model: nn.Module) -> tuple:
+    """What one meta forward of ``model`` depends on, short of its code: module classes and
+    scalar attributes, parameter and buffer shapes and dtypes, its config."""
+    config = getattr(model, "config", None)
+    return (tuple((n, type(m), _scalars(m)) for n, m in model.named_modules()),
+            tuple((n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(remove_duplicate=False),
+                                                            *model.named_buffers(remove_duplicate=False))),
+            repr(sorted(config.to_dict().items())) if hasattr(config, "to_dict") else None,
+            getattr(config, "_attn_implementation", None))
+
+
+def _trace_calls(model: nn.Module) -> tuple[dict, str]:
+    try:
+        return trace_model(model, example_call(model)).calls, ""
+    except Exception as exc:  # noqa: BLE001 - recorded as the reason a region is not audited
+        return {}, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 class _Inputs:
     """The arguments of a region's first call: from one meta forward of the whole model (traced
     once, lazily), else synthesized for a one-tensor forward."""
@@ -78,10 +124,7 @@ class _Inputs:
 
     def of(self, path: str, module: nn.Module, width: int) -> tuple[tuple, dict] | None:
         if self._trace is None:
-            try:
-                self._trace = trace_model(self.model, example_call(self.model)).calls
-            except Exception as exc:  # noqa: BLE001 - recorded as the reason a region is not audited
-                self._trace, self.why = {}, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._trace, self.why = _TRACES.get(fingerprint(self.model), lambda: _trace_calls(self.model))
         call = self._trace.get(path)
         if call is not None:
             return call.args, call.kwargs
@@ -128,7 +171,8 @@ def audit_regions(model: nn.Module, mesh: DeviceMesh, planned: Sequence[Planned]
                tuple(sorted(shapes.items())), tuple(sorted(attrs.items())), _ints(module), _shapes(call),
                tuple(sorted((k, repr(v)) for k, v in opaque.items())))
         if key not in seen:
-            seen[key] = _audit(module, call, shapes, attrs, opaque, mesh.size())
+            seen[key] = _AUDITS.get((key, fingerprint(module), mesh.size()), lambda a=(module, call, shapes, attrs, opaque):
+                                    _audit(*a, mesh.size()))
         result = seen[key]
         if isinstance(result, str):
             missed.append((parent, result))

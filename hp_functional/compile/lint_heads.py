@@ -152,6 +152,11 @@ def audit_regions(model: nn.Module, mesh: DeviceMesh, planned: Sequence[Planned]
         module = modules[parent]
         if parent in named or parent in by_fqn and isinstance(by_fqn[parent].style, Local):
             continue  # a Local runs its own forward on local shards
+        inner = sorted(r for r in regions if r != parent and (not parent or r.startswith(parent + ".")))
+        if inner:  # its run would enter them without the boundaries of their own entries (PrepareInput...)
+            missed.append((parent, f"it holds other planned regions ({inner[0]}, ...), audited each on its own; its "
+                           f"own ops around {[c.rpartition('.')[2] for c in children]} are not"))
+            continue
         try:
             shapes, attrs, opaque = _local_view(parent, module, by_fqn, specs, mesh)
             for name, per_axis in (rules or {}).items():

@@ -10,7 +10,7 @@ The roles, first match wins (``docs/auto-plan.md`` has the table and the reasons
 3. the output head (``get_output_embeddings()``, else a projection the model returns), tied or
    not — ``Colwise(gather_output=True)`` (vocab-sharded logits under ``loss_parallel``);
 4. every other projection (``nn.Linear``, HF ``Conv1D``) — paired colwise → rowwise within its
-   block, packed when the block splits its output, head counts found by replay
+   block, packed when the block splits its output, head counts found by the shape audit
    (``plan.auto_blocks``);
 5. norms — replicated (``SequenceParallel`` on the residual stream with ``sequence_parallel``);
    those between a colwise and a rowwise projection (per-head q/k norms) replicated with their

@@ -131,6 +131,7 @@ class _Tracer(TorchFunctionMode):
         self.keep: list[Tensor] = []  # pins every tensor seen, so ids stay unique
         self.stack: list[str] = []
         self.shape_calls: list[ShapeCall] = []
+        self.assumed: list[str] = []  # data-dependent checks taken as True (see ``ModelTrace.assumed``)
 
     def src(self, obj) -> frozenset[str]:
         return frozenset().union(*(self.sources.get(id(t), ()) for t in _leaves(obj) if isinstance(t, Tensor)))
@@ -143,6 +144,9 @@ class _Tracer(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in (Tensor.__bool__, Tensor.item) and _meta_flag(args[0] if args else None):
+            self.assumed.append(self.stack[-1] if self.stack else "")
+            return True  # a one-element boolean on meta: "no padding", "all positions valid"
         out = func(*_plain(args), **_plain(kwargs))
         sources = self.src((args, kwargs))
         outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
@@ -155,6 +159,10 @@ class _Tracer(TorchFunctionMode):
             self.shape_calls.append(ShapeCall(self.stack[-1] if self.stack else "", op, attrs, self.src(args[0]),
                                               tuple(args[0].shape), tuple(tuple(t.shape) for t in outs)))
         return out
+
+
+def _meta_flag(t) -> bool:
+    return isinstance(t, Tensor) and t.device.type == "meta" and t.dtype == torch.bool and t.numel() == 1
 
 
 def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None) -> nn.Module:
@@ -188,12 +196,16 @@ def _snapshot(obj):
 
 @dataclass
 class ModelTrace:
-    """One traced forward: ``calls`` per module path (in call order), every ``ShapeCall``, and
-    the model's meta ``output``."""
+    """One traced forward: ``calls`` per module path (in call order), every ``ShapeCall``, the
+    model's meta ``output``, and ``assumed``: the modules in which a one-element boolean was
+    asked for its value (``bool(mask.sum() == mask.numel())``, ``flag.item()``) — a meta tensor
+    has none, so the trace takes it as True (no padding, every position valid: the input it
+    synthesizes has none); any other value (``.item()`` of a number) still stops the trace."""
 
     calls: dict[str, ModuleCall]
     shape_calls: list[ShapeCall]
     output: object = None
+    assumed: list[str] = field(default_factory=list)
 
     def shape_attrs(self) -> dict[str, frozenset[str]]:
         """Per module path, its integer attributes that fed a view/reshape/unflatten/split/chunk."""
@@ -262,7 +274,7 @@ def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
         output = twin(*args, **kwargs)
     for h in handles:
         h.remove()
-    return ModelTrace(calls, tracer.shape_calls, output)
+    return ModelTrace(calls, tracer.shape_calls, output, tracer.assumed)
 
 
 

@@ -65,7 +65,8 @@ BAD = {  # name: (model, plan entries, expected codes (level, code, culprit))
     "unreduced": ("llama", lambda m: hf(m, drop=("o_proj",)),
                   [("error", "unreduced", "model.layers.0.self_attn.o_proj")]),
     "replicated": ("llama", lambda m: hf(m, drop=("gate_proj",)),
-                   [("warning", "replicated", "model.layers.1.mlp.gate_proj")]),
+                   [("warning", "replicated", "model.layers.1.mlp.gate_proj"),
+                    ("error", "shape", "model.layers.1.mlp")]),  # the shape audit: act(gate) * up cannot broadcast
     "sharded-output": ("block", lambda m: {"down": hpf.Colwise()}, [("warning", "sharded-output", "down")]),
     "unsharded-input": ("block", lambda m: {"down": "rowwise"}, [("warning", "unsharded-input", "down")]),
     "sequence-parallel": ("block", lambda m: {"norm": hpf.SequenceParallel()}, [("warning", "sequence-parallel", "norm")]),
@@ -129,13 +130,16 @@ def test_shard_raises_every_error_and_warns_once_per_pattern():
             error = str(exc)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            hpf.shard(model, hf(model, drop=("gate_proj",)), m)
-        return error, [str(w.message) for w in caught if issubclass(w.category, PlanWarning)]
+            hpf.shard(model, hf(model, **{f"model.layers.{i}.mlp.up_proj": hpf.Colwise() for i in range(2)}), m)
+        with pytest.raises(hpf.PlanError) as gate:  # a replicated gate_proj beside a sharded up_proj cannot run:
+            hpf.shard(model, hf(model, drop=("gate_proj",)), m)  # the shape audit refuses it
+        return error, [str(w.message) for w in caught if issubclass(w.category, PlanWarning)], str(gate.value)
 
-    error, warned = simulate(run, world_size=2)
+    error, warned, gate = simulate(run, world_size=2)
     assert "model.layers.*.self_attn.o_proj" in error and "model.layers.*.mlp.down_proj" in error
     assert error.count("error: ") == 2 and error.count("(2 modules)") == 2  # one line per pattern
-    assert len(warned) == 1 and "model.layers.*.mlp.gate_proj" in warned[0]
+    assert len(warned) == 1 and "model.layers.*.mlp.up_proj" in warned[0]
+    assert "model.layers.*.mlp: op mul" in gate and "(2 modules)" in gate
 
 
 def test_replicate_entry_silences_and_collapse_merges_layers():
@@ -145,7 +149,8 @@ def test_replicate_entry_silences_and_collapse_merges_layers():
         return lint(model, explicit, m), lint(model, hf(model, drop=("gate_proj",)), m)
 
     silenced, found = simulate(run, world_size=2)
-    assert silenced == [] and len(found) == 2
+    found = [f for f in found if f.code == "replicated"]  # (both plans cannot run: the shape audit's errors)
+    assert [f for f in silenced if f.code == "replicated"] == [] and len(found) == 2
     assert collapse(found) == [str(found[0]).replace("layers.0", "layers.*") + " (2 modules)"]
 
 

@@ -7,7 +7,8 @@ every rank before any collective):
 2. ``resolve_specs`` — the plan against the model's module paths, each style to its ``ModuleSpec``;
 3. ``replicate_kv_heads`` — K/V projections of attention with fewer KV heads than ranks
    (``compile.kv_heads``);
-4. lint over those specs (errors raise together, warnings warn: ``compile.lint``);
+4. lint over those specs (errors raise together, warnings warn: ``compile.lint``), the shape
+   audit of every planned region included (``compile.lint_heads``);
 5. ``check_head_counts`` — head-count attributes the skeleton divides must divide;
 6. ``place_parameters`` — storage placements, tied and packed leaves (``compile.place``);
 7. ``analyse_regions`` — rank-varying compute and regions (``compile.regions``);

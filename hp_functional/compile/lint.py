@@ -8,7 +8,8 @@ errors that resolving and placing raise (collected, not raised).  Nothing here b
 mutates the model or the plan, or communicates.
 
 An *error* means the plan cannot be applied or would certainly compute something else than the
-model; a *warning* means it runs but is probably not what was meant.  A Linear that is meant
+model; a *warning* means it runs but is probably not what was meant; a *note* says what a check
+could not see (``hpf.lint`` only).  A Linear that is meant
 to stay replicated beside sharded siblings is marked with an explicit ``NoParallel()`` entry,
 which silences ``unreduced`` and ``replicated``.
 
@@ -27,9 +28,14 @@ code                   level    finding
 ``heads``              error    a Colwise would cut an attention head in two: its local output
                                 features are not a multiple of the parent's ``head_dim``
                                 (fewer heads than ranks)
-``head-attr``          error    a module reshapes a sharded Colwise output with an integer
-                                attribute (``self.n_heads``) the skeleton keeps global: traced
-                                on meta copies, global vs local shapes (``compile.lint_heads``)
+``head-attr``          error    the shape audit (``compile.lint_heads``): a planned region
+                                (the parent of sharded projections) run on meta copies at
+                                global and at local shapes has an op whose local result is not
+                                the global one divided along the dim the plan says, fed by an
+                                integer attribute (``self.n_heads``) to divide (or not)
+``shape``              error    the same, with no integer attribute to blame
+``not-audited``        note     a region the shape audit could not run (its arguments cannot
+                                be synthesized, or its forward fails on meta tensors)
 ``unreduced``          error    an unplanned Linear registered after Colwise siblings takes
                                 their output width, and no Rowwise reduces their Shard(-1)
                                 outputs (q/k/v colwise, o_proj left out)
@@ -67,7 +73,7 @@ from ..core.signature import arg_slots
 from ..plan.context import ContextParallel
 from ..plan.plan import ShardingPlan, most_specific
 from ..plan.styles import ModuleSpec, SequenceParallel
-from .lint_heads import undivided_head_attrs
+from .lint_heads import audit_regions
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ class Finding:
     """One lint result: ``level`` error or warning, the module/pattern it names, why, and a
     short ``code`` (see the module docstring)."""
 
-    level: Literal["error", "warning"]
+    level: Literal["error", "warning", "note"]
     where: str
     message: str
     code: str = ""
@@ -127,8 +133,17 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
     for parent in sorted(parents):
         findings += _siblings(_Family(parent, modules, by_fqn, specs, head, mesh, entries))
     findings += _sequence_parallel(by_fqn, specs)
-    findings += [Finding("error", where, message, "head-attr")
-                 for where, message in undivided_head_attrs(model, mesh, planned, specs)]
+    out_head = getattr(model, "get_output_embeddings", lambda: None)()
+    skip = {head, *(f for f, m in modules.items() if out_head is not None and m is out_head)} - {None}
+    try:
+        rules = {n: {plan.tp_axis: r.placement} for n, r in plan.param_rules(model).items()}
+    except PlanError:  # a handler that matches nothing: placing the parameters raises it
+        rules = {}
+    named = {f.where.rpartition(".")[0] for f in findings if f.level == "error"}  # already refused: no second error
+    errors, missed = audit_regions(model, mesh, planned, specs, skip=tuple(skip), rules=rules, named=named)
+    findings += [Finding("error", where, message, code) for where, code, message in errors]
+    findings += [Finding("note", where, f"{where or '<root module>'}: not audited: {why}", "not-audited")
+                 for where, why in missed]
     return findings
 
 
@@ -151,11 +166,12 @@ def collapse(findings: list[Finding]) -> list[str]:
 
 
 def enforce(findings: list[Finding]) -> None:
-    """Raise the errors (all of them, in one PlanError); warn about the rest."""
+    """Raise the errors (all of them, in one PlanError); warn about the warnings (notes are
+    ``hpf.lint``'s only)."""
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise PlanError("; ".join(collapse(errors)))
-    for line in collapse(findings):
+    for line in collapse([f for f in findings if f.level == "warning"]):
         warnings.warn(line, PlanWarning, stacklevel=3)
 
 

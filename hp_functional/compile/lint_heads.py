@@ -1,86 +1,57 @@
-"""Lint ``head-attr``: a sharded Colwise output reshaped with a head count the skeleton keeps global.
+"""The shape audit (lint ``head-attr``/``shape``): every planned region run at global and at local
+shapes on meta tensors, op by op.
 
-An attention module that reshapes its projections with ``self.n_heads`` needs the local count on
-the skeleton (``Heads(attrs=...)``).  Left undivided, torch fails at the first call with a bare
-``shape '[2, 16, 8, 8]' is invalid for input of size 1024`` — or, with a ``-1`` in the shape,
-silently splits every head in two.  This check finds both before anything runs: it traces the
-module's forward twice on meta tensors — at global shapes, and at the local shapes and
-attributes the skeleton would have — and compares every ``view``/``reshape``/``unflatten`` that
-splits a last dim.  A split that fails only at local shapes, or whose trailing (per-head) size
-differs from the global trace's, is an error naming the module and the integer attributes that
-fed it.  Meta copies only (``plan.trace.meta_copy``): the model is read, never run or mutated.
-A module whose forward needs more than one tensor argument, or that fails at global shapes too,
-is not traced (HF attention reshapes with ``-1`` and ``head_dim``, and needs nothing).
+A *region* is the parent of planned projections (``nn.Linear``, HF ``Conv1D``, fused/packed ones)
+whose output stays sharded or whose input arrives sharded: the attention module around
+q/k/v/o, the MLP around gate/up/down.  Its forward is run twice on meta copies (``plan.
+auto_audit``; the model is read, never run or mutated): at global shapes, and at the local shapes
+and skeleton attributes the plan gives (divided head counts, KV-head replication), the planned
+projections opaque with their boundaries applied.  The first op whose local result is not the
+global result divided along the dim its inputs say is an error naming the region, the op and the
+integer attributes that fed it, with the fix (``Heads(attrs=...)``): a ``view`` that torch would
+refuse, a ``-1`` that lands the division on the sequence, a head cut in two, a slice or matmul
+over a divided dim.
+
+The region's arguments are those its first call received in one forward of a meta copy of the
+whole model (``plan.trace``) on synthesized ``input_ids`` (1, 8) — when the model starts with an
+embedding — else, for a forward that takes one tensor, a (1, 4, width) meta tensor.  A region
+whose arguments cannot be synthesized, or whose forward fails at global shapes on meta, is
+reported as a ``note`` (``not-audited``), never skipped silently: ``hpf.lint`` lists them.
+Identical layers are run once, and a model built and sharded again with the same classes,
+shapes, attributes and config is traced and audited once per process (a small bounded memo).
+Nothing here communicates.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
-from torch.overrides import TorchFunctionMode
 
 from ..core.errors import PlanError
-from ..core.placement import local_layout, mesh_placements
+from ..core.placement import local_layout, mesh_placements, splits
 from ..core.program import Planned
+from ..plan.auto_audit import Mismatch, boundaries, compare, culprits, handoff, record
 from ..plan.local import Local
-from ..plan.styles import ModuleSpec
-from ..plan.trace import meta_copy
+from ..plan.styles import ModuleSpec, is_conv1d
+from ..plan.trace import example_call, trace_model
 
-_SPLITS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
-
-
-@dataclass(frozen=True)
-class _Split:
-    """One view/reshape/unflatten call: the ints it was given, its input and output shapes (None:
-    it raised, with ``error``)."""
-
-    ints: tuple[int, ...]
-    shape_in: tuple[int, ...]
-    shape_out: tuple[int, ...] | None
-    error: str = ""
+Found = tuple[str, str, str]  # (module, code, message)
 
 
-class _Recorder(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: list[_Split] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in _SPLITS or not args or not isinstance(args[0], torch.Tensor):
-            return func(*args, **kwargs)
-        ints = tuple(i for a in (*args[1:], *kwargs.values()) for i in (a if isinstance(a, (tuple, list)) else (a,))
-                     if isinstance(i, int) and not isinstance(i, bool))
-        try:
-            out = func(*args, **kwargs)
-        except RuntimeError as exc:
-            self.calls.append(_Split(ints, tuple(args[0].shape), None, str(exc).splitlines()[0]))
-            raise
-        self.calls.append(_Split(ints, tuple(args[0].shape), tuple(out.shape)))
-        return out
-
-
-def _trace(module: nn.Module, shapes: Mapping[str, torch.Size], attrs: Mapping[str, int], width: int) -> list[_Split] | None:
-    """The splits of one forward of a meta copy of ``module`` whose tensors have ``shapes`` and
-    whose attributes ``attrs`` (path → value) are set; None if the forward fails elsewhere."""
-    twin = meta_copy(module, shapes)
-    for path, value in attrs.items():
-        owner, _, attr = path.rpartition(".")
-        setattr(twin.get_submodule(owner), attr, value)
-    x = torch.empty(1, 4, width, device="meta")
-    recorder = _Recorder()
-    try:
-        with torch.no_grad(), recorder:
-            twin(x)
-    except Exception:  # noqa: BLE001 - any failure: the calls recorded so far say whether a split raised
-        return recorder.calls if recorder.calls and recorder.calls[-1].shape_out is None else None
-    return recorder.calls
+def _width(module: nn.Module) -> int | None:
+    """The last dim of what ``module`` takes: its first Linear's, Conv1D's or 1-D weight's."""
+    for m in module.modules():
+        weight = getattr(m, "weight", None)
+        if isinstance(m, nn.Linear) or is_conv1d(m):
+            return m.weight.shape[0] if is_conv1d(m) else m.in_features
+        if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            return weight.shape[0]
+    return None
 
 
 def _one_tensor_forward(module: nn.Module) -> bool:
@@ -92,61 +63,199 @@ def _one_tensor_forward(module: nn.Module) -> bool:
     return len(required) == 1
 
 
-def _culprits(module: nn.Module, call: _Split, attrs: Mapping[str, int]) -> list[tuple[str, int]]:
-    """(name, value) of the integer attributes of ``module`` the call was given: the head counts
-    among them if any (names with "head" and no "dim"/"size"), else all of them."""
-    hits = [(n, v) for n, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool) and v > 1
-            and v in call.ints and n not in attrs]
-    heads = [(n, v) for n, v in hits if "head" in n and "dim" not in n and "size" not in n]
-    return heads or hits
+def _sharded_child(p: Planned, spec: ModuleSpec) -> bool:
+    """A planned projection whose output is handed on sharded or that needs its input sharded."""
+    if not (isinstance(p.module, nn.Linear) or is_conv1d(p.module)) or not any(
+            splits(pl.get(p.axis)) for pl in spec.params.values()):
+        return False
+    out = spec.out_dst.get("output", spec.out_src.get("output", {})).get(p.axis)
+    return splits(out) or any(splits(pl.get(p.axis)) for pl in spec.in_dst.values())
+
+
+class _Memo:
+    """A small bounded memo (least recently used out): the same model built again and sharded
+    again (tests, notebooks) is traced and audited once per process.  Keys hold everything the
+    result depends on — classes, shapes, dtypes, scalar attributes, the config — never ids."""
+
+    def __init__(self, size: int = 16):
+        self.size, self.items = size, OrderedDict()
+
+    def get(self, key, make):
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = self.items[key] = make()
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+
+_TRACES, _AUDITS = _Memo(), _Memo(64)
+
+
+def _scalars(obj) -> tuple:
+    return tuple(sorted((k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, str, bool, type(None)))))
+
+
+def fingerprint(model: nn.Module) -> tuple:
+    """What one meta forward of ``model`` depends on, short of its code: module classes and
+    scalar attributes, parameter and buffer shapes and dtypes, its config."""
+    config = getattr(model, "config", None)
+    return (tuple((n, type(m), _scalars(m)) for n, m in model.named_modules()),
+            tuple((n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(remove_duplicate=False),
+                                                            *model.named_buffers(remove_duplicate=False))),
+            repr(sorted(config.to_dict().items())) if hasattr(config, "to_dict") else None,
+            getattr(config, "_attn_implementation", None))
+
+
+def _trace_calls(model: nn.Module) -> tuple[dict, str]:
+    try:
+        return trace_model(model, example_call(model)).calls, ""
+    except Exception as exc:  # noqa: BLE001 - recorded as the reason a region is not audited
+        return {}, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+class _Inputs:
+    """The arguments of a region's first call: from one meta forward of the whole model (traced
+    once, lazily), else synthesized for a one-tensor forward."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self._trace, self.why = model, None, ""
+
+    def of(self, path: str, module: nn.Module, width: int) -> tuple[tuple, dict] | None:
+        if self._trace is None:
+            self._trace, self.why = _TRACES.get(fingerprint(self.model), lambda: _trace_calls(self.model))
+        call = self._trace.get(path)
+        if call is not None:
+            return call.args, call.kwargs
+        if width and _one_tensor_forward(module):
+            return (torch.empty(1, 4, width, device="meta"),), {}
+        return None
+
+
+def audit_regions(model: nn.Module, mesh: DeviceMesh, planned: Sequence[Planned], specs: Mapping[str, ModuleSpec],
+                  skip: Sequence[str] = (), rules: Mapping[str, Mapping] | None = None,
+                  named: Collection[str] = ()) -> tuple[list[Found], list[tuple[str, str]]]:
+    """(errors as ``(module, code, message)``, regions not audited as ``(module, why)``) of every
+    region (see the module docstring); ``skip``: planned modules left out (the output head: its
+    logits are the loss's, checked by ``loss_parallel``); ``rules``: parameter FQN → per-axis
+    placement of the plan's special handlers (per-head parameters); ``named``: regions another
+    lint check already refuses (not run again)."""
+    by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
+    regions: dict[str, list[str]] = {}
+    for fqn, p in by_fqn.items():
+        if fqn and fqn not in skip and _sharded_child(p, specs[fqn]):
+            regions.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    modules, inputs, seen = dict(model.named_modules()), _Inputs(model), {}
+    found, missed = [], []
+    for parent, children in sorted(regions.items()):
+        module = modules[parent]
+        if parent in named or parent in by_fqn and isinstance(by_fqn[parent].style, Local):
+            continue  # a Local runs its own forward on local shards
+        inner = sorted(r for r in regions if r != parent and (not parent or r.startswith(parent + ".")))
+        if inner:  # its run would enter them without the boundaries of their own entries (PrepareInput...)
+            missed.append((parent, f"it holds other planned regions ({inner[0]}, ...), audited each on its own; its "
+                           f"own ops around {[c.rpartition('.')[2] for c in children]} are not"))
+            continue
+        try:
+            shapes, attrs, opaque = _local_view(parent, module, by_fqn, specs, mesh)
+            for name, per_axis in (rules or {}).items():
+                if not parent or name.startswith(parent + "."):
+                    rel = name[len(parent) + 1:] if parent else name
+                    full = module.get_parameter(rel).shape
+                    shapes[rel] = local_layout(full, mesh_placements(per_axis, mesh, name), mesh, name)[0]
+        except PlanError:  # indivisible dims, bad placements: placing the parameters raises those itself
+            continue
+        call = inputs.of(parent, module, _width(module))
+        if call is None:
+            missed.append((parent, "its arguments cannot be synthesized (not reached by a meta forward of the model "
+                           f"from input_ids{': ' + inputs.why if inputs.why else ''}, and its forward takes more "
+                           "than one tensor)"))
+            continue
+        key = (type(module), tuple((n, tuple(t.shape)) for n, t in module.named_parameters()),
+               tuple(sorted(shapes.items())), tuple(sorted(attrs.items())), _ints(module), _shapes(call),
+               tuple(sorted((k, repr(v)) for k, v in opaque.items())))
+        if key not in seen:
+            seen[key] = _AUDITS.get((key, fingerprint(module), mesh.size()), lambda a=(module, call, shapes, attrs, opaque):
+                                    _audit(*a, mesh.size()))
+        result = seen[key]
+        if isinstance(result, str):
+            missed.append((parent, result))
+        elif result is not None:
+            found.append((parent, *_message(parent, module, children, attrs, *result)))
+    return found, missed
+
+
+def _audit(module, call, shapes, attrs, opaque, n):
+    """None: exact; a str: why it was not audited; else (the mismatch, the local ops)."""
+    outputs: dict = {}
+    ref, ok = record(module, *call, opaque=dict.fromkeys(opaque), outputs=outputs)
+    if not ok:
+        return "its forward fails at global shapes on meta tensors"
+    ops, _ = record(module, *call, shapes=shapes, attrs=attrs, opaque=opaque,
+                    outputs={k: list(v) for k, v in outputs.items()})
+    bad = compare(ref, ops, n)
+    return None if bad is None else (bad, ops)
+
+
+def _message(parent: str, module: nn.Module, children: list[str], attrs: Mapping[str, int], bad: Mismatch,
+             ops) -> tuple[str, str]:
+    """(code, message) naming the region, the op and the attributes to localise."""
+    tags, earlier = culprits(ops, bad.index)
+    names = sorted(tags)
+    heads = [(o, a) for o, a in names if "head" in a and "dim" not in a and "size" not in a]
+    named = heads or names
+
+    def value(owner, attr):
+        return getattr(module.get_submodule(owner) if owner else module, attr)
+
+    def listed(pairs):
+        return ", ".join(f"attribute {(o + '.') if o else ''}{a}={value(o, a)}" for o, a in pairs)
+
+    kept = [(o, a) for o, a in named if (f"{o}.{a}" if o else a) not in attrs]
+    cut = [(o, a) for o, a in named if (f"{o}.{a}" if o else a) in attrs]
+    where = (f"{parent or '<root module>'}: op {bad.glob.name} (in the forward around its planned projections "
+             f"{[c.rpartition('.')[2] for c in children]}): {bad.why}")
+    if earlier is not None:
+        return "shape", (f"{where}; no integer attribute fed it (the nearest op before it that took one, "
+                         f"{earlier.name}, took {listed(names)}): divide the head counts it uses "
+                         f"(Heads(attrs=...) on {parent!r}), leave per-head sizes whole, or gather the projections "
+                         "(Colwise(gather_output=True)) — fewer KV heads than ranks in a fused projection cannot split")
+    if kept:
+        owners = sorted({o for o, _ in kept})
+        target = ".".join(x for x in (parent, owners[0]) if x)
+        fix = f"Heads(attrs={tuple(a for o, a in kept if o == owners[0])!r})"
+        return "head-attr", (f"{where}; it was given {listed(kept)}, which the skeleton keeps at its global value; "
+                             f"plan {target!r} as {fix} so that the skeleton holds the local count (or "
+                             "PrepareInput(..., divide_attrs=...))")
+    if cut:
+        return "head-attr", (f"{where}; it was given {listed(cut)}, which the plan divides on the skeleton: leave it "
+                             "out of Heads(attrs=...) / divide_attrs")
+    return "shape", (f"{where}; no integer attribute fed it: plan alike the projections it combines (one left "
+                     f"replicated beside a sharded sibling?), divide the head counts of {parent!r} (Heads(attrs=...)), "
+                     "or gather its projections (Colwise(gather_output=True))")
 
 
 def _ints(module: nn.Module) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((n, v) for n, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool)))
 
 
-def undivided_head_attrs(model: nn.Module, mesh: DeviceMesh, planned: Sequence[Planned],
-                         specs: Mapping[str, ModuleSpec]) -> list[tuple[str, str]]:
-    """``(module, message)`` of every ``head-attr`` error (see the module docstring), over the
-    parents of Colwise Linears whose output stays sharded; identical layers are traced once."""
-    by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
-    parents: dict[str, list[str]] = {}
-    for fqn, p in by_fqn.items():
-        out = specs[fqn].out_dst.get("output", specs[fqn].out_src.get("output", {})).get(p.axis)
-        if fqn and isinstance(p.module, nn.Linear) and isinstance(out, Shard) and specs[fqn].params:
-            parents.setdefault(fqn.rpartition(".")[0], []).append(fqn)
-    findings, seen = [], {}
-    modules = dict(model.named_modules())
-    for parent, children in sorted(parents.items()):
-        module = modules[parent]
-        if parent in by_fqn and isinstance(by_fqn[parent].style, Local) or not _one_tensor_forward(module):
-            continue
-        try:
-            shapes, attrs = _local_view(parent, module, by_fqn, specs, mesh)
-        except PlanError:  # indivisible dims, bad placements: placing the parameters raises those itself
-            continue
-        key = (type(module), tuple((n, tuple(t.shape)) for n, t in module.named_parameters()),
-               tuple(sorted(shapes.items())), tuple(sorted(attrs.items())), _ints(module))
-        if key not in seen:
-            seen[key] = _compare(module, shapes, attrs, modules[children[0]].in_features)
-        bad = seen[key]
-        if bad is not None:
-            call, how = bad
-            names = _culprits(module, call, {a for a in attrs if "." not in a})
-            which = ", ".join(f"attribute {n}={v}" for n, v in names) or f"the ints {list(call.ints)}"
-            fix = f"Heads(attrs={tuple(n for n, _ in names)!r})" if names else "Heads(attrs=(...))"
-            findings.append((parent, (
-                f"{parent or '<root module>'}: reshapes the sharded output of {[c.rpartition('.')[2] for c in children]} "
-                f"with {which}, which the skeleton keeps at its global value ({how}); plan {parent!r} as {fix} "
-                "so that the skeleton holds the local count (or PrepareInput(..., divide_attrs=...))")))
-    return findings
+def _shapes(obj):
+    if isinstance(obj, torch.Tensor):
+        return tuple(obj.shape), obj.dtype
+    if isinstance(obj, (tuple, list)):
+        return tuple(_shapes(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _shapes(v)) for k, v in obj.items())
+    return type(obj).__name__
 
 
 def _local_view(parent: str, module: nn.Module, by_fqn: Mapping[str, Planned], specs: Mapping[str, ModuleSpec],
-                mesh: DeviceMesh) -> tuple[dict[str, torch.Size], dict[str, int]]:
-    """(local shapes by parameter path below ``parent``, skeleton attributes by path) of the
-    planned modules at or below ``parent``, as the skeleton would hold them."""
-    shapes, attrs = {}, {}
+                mesh: DeviceMesh) -> tuple[dict[str, torch.Size], dict[str, int], dict]:
+    """(local shapes by parameter path below ``parent``, skeleton attributes by path, the planned
+    projections below it with their ``Handoff``) as the skeleton would hold them."""
+    shapes, attrs, opaque = {}, {}, {}
+    params = dict(module.named_parameters())
     for fqn, p in by_fqn.items():
         if fqn != parent and not fqn.startswith(f"{parent}." if parent else ""):
             continue
@@ -154,7 +263,7 @@ def _local_view(parent: str, module: nn.Module, by_fqn: Mapping[str, Planned], s
         prefix = f"{rel}." if rel else ""
         spec = specs[fqn]
         for name, per_axis in spec.params.items():
-            full = dict(module.named_parameters()).get(prefix + name)
+            full = params.get(prefix + name)
             if full is not None:
                 shapes[prefix + name] = local_layout(full.shape, mesh_placements(per_axis, mesh, fqn), mesh, fqn)[0]
         size = mesh.size(list(mesh.mesh_dim_names).index(p.axis))
@@ -162,25 +271,10 @@ def _local_view(parent: str, module: nn.Module, by_fqn: Mapping[str, Planned], s
         for attr in spec.divide_attrs:
             value = getattr(sub, attr, None)
             if not isinstance(value, int) or value % size:
-                raise PlanError(f"{fqn}: {attr}")  # check_head_counts names it; nothing to trace
+                raise PlanError(f"{fqn}: {attr}")  # check_head_counts names it; nothing to run
             attrs[prefix + attr] = value // size
         for attr, value in spec.set_attrs.items():
             attrs[prefix + attr] = value
-    return shapes, attrs
-
-
-def _compare(module: nn.Module, shapes, attrs, width: int) -> tuple[_Split, str] | None:
-    """The first split that fails or cuts the per-head size at local shapes, with how; None: fine."""
-    whole = _trace(module, {}, {}, width)
-    if whole is None or (whole and whole[-1].shape_out is None):
-        return None  # not traceable at global shapes: nothing to compare
-    local = _trace(module, shapes, attrs, width)
-    if local is None:
-        return None
-    for g, mine in zip(whole, local, strict=False):
-        if mine.shape_out is None:
-            return mine, f"torch would raise: {mine.error}"
-        splits_last = len(g.shape_out) > len(g.shape_in) and len(mine.shape_out) == len(g.shape_out)
-        if splits_last and g.shape_out[-1] != mine.shape_out[-1]:
-            return mine, f"each head's {g.shape_out[-1]} features would be cut to {mine.shape_out[-1]}"
-    return None
+        if rel and boundaries(spec, p.axis):
+            opaque[rel] = handoff(spec, p.axis, size)  # every planned module below: its boundaries applied
+    return shapes, attrs, opaque

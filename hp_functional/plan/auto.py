@@ -10,7 +10,7 @@ The roles, first match wins (``docs/auto-plan.md`` has the table and the reasons
 3. the output head (``get_output_embeddings()``, else a projection the model returns), tied or
    not — ``Colwise(gather_output=True)`` (vocab-sharded logits under ``loss_parallel``);
 4. every other projection (``nn.Linear``, HF ``Conv1D``) — paired colwise → rowwise within its
-   block, packed when the block splits its output, head counts found by replay
+   block, packed when the block splits its output, head counts found by the shape audit
    (``plan.auto_blocks``);
 5. norms — replicated (``SequenceParallel`` on the residual stream with ``sequence_parallel``);
    those between a colwise and a rowwise projection (per-head q/k norms) replicated with their
@@ -24,11 +24,9 @@ Nothing here communicates: every error is raised on every rank alike, before any
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Mapping
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -38,7 +36,7 @@ from .auto_heads import inside, join
 from .auto_report import AutoPlan, collapse, coverage, merge_overrides
 from .auto_sp import sequence_parallel as sequence_parallel_plan
 from .styles import Colwise, NoParallel, Style
-from .trace import INPUT, ModelTrace, trace_model
+from .trace import INPUT, ModelTrace, example_call, trace_model
 from .vocab import VocabEmbedding
 
 EXPERTS = re.compile(r"expert", re.IGNORECASE)
@@ -59,7 +57,7 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
         raise PlanError(f"auto_plan: mesh axis {tp_axis!r} is not in the mesh (axes: {list(names)})")
     n = mesh.size(names.index(tp_axis))
     try:
-        trace = trace_model(model, _inputs(model, example_inputs))
+        trace = trace_model(model, example_call(model, example_inputs))
     except Exception as exc:
         raise PlanError(f"auto_plan: one forward of {type(model).__name__} on meta tensors failed ({type(exc).__name__}: "
                         f"{exc}); pass example_inputs=(...) that its forward takes") from exc
@@ -71,22 +69,6 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
     params = [p for p, _ in model.named_parameters(remove_duplicate=False)]
     return AutoPlan(collapse(g.entries, paths), tp_axis, coverage=cov, notes=tuple(g.notes), loss_parallel=loss_parallel,
                     special_handlers=collapse(g.special, params))
-
-
-def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
-    if example_inputs is None:
-        first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
-        if not isinstance(first, nn.Embedding):
-            raise PlanError(f"auto_plan: {type(model).__name__} does not start with an nn.Embedding; pass "
-                            "example_inputs=(...) that its forward takes")
-        ids = torch.zeros(1, 8, dtype=torch.long)
-        params = inspect.signature(model.forward).parameters
-        return ((), {"input_ids": ids}) if "input_ids" in params else ((ids,), {})
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, Mapping):
-        return (), dict(example_inputs)
-    return tuple(example_inputs), {}
 
 
 class _Generator:

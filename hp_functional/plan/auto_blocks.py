@@ -13,10 +13,11 @@ pieces as blocks (``Colwise(packed=...)``); a view of it into ``(..., 2|3, H, D)
 Head counts: the integer attributes (``self.n_heads``, ``self.split_size``…) that fed a shape
 call inside the block, and its 1-D parameters as long as a head count (per-head scales), are the
 candidates; every subset, smallest first (names that say "heads" first among equals), is tried by
-replaying the block alone at the local shapes the styles give (``plan.auto_heads``).  The first
-subset with which the block runs, keeps every per-head size and returns its global output shape
-is the plan (``Heads(attrs=...)``, ``shard_heads``); identical layers are searched once.  When
-none does (heads sliced with numbers from a config, Phi-3's ``qkv``), the block is *gathered*:
+running the block alone at the local shapes the styles give and comparing it op by op with the
+global run (``plan.auto_heads``, ``plan.auto_audit``).  The first subset with which every op's
+local result is its global result divided as the plan says is the plan (``Heads(attrs=...)``,
+``shard_heads``); identical layers are searched once.  When none does (heads sliced with numbers
+from a config, Phi-3's ``qkv``, GPT-BigCode's one K/V head in a fused ``c_attn``), the block is *gathered*:
 its colwise outputs are all-gathered and its rowwise ones split their replicated input locally
 (HF's ``colwise_gather_output`` / ``rowwise_split_input``).  Heads that do not divide the axis are a ``PlanError`` naming the
 module (query heads, and head-count attributes by name); KV projections with fewer heads than

@@ -3,11 +3,12 @@ and per-head parameters of a block the skeleton must hold divided, found by repl
 
 The candidates are the attributes whose traced ints fed a shape call inside the block and its
 1-D parameters as long as a head count.  Every subset, smallest first (among equals, those whose
-names say "heads" or "split" first), is tried by replaying the block alone on a meta copy at the
-local shapes its styles give (``trace.replay``, the block's own traced arguments).  A subset
-fits when the replay runs, makes the same shape calls, keeps the trailing (per-head) size of
-every view that splits a last dim, leaves no piece empty that was not, and returns the global
-output shape.  The first that fits wins; None when none does.
+names say "heads" or "split" first), is tried by running the block alone on a meta copy at the
+local shapes its styles give, with its own traced arguments, and comparing it op by op with the
+global run (``plan.auto_audit``: the shape audit the compiler also runs).  A subset fits when
+every op's local result is its global result divided along the dim the plan says — a ``-1`` that
+lands the division on the sequence, or a head cut in two, does not fit.  The first that fits
+wins; None when none does.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from .auto_audit import compare, handoff, record
 from .styles import Style
-from .trace import RESHAPES, ModelTrace, ShapeCall, replay
+from .trace import RESHAPES, ModelTrace, ShapeCall
 
 MAX_CANDIDATES = 6  # at most 2**6 replays per distinct block
 
@@ -45,12 +47,15 @@ def relative(path: str, block: str) -> str:
 
 
 def _local(model_block: nn.Module, block: str, styles: Mapping[str, Style], axis: str, n: int):
-    """(local parameter shapes, attributes as the styles leave them) below ``block``."""
-    shapes, attrs = {}, {}
+    """(local parameter shapes, attributes as the styles leave them, the opaque children with
+    the layout their outputs are handed on in) below ``block``."""
+    shapes, attrs, opaque = {}, {}, {}
     for path, style in styles.items():
         rel = relative(path, block)
         sub = model_block.get_submodule(rel)
         spec = style.spec(sub, path, axis)
+        if rel and any(isinstance(pl.get(axis), Shard) for pl in spec.params.values()):
+            opaque[rel] = handoff(spec, axis, n)
         for name, per_axis in spec.params.items():
             pl, full = per_axis.get(axis), getattr(sub, name)
             if isinstance(pl, Shard):
@@ -59,28 +64,7 @@ def _local(model_block: nn.Module, block: str, styles: Mapping[str, Style], axis
                 shapes[join(rel, name)] = tuple(shape)
         for attr in spec.divide_attrs:
             attrs[join(rel, attr)] = getattr(sub, attr) // n
-    return shapes, attrs
-
-
-def _valid(ref, out_ref, calls, out) -> bool:
-    """Whether a local replay keeps every per-head size and the output shape of the global one."""
-    if len(calls) != len(ref) or _first_shape(out) != _first_shape(out_ref):
-        return False
-    for g, mine in zip(ref, calls, strict=True):
-        if g.op != mine.op or len(g.shapes_out) != len(mine.shapes_out):
-            return False
-        for gs, ms in zip(g.shapes_out, mine.shapes_out, strict=True):
-            if len(gs) != len(ms) or any(b == 0 < a for a, b in zip(gs, ms, strict=True)):
-                return False
-        if splits_last(g) and g.shapes_out[0][-1] != mine.shapes_out[0][-1]:
-            return False
-    return True
-
-
-def _first_shape(out):
-    while isinstance(out, (tuple, list)) and out:
-        out = out[0]
-    return tuple(out.shape) if hasattr(out, "shape") else None
+    return shapes, attrs, opaque
 
 
 def search_heads(trace: ModelTrace, block: str, module: nn.Module, styles: Mapping[str, Style], axis: str, n: int,
@@ -90,8 +74,11 @@ def search_heads(trace: ModelTrace, block: str, module: nn.Module, styles: Mappi
     call = trace.calls.get(block)
     if call is None:
         return None
-    ref, out_ref = replay(module, call.args, call.kwargs)
-    shapes, fixed = _local(module, block, styles, axis, n)
+    shapes, fixed, opaque = _local(module, block, styles, axis, n)
+    outputs: dict = {}
+    ref, ok = record(module, call.args, call.kwargs, opaque=dict.fromkeys(opaque), outputs=outputs)
+    if not ok:
+        return None
     cands = ([("attr", a) for a in attrs] + [("param", p) for p in per_head])[:MAX_CANDIDATES]
     subsets = [c for k in range(len(cands) + 1) for c in itertools.combinations(cands, k)]
     for subset in sorted(subsets, key=lambda c: (len(c), -sum(says_heads(x) for x in c))):
@@ -105,11 +92,9 @@ def search_heads(trace: ModelTrace, block: str, module: nn.Module, styles: Mappi
             else:
                 rel = relative(x, block)
                 local[rel] = (module.get_parameter(rel).shape[0] // n,)
-        try:
-            calls, out = replay(module, call.args, call.kwargs, shapes=local, attrs=values)
-        except Exception:  # noqa: BLE001 - this subset does not fit; try the next
-            continue
-        if _valid(ref, out_ref, calls, out):
+        ops, ok = record(module, call.args, call.kwargs, shapes=local, attrs=values, opaque=opaque,
+                         outputs={k: list(v) for k, v in outputs.items()})
+        if ok and compare(ref, ops, n) is None:
             return (tuple(x for kind, x in subset if kind == "attr"), tuple(x for kind, x in subset if kind == "param"))
     return None
 

@@ -15,15 +15,14 @@ under a ``TorchFunctionMode`` with forward hooks on every module:
   attributes whose ``TracedInt`` appeared in its arguments — exact, not a comparison of values
   (``seq_len == head_dim`` cannot fool it).
 
-``replay(module, args, kwargs, shapes=, attrs=)`` runs one module of the original model alone on a
-meta copy with some parameters at other (local) shapes and some attributes changed, recording
-its shape calls: how ``auto_plan`` checks a candidate set of head counts.  Nothing here
-communicates.
+The recorded arguments of each module's first call are what ``plan.auto_audit`` runs a module
+alone with, at global and at local shapes.  Nothing here communicates.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,6 +30,8 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+from ..core.errors import PlanError
 
 INPUT = "<input>"  # the source of the example inputs
 
@@ -112,7 +113,7 @@ class ShapeCall:
 @dataclass
 class ModuleCall:
     """What a module's calls saw: ``producers`` of all its tensor inputs, ``first`` those of its
-    first tensor argument, the first call's ``args``/``kwargs`` (meta tensors, for ``replay``) and
+    first tensor argument, the first call's ``args``/``kwargs`` (meta tensors, for ``auto_audit.record``) and
     the sources of its outputs (before they are re-tagged as its own)."""
 
     producers: set[str] = field(default_factory=set)
@@ -130,6 +131,7 @@ class _Tracer(TorchFunctionMode):
         self.keep: list[Tensor] = []  # pins every tensor seen, so ids stay unique
         self.stack: list[str] = []
         self.shape_calls: list[ShapeCall] = []
+        self.assumed: list[str] = []  # data-dependent checks taken as True (see ``ModelTrace.assumed``)
 
     def src(self, obj) -> frozenset[str]:
         return frozenset().union(*(self.sources.get(id(t), ()) for t in _leaves(obj) if isinstance(t, Tensor)))
@@ -142,6 +144,9 @@ class _Tracer(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in (Tensor.__bool__, Tensor.item) and _meta_flag(args[0] if args else None):
+            self.assumed.append(self.stack[-1] if self.stack else "")
+            return True  # a one-element boolean on meta: "no padding", "all positions valid"
         out = func(*_plain(args), **_plain(kwargs))
         sources = self.src((args, kwargs))
         outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
@@ -154,6 +159,10 @@ class _Tracer(TorchFunctionMode):
             self.shape_calls.append(ShapeCall(self.stack[-1] if self.stack else "", op, attrs, self.src(args[0]),
                                               tuple(args[0].shape), tuple(tuple(t.shape) for t in outs)))
         return out
+
+
+def _meta_flag(t) -> bool:
+    return isinstance(t, Tensor) and t.device.type == "meta" and t.dtype == torch.bool and t.numel() == 1
 
 
 def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None) -> nn.Module:
@@ -187,12 +196,16 @@ def _snapshot(obj):
 
 @dataclass
 class ModelTrace:
-    """One traced forward: ``calls`` per module path (in call order), every ``ShapeCall``, and
-    the model's meta ``output``."""
+    """One traced forward: ``calls`` per module path (in call order), every ``ShapeCall``, the
+    model's meta ``output``, and ``assumed``: the modules in which a one-element boolean was
+    asked for its value (``bool(mask.sum() == mask.numel())``, ``flag.item()``) — a meta tensor
+    has none, so the trace takes it as True (no padding, every position valid: the input it
+    synthesizes has none); any other value (``.item()`` of a number) still stops the trace."""
 
     calls: dict[str, ModuleCall]
     shape_calls: list[ShapeCall]
     output: object = None
+    assumed: list[str] = field(default_factory=list)
 
     def shape_attrs(self) -> dict[str, frozenset[str]]:
         """Per module path, its integer attributes that fed a view/reshape/unflatten/split/chunk."""
@@ -261,19 +274,24 @@ def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
         output = twin(*args, **kwargs)
     for h in handles:
         h.remove()
-    return ModelTrace(calls, tracer.shape_calls, output)
+    return ModelTrace(calls, tracer.shape_calls, output, tracer.assumed)
 
 
-def replay(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[str, torch.Size] | None = None,
-           attrs: Mapping[str, int] | None = None) -> tuple[list[ShapeCall], object]:
-    """(the shape calls, the output) of one forward of a meta copy of ``module`` whose parameters
-    have ``shapes`` (by name below it) and whose attributes ``attrs`` (``"sub.attr"`` paths) are
-    set; whatever the forward raises propagates."""
-    twin = meta_copy(module, shapes)
-    for path, value in (attrs or {}).items():
-        owner, _, attr = path.rpartition(".")
-        setattr(twin.get_submodule(owner), attr, value)
-    tracer = _Tracer()
-    with torch.no_grad(), tracer:
-        out = twin(*_to_meta(_snapshot(tuple(args))), **_to_meta(_snapshot(dict(kwargs))))
-    return tracer.shape_calls, out
+
+def example_call(model: nn.Module, example_inputs=None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of one forward: ``example_inputs`` (a tensor, a tuple of arguments or a
+    dict of keyword arguments), else ``input_ids`` of shape (1, 8) when the model starts with an
+    ``nn.Embedding``; a ``PlanError`` otherwise."""
+    if example_inputs is None:
+        first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+        if not isinstance(first, nn.Embedding):
+            raise PlanError(f"auto_plan: {type(model).__name__} does not start with an nn.Embedding; pass "
+                            "example_inputs=(...) that its forward takes")
+        ids = torch.zeros(1, 8, dtype=torch.long)
+        params = inspect.signature(model.forward).parameters
+        return ((), {"input_ids": ids}) if "input_ids" in params else ((ids,), {})
+    if isinstance(example_inputs, Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    return tuple(example_inputs), {}

@@ -1,0 +1,307 @@
+"""The shape audit: a module run at global and at local shapes on meta tensors, op by op.
+
+``record(module, args, kwargs, ...)`` runs one forward of a meta copy of ``module`` (``trace.
+meta_copy``: the module is only read) under a ``TorchFunctionMode`` that records every torch op
+with a tensor result — its name, its tensor inputs' and outputs' shapes, and the ``(owner,
+attribute)`` pairs whose integers (``self.num_heads``, as ``trace.TracedInt``) were among its
+arguments.  The planned children (projections) are *opaque*: their inner ops are not recorded,
+and at local shapes their output takes the layout the boundary hands on (a gathered output is
+whole again, ``Shard(d)`` divided on ``d``).  ``compare(global, local, n)`` then walks both
+records in step and returns the first op whose local result is not the global result divided
+along the dimension its inputs say:
+
+* ``raises``: the op raises at local shapes only (``view`` of a wrong size);
+* ``shape``: an output differs from the global one other than by dims divided by factors whose
+  product divides ``n`` (one dim, or KV heads and their groups where KV heads are replicated);
+* ``view``: a ``view``/``reshape``/``flatten``/``unflatten`` whose division does not land on the
+  outermost dim of the group its divided input dim becomes (a ``-1`` landing on the sequence, a
+  head count kept global so that every head's features are cut), computed from the global shapes;
+* ``lost``: a divided input and an undivided result (``x[..., :q]`` with a global offset, a sum
+  over the divided dim);
+* ``contract``: a matmul, ``linear`` or attention over a divided dim (partial sums).
+
+What it cannot see: values (a softmax or norm over a divided dim keeps every shape), ops that are
+not torch functions, and modules whose forward cannot be run on meta tensors.  Nothing here
+communicates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import Shard
+from torch.overrides import TorchFunctionMode
+
+from ..core.placement import STORED_ONLY
+from .trace import TracedInt, _leaves, _plain, _snapshot, _to_meta, meta_copy
+
+VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+CONTRACTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "mm", "linear", "scaled_dot_product_attention"}
+FACTORIES = ("new_", "empty_like", "zeros_like", "ones_like", "full_like", "size", "dim")
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One recorded op: its name, its tensor inputs' and outputs' shapes, the attributes among
+    its arguments, and the error it raised (None: it ran)."""
+
+    name: str
+    ins: tuple[Shape, ...]
+    outs: tuple[Shape, ...]
+    attrs: frozenset[tuple[str, str]]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first op that is not the global op divided: its index, the two records, the rule it
+    breaks (``raises``, ``shape``, ``view``, ``lost``, ``contract``, ``count``) and why."""
+
+    index: int
+    glob: Op
+    local: Op | None
+    rule: str
+    why: str
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[Op] = []
+        self.depth = 0  # > 0 inside an opaque child
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth:
+            return func(*_plain(args), **_plain(kwargs))
+        name = getattr(func, "__name__", str(func))
+        ins = tuple(tuple(t.shape) for t in _leaves((args, kwargs)) if isinstance(t, Tensor))
+        attrs = frozenset().union(*(x.tags for x in _leaves((args, kwargs)) if isinstance(x, TracedInt)))
+        try:
+            out = func(*_plain(args), **_plain(kwargs))
+        except Exception as exc:
+            self.ops.append(Op(name, ins, (), attrs, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            raise
+        outs = tuple(tuple(t.shape) for t in _leaves(out) if isinstance(t, Tensor))
+        if outs and ins:
+            self.ops.append(Op(name, ins, outs, attrs))
+        return out
+
+
+def record(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[str, torch.Size] | None = None,
+           attrs: Mapping[str, int] | None = None, opaque: Mapping[str, Callable] | None = None,
+           outputs: dict[str, list] | None = None) -> tuple[list[Op], bool]:
+    """(the ops of one forward of a meta copy of ``module``, whether it ran to the end).
+
+    ``shapes``: parameter shapes by name below ``module``; ``attrs``: ``"sub.attr"`` → value;
+    ``opaque``: relative path of a planned child → its ``Handoff`` (None: the global run, inputs
+    and outputs kept); ``outputs``: filled with each opaque child's output shapes per call (the
+    global run's, handed to ``Handoff.output`` in the local run)."""
+    twin = meta_copy(module, shapes)
+    for path, m in twin.named_modules():
+        for attr, value in list(vars(m).items()):
+            if type(value) is int:
+                setattr(m, attr, TracedInt(value, {(path, attr)}))
+    for path, value in (attrs or {}).items():
+        owner, _, attr = path.rpartition(".")
+        setattr(twin.get_submodule(owner), attr, TracedInt(int(value), {(owner, attr)}))
+    rec, handles, seen = _Recorder(), [], {}
+    for rel, layout in (opaque or {}).items():
+        def pre(mod, a, rel=rel, layout=layout):
+            rec.depth += 1
+            i = seen[rel] = seen.get(rel, -1) + 1
+            calls = (outputs or {}).get(rel, [])
+            first = a[0] if a and isinstance(a[0], Tensor) else None
+            if layout is None:
+                if outputs is not None:
+                    outputs.setdefault(rel, []).append([tuple(first.shape) if first is not None else None, None])
+                return a
+            return layout.input(a, calls[i][0] if i < len(calls) else None)
+
+        def post(mod, a, out, rel=rel, layout=layout):
+            rec.depth -= 1
+            if outputs is None or not isinstance(out, Tensor):
+                return out
+            calls, i = outputs.setdefault(rel, []), seen[rel]
+            if layout is None:
+                if i < len(calls):
+                    calls[i][1] = tuple(out.shape)
+                return out
+            glob = calls[i][1] if i < len(calls) and calls[i][1] is not None else tuple(out.shape)
+            shape = layout.output(tuple(out.shape), glob)
+            return out if shape == tuple(out.shape) else torch.empty(shape, dtype=out.dtype, device="meta")
+        sub = twin.get_submodule(rel)
+        handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
+    ok = True
+    try:
+        with torch.no_grad(), rec:
+            twin(*_to_meta(_snapshot(tuple(args))), **_to_meta(_snapshot(dict(kwargs))))
+    except Exception:  # noqa: BLE001 - the record says where it stopped
+        ok = False
+    finally:
+        for h in handles:
+            h.remove()
+    return rec.ops, ok
+
+
+def divided(glob: Shape, local: Shape) -> list[tuple[int, int]] | None:
+    """(dim, factor) of every dim the local shape divides; None: not a division of ``glob``."""
+    if len(glob) != len(local):
+        return None
+    out = []
+    for d, (g, m) in enumerate(zip(glob, local, strict=True)):
+        if g != m:
+            if m <= 0 or g % m:
+                return None
+            out.append((d, g // m))
+    return out
+
+
+def groups(a: Shape, b: Shape) -> list[tuple[list[int], list[int]]] | None:
+    """How a view of ``a`` into ``b`` groups their dims (size-1 dims left out): pairs of (dims
+    of ``a``, dims of ``b``) with equal products; None when the sizes do not match."""
+    ia, ib = [i for i, s in enumerate(a) if s != 1], [j for j, s in enumerate(b) if s != 1]
+    out, i, j = [], 0, 0
+    while i < len(ia) and j < len(ib):
+        ga, gb, pa, pb = [ia[i]], [ib[j]], a[ia[i]], b[ib[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(ia):
+                ga.append(ia[i])
+                pa, i = pa * a[ia[i]], i + 1
+            elif pb < pa and j < len(ib):
+                gb.append(ib[j])
+                pb, j = pb * b[ib[j]], j + 1
+            else:
+                return None
+        out.append((ga, gb))
+    return out if i == len(ia) and j == len(ib) else None
+
+
+def _check(g: Op, m: Op, n: int) -> tuple[str, str] | None:
+    """(rule, why) when op ``m`` at local shapes is not op ``g`` divided; None: it is."""
+    if m.error is not None:
+        return "raises", f"torch would raise: {m.error}"
+    if g.name != m.name or len(g.ins) != len(m.ins) or len(g.outs) != len(m.outs):
+        return "count", f"the local forward calls {m.name} where the global one calls {g.name}"
+    ins = [divided(a, b) for a, b in zip(g.ins, m.ins, strict=True)]
+    outs = [divided(a, b) for a, b in zip(g.outs, m.outs, strict=True)]
+    for a, b, d in zip(g.outs, m.outs, outs, strict=True):
+        if d is None or n % math.prod(k for _, k in d):  # several dims: replicated KV heads expanded over groups
+            return "shape", f"its local result {list(b)} is not its global result {list(a)} divided along one dim"
+    if g.name in CONTRACTS and len(g.ins) >= 2:
+        first = 1 if g.name == "baddbmm" else 0
+        a, b = ins[first], ins[first + 1]
+        rank_b = len(g.ins[first + 1])
+        contracted_b = rank_b - 1 if g.name == "linear" or rank_b == 1 else rank_b - 2
+        if any(d == len(g.ins[first]) - 1 for d, _ in a or ()) or any(d == contracted_b for d, _ in b or ()):
+            return "contract", "it sums over a divided dim (each rank would hold a partial sum)"
+    if any(ins) and not any(outs) and not g.name.startswith(FACTORIES):
+        return "lost", (f"its input is divided ({[list(s) for s in m.ins]} locally, {[list(s) for s in g.ins]} "
+                        f"globally) but its result {list(m.outs[0])} is the whole global one")
+    if g.name in VIEWS:
+        return _view(g, m, ins[0], outs[0])
+    return None
+
+
+def _view(g: Op, m: Op, din, dout) -> tuple[str, str] | None:
+    """A view's division must land on the outermost dim of its divided input dim's group."""
+    grouped = groups(g.ins[0], g.outs[0])
+    if grouped is None or din is None or len(din) > 1:
+        return None
+    want: dict[int, int] = {}
+    if din:
+        dim, k = din[0]
+        group = next(((a, b) for a, b in grouped if dim in a), None)
+        if group is None:
+            return None
+        if group[0][0] != dim:
+            return "view", f"it merges the divided dim {dim} into a dim of which it is not the outermost part"
+        want = {group[1][0]: k}
+    if dict(dout) != want:
+        gl, lo = list(g.outs[0]), list(m.outs[0])
+        if want and dout and all(d > next(iter(want)) for d, _ in dout):
+            return "view", (f"each head's {g.outs[0][-1]} features would be cut to {m.outs[0][-1]} (local {lo}, "
+                            f"global {gl})")
+        return "view", (f"its local result {lo} is not its global result {gl} divided on dim "
+                        f"{next(iter(want), None)} (a -1 or a count kept global lands the division elsewhere)")
+    return None
+
+
+def compare(glob: list[Op], local: list[Op], n: int) -> Mismatch | None:
+    """The first op at which ``local`` is not ``glob`` divided (see the module docstring)."""
+    for i, g in enumerate(glob):
+        if i >= len(local):
+            return Mismatch(i, g, None, "count", "the local forward stops before it")
+        bad = _check(g, local[i], n)
+        if bad is not None:
+            return Mismatch(i, g, local[i], *bad)
+    if len(local) > len(glob):
+        return Mismatch(len(glob), local[len(glob)], local[len(glob)], "count", "the local forward makes more ops")
+    return None
+
+
+def culprits(ops: list[Op], at: int) -> tuple[frozenset[tuple[str, str]], Op | None]:
+    """(the attributes that fed op ``at``, None) if any did, else those of the nearest earlier op
+    fed by any, with that op."""
+    if at < len(ops) and ops[at].attrs:
+        return ops[at].attrs, None
+    for op in reversed(ops[:at]):
+        if op.attrs:
+            return op.attrs, op
+    return frozenset(), None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A planned child's boundaries as the audit's local run applies them: ``dst``, the placement
+    its first tensor argument is brought to (``Shard(d)``: divided on ``d``; ``Replicate``: the
+    whole global argument, gathered; None: as it comes), and ``out``, the placement its output is
+    handed on in, when it differs from ``src``, the one it is produced in (``Shard(d)`` divides
+    ``d`` unless its local result already is; anything else — gathered or reduced — is the whole
+    global result)."""
+
+    n: int
+    out: object = None
+    dst: object = None
+    src: object = None  # the placement the output is produced in
+
+    def input(self, args: tuple, glob: Shape | None) -> tuple:
+        if self.dst is None or glob is None or not args or not isinstance(args[0], Tensor):
+            return args
+        have = tuple(args[0].shape)
+        want = self._divided(have, glob, getattr(self.dst, "dim", None))
+        return args if want == have else (torch.empty(want, dtype=args[0].dtype, device="meta"), *args[1:])
+
+    def output(self, local: Shape, glob: Shape) -> Shape:
+        if self.out == self.src:
+            return local  # no boundary on the way out: what the module computed
+        return self._divided(local, glob, getattr(self.out, "dim", None))
+
+    def _divided(self, local: Shape, glob: Shape, dim: int | None) -> Shape:
+        if dim is None or len(local) != len(glob):
+            return glob if dim is None else local
+        d = dim % len(glob)
+        if local[d] != glob[d] and all(a == b for i, (a, b) in enumerate(zip(local, glob, strict=True)) if i != d):
+            return local  # already divided there (by n, or by fewer for replicated KV heads)
+        return (*glob[:d], glob[d] // self.n, *glob[d + 1:])
+
+
+def handoff(spec, axis: str, n: int) -> Handoff:
+    """The ``Handoff`` of a planned child from its ``ModuleSpec``."""
+    src = spec.out_src.get("output", {}).get(axis)
+    out = spec.out_dst.get("output", spec.out_src.get("output", {})).get(axis)
+    dst = next((spec.in_dst[k].get(axis) for k in (0, "input") if k in spec.in_dst), None)
+    return Handoff(n, out, dst, src)
+
+
+def boundaries(spec, axis: str) -> bool:
+    """Whether the audit runs a planned module opaque, its boundaries applied: it shards a
+    parameter (a projection, an embedding)."""
+    return any(isinstance(pl.get(axis), (Shard, *STORED_ONLY)) for pl in spec.params.values())

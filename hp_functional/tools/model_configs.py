@@ -30,7 +30,7 @@ _MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "moe_sha
             "shared_experts_intermediate_size", "shared_intermediate_size", "expert_ffn_hidden_size")
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "encoder_attention_heads",
           "num_decoder_attention_heads", "num_encoder_attention_heads", "attention_heads", "swa_num_attention_heads",
-          "index_n_heads", "index_num_heads", "linear_num_heads", "linear_num_value_heads")
+          "index_n_heads", "linear_num_heads", "linear_num_value_heads")
 _KV = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "num_query_groups",
        "swa_num_key_value_heads", "linear_num_key_heads")
 _HEAD_DIM = ("head_dim", "d_head", "dim_head", "attention_head_size", "kv_channels", "swa_head_dim", "index_head_dim",
@@ -54,7 +54,8 @@ _FIXED = {  # name -> tiny value, where the default is larger
     "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 0, "pretraining_tp": 1,
 }
 _INDEX_LISTS = ("full_attn_idxs", "mlp_only_layers", "hybrid_layer_ids", "moe_layers", "attn_layers", "index_layers",
-                "ple_layer_ids", "no_rope_layers_idx", "kv_source_layers")
+                "ple_layer_ids", "no_rope_layers_idx", "attn_layer_indices")
+_SOURCE_LISTS = ("kv_source_layers",)
 _ZERO = ("router_jitter_noise", "input_jitter_noise", "layerdrop", "decoder_layerdrop", "encoder_layerdrop")
 _PERIODS = {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
             "first_k_dense_replace": 1, "decoder_sparse_step": 1, "num_dense_layers": 1, "moe_layer_start_index": 1,
@@ -67,8 +68,31 @@ _PATTERNS = ("layer_types", "layers_block_type", "block_types", "hybrid_override
              "attention_types", "layers_block_types", "segment_types", "prompt_types", "indexer_types",
              "attn_type_list", "layer_block_types")
 
+_QWEN4_INDEXER = {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 4,
+                  "indexer_compress_ratio": 2}
 #: per-family fix-ups applied last (the family's own validation rules the generic pass misses).
-FAMILY: dict[str, dict[str, Any]] = {}
+FAMILY: dict[str, dict[str, Any]] = {
+    "bamba": {"attn_layer_indices": [1]},  # its default is all Mamba: keep one attention layer
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "recurrent_gemma": {"num_hidden_layers": 3},  # block_types cycles (recurrent, recurrent, attention)
+    "mamba2": {"num_heads": 8},  # hidden * expand == num_heads * head_dim
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [HIDDEN // 2, HIDDEN // 2], "axial_pos_shape": [4, 2],
+                 "lsh_attn_chunk_length": 4, "local_attn_chunk_length": 4, "num_buckets": 2, "num_hashes": 1,
+                 "attn_layers": ["local", "lsh"], "attention_head_size": HEAD_DIM, "max_position_embeddings": 8},
+    "zamba2": {"attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS},  # attends over [h, emb]
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "xlstm": {"mode": "train", "chunk_size": 8, "qk_dim_factor": 1.0, "use_cache": False},  # its cached step is in-place
+    "rwkv": {"use_cache": False},
+    "dory": {"use_cache": False, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+        t: {"rope_type": "default", "rope_theta": 10000.0} for t in ("sliding_attention", "full_attention")}},
+    "qwen4_exp_text": _QWEN4_INDEXER,
+    "qwen4_exp": {"text_config": _QWEN4_INDEXER},
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    "zamba": {"num_hidden_layers": 5, "layers_block_type": None,  # two hybrid layers share one transformer
+              "attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS},
+}
 
 
 def _shrink_int(key: str, value: Any, kv: int) -> Any:
@@ -83,6 +107,8 @@ def _shrink_int(key: str, value: Any, kv: int) -> Any:
         return FFN
     if key in _MOE_FFN:
         return MOE_FFN
+    if key == "index_num_heads":  # at most the query heads of one key head (Kolibri)
+        return max(1, HEADS // kv)
     if key in _HEADS:
         return HEADS
     if key in _HEAD_DIM:
@@ -114,19 +140,16 @@ def _shrink_int(key: str, value: Any, kv: int) -> Any:
     return value
 
 
-def _kv_value(default_kv: int | None, default_heads: int | None, kv: int) -> int | None:
-    """Multi-head stays multi-head, multi-query stays multi-query, anything else gets ``kv`` groups."""
-    if default_kv is None:
-        return HEADS
-    if default_heads is not None and default_kv == default_heads:
-        return HEADS
+def _kv_value(default_kv: int | None, kv: int) -> int:
+    """Grouped-query attention with ``kv`` groups (a family's multi-query default stays multi-query)."""
     return 1 if default_kv == 1 else kv
 
 
 def _layer_pick(fields: dict[str, Any], n: int) -> list[int]:
     """The layers kept: the first of each distinct kind over every per-layer list and index list
     (at most 4), at least 2."""
-    lists = [v for k, v in fields.items() if isinstance(v, (list, str)) and len(v) == n and k not in _INDEX_LISTS]
+    lists = [v for k, v in fields.items()
+             if (isinstance(v, list) or k in _PATTERNS and isinstance(v, str)) and len(v) == n and k not in _INDEX_LISTS]
     idx = [set(v) for k, v in fields.items() if k in _INDEX_LISTS and isinstance(v, list)]
     seen, pick = set(), []
     for i in range(n):
@@ -178,15 +201,24 @@ def shrink(fields: dict[str, Any], kv: int = 2, sub_configs: tuple[str, ...] = (
     out: dict[str, Any] = {}
     n = next((fields[k] for k in _LAYERS if isinstance(fields.get(k), int)), None)
     pick = _layer_pick(fields, n) if n else None
-    heads = next((fields[k] for k in _HEADS if isinstance(fields.get(k), int)), None)
     for key, value in fields.items():
         if key in sub_configs and isinstance(value, dict):
             out[key] = {**value, **shrink(value, kv, _sub_configs(value))}
         elif key in _LAYERS or key in _ALSO_LAYERS:
             out[key] = len(pick) if pick and key in _LAYERS else min(value, 2) if isinstance(value, int) else value
         elif key in _KV and (isinstance(value, int) or value is None):
-            out[key] = _kv_value(value, heads, kv)
-        elif key in _INDEX_LISTS and isinstance(value, list) and pick:
+            out[key] = HEADS if "kv_lora_rank" in fields else _kv_value(value, kv)  # MLA: one latent, K/V per head
+        elif key in ("head_dim",) and "kv_lora_rank" in fields:  # MLA: rope over qk_rope_head_dim
+            out[key] = ROPE_DIM
+        elif isinstance(value, dict) and pick and value and all(str(k).isdigit() for k in value):  # per layer index
+            out[key] = {pick.index(int(k)): {**v, **shrink(v, kv)} if isinstance(v, dict) else v
+                        for k, v in value.items() if int(k) in pick}
+        elif key in _PATTERNS and isinstance(value, list) and pick and len(value) % n == 0 and len(value) > n:
+            m = len(value) // n  # several entries per layer (e.g. attention, mlp)
+            out[key] = [value[i * m + j] for i in pick for j in range(m)]
+        elif key in _SOURCE_LISTS and isinstance(value, list) and pick and len(value) == n:  # per layer: a layer index
+            out[key] = [pick.index(value[i]) if value[i] in pick else j for j, i in enumerate(pick)]
+        elif key in _INDEX_LISTS and isinstance(value, list) and pick and all(isinstance(i, int) for i in value):
             out[key] = [pick.index(i) for i in value if i in pick]
         elif pick and n and isinstance(value, (list, str)) and len(value) == n and (
                 isinstance(value, list) or key in _PATTERNS):
@@ -237,13 +269,19 @@ def tiny_config_for(model_type: str, tp: int = 2, **overrides):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
+    subs = getattr(cls, "sub_configs", {}) or {}
     try:
-        default = cls()
-        fields = default.to_dict()
+        fields = cls().to_dict()
     except Exception:  # noqa: BLE001 - a class whose defaults do not validate: shrink the declared defaults
         fields = _declared_defaults(cls)
-    kw = shrink(fields, kv=max(2, tp), sub_configs=tuple(getattr(cls, "sub_configs", {}) or {}))
-    kw.update(FAMILY.get(model_type, {}))
+        for key, sub in subs.items():  # and its sub-configs' own defaults
+            spec = (getattr(cls, "sub_configs_defaults", {}) or {}).get(key)
+            sub_type = getattr(spec, "model_type", None) or getattr(sub, "model_type", None)
+            if fields.get(key) is None and sub_type in CONFIG_MAPPING:
+                fields[key] = CONFIG_MAPPING[sub_type]().to_dict()
+    kw = shrink(fields, kv=max(2, tp), sub_configs=tuple(subs))
+    for key, value in FAMILY.get(model_type, {}).items():
+        kw[key] = {**kw[key], **value} if isinstance(value, dict) and isinstance(kw.get(key), dict) else value
     kw.update(overrides)
     config = cls(**kw)
     config._attn_implementation = "eager"

@@ -34,15 +34,20 @@ def first_line(exc: BaseException) -> str:
 
 
 def site(exc: BaseException) -> str:
-    """Where ``exc`` was raised: the innermost frame in hp_functional (else the innermost frame)."""
+    """Where ``exc`` was raised (``file:line`` of the innermost frame) and, where that is outside
+    hp_functional, the innermost hp_functional frame it passed through."""
     frames = traceback.extract_tb(exc.__traceback__)
-    ours = [f for f in frames if "/hp_functional/" in f.filename]
-    f = (ours or frames or [None])[-1]
-    if f is None:
+    if not frames:
         return "?"
-    path = f.filename
-    short = path.split("/hp_functional/", 1)[1] if "/hp_functional/" in path else path.rsplit("/", 1)[-1]
-    return f"{short}:{f.lineno}"
+
+    def short(f) -> str:
+        name = f.filename.split("/hp_functional/", 1)[1] if "/hp_functional/" in f.filename else f.filename.rsplit("/", 1)[-1]
+        return f"{name}:{f.lineno}"
+
+    ours = [f for f in frames if "/hp_functional/" in f.filename and "/tools/sweep.py" not in f.filename]
+    if not ours or ours[-1] is frames[-1]:
+        return short(frames[-1])
+    return f"{short(frames[-1])} via {short(ours[-1])}"
 
 
 def _is_hang(exc: BaseException) -> bool:
@@ -65,6 +70,8 @@ def build(model_type: str, tp: int, seed: int = 0):
     config = tiny_config_for(model_type, tp=tp)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
+    if hasattr(model, "set_default_language") and getattr(config, "languages", None):  # X-MOD: adapters per language
+        model.set_default_language(config.languages[0])
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -98,6 +105,11 @@ def plan_for(model, mesh) -> tuple[Any, str]:
     if hf_declares_plan(model):
         return hpf.ShardingPlan.from_hf(model), "from_hf"
     return hpf.auto_plan(model, mesh), "auto_plan"
+
+
+def plan_source(model) -> str:
+    """``"from_hf"`` or ``"auto_plan"``: which ``plan_for`` uses."""
+    return "from_hf" if hf_declares_plan(model) else "auto_plan"
 
 
 def compare(model, ids, ref_loss, ref_grads, mesh, plan, functional: bool) -> dict[str, Any]:
@@ -160,8 +172,9 @@ def check_family(model_type: str, mesh=None, *, functional: bool = True, seed: i
             model, ids, ref_loss, ref_grads = build(model_type, mesh.size(), seed)
         except Exception as exc:  # noqa: BLE001 - the family cannot be built or run unsharded at tiny size
             return {**row, "outcome": UNBUILDABLE, "reason": first_line(exc), "seconds": time.perf_counter() - t0}
+        row["plan"] = plan_source(model)
         try:
-            plan, row["plan"] = plan_for(model, mesh)
+            plan, _ = plan_for(model, mesh)
             res = compare(model, ids, ref_loss, ref_grads, mesh, plan, functional)
         except (PlanError, ReplicationError, CheckpointError) as exc:
             row.update(outcome=REFUSED, reason=first_line(exc))

@@ -20,6 +20,7 @@ import json
 import queue
 import socket
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,6 +51,7 @@ def _worker(rank: int, world: int, pg_timeout: float, inbox, outbox) -> None:
 
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
+    outbox.put((rank, "ready"))  # imports done: the per-family timeout starts from here
     while (job := inbox.get()) is not None:
         port, model_type, functional = job
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -72,6 +74,7 @@ class Ranks:
         self._start()
 
     def _start(self) -> None:
+        self.ready = False
         self.outbox = self.ctx.Queue()
         self.inboxes = [self.ctx.Queue() for _ in range(self.world)]
         pg_timeout = max(10.0, self.timeout * 0.6)
@@ -80,7 +83,16 @@ class Ranks:
         for p in self.procs:
             p.start()
 
+    def _wait_ready(self) -> None:
+        ready = 0
+        while ready < self.world:
+            rank, msg = self.outbox.get(timeout=900)
+            ready += msg == "ready"
+
     def run(self, model_type: str, functional: bool) -> dict:
+        if not self.ready:
+            self._wait_ready()
+            self.ready = True
         port = _free_port()
         for box in self.inboxes:
             box.put((port, model_type, functional))
@@ -123,24 +135,39 @@ def model_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, log=print) -> dict[str, dict[int, dict]]:
-    """``{model type: {tp: row}}``; tp > 2 runs only where tp 2 built and the heads divide."""
-    pools = {tp: Ranks(tp, timeout) for tp in tps}
-    table: dict[str, dict[int, dict]] = {}
-    try:
-        for i, t in enumerate(types):
-            table[t] = {}
-            for tp in tps:
-                built = all(r["outcome"] != "not buildable tiny" for r in table[t].values())
-                if tp != min(tps) and not (built and heads_allow(t, tp)):
-                    continue
-                row = pools[tp].run(t, functional)
-                table[t][tp] = row
-                log(f"[{i + 1}/{len(types)}] {t:28s} tp {tp}: {row['outcome']:20s} {row.get('plan', ''):9s} "
-                    f"{row['reason'][:110]}  ({row.get('seconds', 0):.1f} s)", flush=True)
-    finally:
-        for p in pools.values():
-            p.close()
+def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, jobs: int = 1,
+          log=print) -> dict[str, dict[int, dict]]:
+    """``{model type: {tp: row}}`` in ``types`` order; tp > 2 runs only where tp 2 built and the
+    heads divide.  ``jobs``: families run at the same time (each job its own ranks)."""
+    todo: queue.Queue = queue.Queue()
+    for i, t in enumerate(types):
+        todo.put((i, t))
+    table: dict[str, dict[int, dict]] = {t: {} for t in types}
+
+    def work() -> None:
+        pools = {tp: Ranks(tp, timeout) for tp in tps}
+        try:
+            while True:
+                try:
+                    i, t = todo.get_nowait()
+                except queue.Empty:
+                    return
+                for tp in tps:
+                    built = all(r["outcome"] != "not buildable tiny" for r in table[t].values())
+                    if tp != min(tps) and not (built and heads_allow(t, tp)):
+                        continue
+                    row = table[t][tp] = pools[tp].run(t, functional)
+                    log(f"[{i + 1}/{len(types)}] {t:28s} tp {tp}: {row['outcome']:20s} {row.get('plan', ''):9s} "
+                        f"{row['reason'][:110]}  ({row.get('seconds', 0):.1f} s)", flush=True)
+        finally:
+            for p in pools.values():
+                p.close()
+
+    threads = [threading.Thread(target=work) for _ in range(max(1, jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
     return table
 
 
@@ -200,15 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated model types (default: all); the table is not written")
     ap.add_argument("--tp", default="2,4", help="world sizes (default 2,4)")
-    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per family and tp before it is a hang")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per family and tp before it is a hang")
     ap.add_argument("--no-func-grad", action="store_true", help="check .backward() only, not torch.func.grad")
     ap.add_argument("--out", default=str(ROOT / "docs" / "models.md"), help="the markdown table to write")
     ap.add_argument("--json", default="", help="also write the rows as JSON here")
+    ap.add_argument("--jobs", type=int, default=1, help="families at the same time (default 1; 2 on 2 cores)")
     args = ap.parse_args(argv)
     tps = [int(x) for x in args.tp.split(",")]
     types = [t for t in args.only.split(",") if t] or model_types()
     t0 = time.perf_counter()
-    table = sweep(types, tps, args.timeout, not args.no_func_grad)
+    table = sweep(types, tps, args.timeout, not args.no_func_grad, args.jobs)
     seconds = time.perf_counter() - t0
     for tp in tps:
         c = counts(table, tp)

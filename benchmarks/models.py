@@ -107,7 +107,8 @@ class Ranks:
                 if time.monotonic() < deadline and not dead:
                     continue
                 self.restart()
-                why = f"rank(s) {dead} died" if dead else f"no result after {self.timeout:.0f} s"
+                codes = [self.procs[r].exitcode for r in dead]
+                why = f"rank(s) {dead} died (exit codes {codes})" if dead else f"no result after {self.timeout:.0f} s"
                 return {"model_type": model_type, "tp": self.world, "plan": "", "outcome": HANG if not dead else "crash",
                         "reason": f"{why}; ranks done: {sorted(rows)}"}
         return combine([rows[r] for r in range(self.world)])

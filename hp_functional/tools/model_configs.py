@@ -71,7 +71,7 @@ _PATTERNS = ("layer_types", "layers_block_type", "block_types", "hybrid_override
 _QWEN4_INDEXER = {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 4,
                   "indexer_compress_ratio": 2}
 #: per-family fix-ups applied last (the family's own validation rules the generic pass misses).
-FAMILY: dict[str, dict[str, Any]] = {
+FAMILY: dict[str, Any] = {  # a dict of fields, or a function of the KV head count returning one
     "bamba": {"attn_layer_indices": [1]},  # its default is all Mamba: keep one attention layer
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
     "recurrent_gemma": {"num_hidden_layers": 3},  # block_types cycles (recurrent, recurrent, attention)
@@ -83,6 +83,7 @@ FAMILY: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     "xlstm": {"mode": "train", "chunk_size": 8, "qk_dim_factor": 1.0, "use_cache": False},  # its cached step is in-place
     "rwkv": {"use_cache": False},
+    "mimo_v2_flash": lambda kv: {"num_attention_heads": 2 * kv},  # its sliding layers have 2 * kv KV heads
     "dory": {"use_cache": False, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
@@ -280,7 +281,8 @@ def tiny_config_for(model_type: str, tp: int = 2, **overrides):
             if fields.get(key) is None and sub_type in CONFIG_MAPPING:
                 fields[key] = CONFIG_MAPPING[sub_type]().to_dict()
     kw = shrink(fields, kv=max(2, tp), sub_configs=tuple(subs))
-    for key, value in FAMILY.get(model_type, {}).items():
+    fix = FAMILY.get(model_type, {})
+    for key, value in (fix(max(2, tp)) if callable(fix) else fix).items():
         kw[key] = {**kw[key], **value} if isinstance(value, dict) and isinstance(kw.get(key), dict) else value
     kw.update(overrides)
     config = cls(**kw)

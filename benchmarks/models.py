@@ -54,8 +54,12 @@ def _worker(rank: int, world: int, pg_timeout: float, inbox, outbox) -> None:
     outbox.put((rank, "ready"))  # imports done: the per-family timeout starts from here
     while (job := inbox.get()) is not None:
         port, model_type, functional = job
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout))
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=pg_timeout))
+        except Exception as exc:  # noqa: BLE001 - e.g. a port taken meanwhile: the parent restarts and retries
+            outbox.put((rank, {"init_failed": first_line(exc)}))
+            return
         try:
             row = check_family(model_type, functional=functional)
         except BaseException as exc:  # noqa: BLE001 - reported as the family's row
@@ -90,6 +94,19 @@ class Ranks:
             ready += msg == "ready"
 
     def run(self, model_type: str, functional: bool) -> dict:
+        """The family's row; a process group that could not form (a port taken by another process
+        meanwhile) is retried once on fresh ranks."""
+        row = self._run(model_type, functional)
+        if "init_failed" in row:
+            self.restart()
+            row = self._run(model_type, functional)
+        if "init_failed" in row:
+            self.restart()
+            row = {"model_type": model_type, "tp": self.world, "plan": "", "outcome": "crash",
+                   "reason": f"the process group did not form twice: {row['init_failed']}"}
+        return row
+
+    def _run(self, model_type: str, functional: bool) -> dict:
         if not self.ready:
             self._wait_ready()
             self.ready = True
@@ -101,13 +118,15 @@ class Ranks:
         while len(rows) < self.world:
             try:
                 rank, row = self.outbox.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                if "init_failed" in row:
+                    return row
                 rows[rank] = row
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 if time.monotonic() < deadline and not dead:
                     continue
-                self.restart()
                 codes = [self.procs[r].exitcode for r in dead]
+                self.restart()
                 why = f"rank(s) {dead} died (exit codes {codes})" if dead else f"no result after {self.timeout:.0f} s"
                 return {"model_type": model_type, "tp": self.world, "plan": "", "outcome": HANG if not dead else "crash",
                         "reason": f"{why}; ranks done: {sorted(rows)}"}

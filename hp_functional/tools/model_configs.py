@@ -49,7 +49,7 @@ _WINDOWS = ("sliding_window", "sliding_window_size", "attention_window_size", "l
 _FIXED = {  # name -> tiny value, where the default is larger
     "index_topk": 4, "state_size": 16, "ssm_state_size": 16, "mamba_d_state": 16, "mamba_d_conv": 4, "conv_kernel": 4,
     "linear_conv_kernel_dim": 4, "mamba_expand": 2, "expand": 2, "mamba_chunk_size": 8, "time_step_rank": 8,
-    "mamba_dt_rank": 8, "mamba_n_groups": 1, "mamba_ngroups": 1, "n_groups": 1, "mamba_n_heads": 8, "n_mamba_heads": 8,
+    "mamba_dt_rank": 8, "mamba_n_heads": 8, "n_mamba_heads": 8,
     "mamba_num_heads": 8, "mamba_d_ssm": 128, "rotary_dim": 8, "hidden_size_per_layer_input": 16,
     "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 0, "pretraining_tp": 1,
 }
@@ -108,6 +108,8 @@ def _shrink_int(key: str, value: Any, kv: int) -> Any:
         return FFN
     if key in _MOE_FFN:
         return MOE_FFN
+    if key in ("n_groups", "mamba_n_groups", "mamba_ngroups"):  # SSM B/C groups: one stays one, else one per rank
+        return 1 if value == 1 else kv
     if key == "index_num_heads":  # at most the query heads of one key head (Kolibri)
         return max(1, HEADS // kv)
     if key in _HEADS:

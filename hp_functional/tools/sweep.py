@@ -100,11 +100,12 @@ def loss_of(out) -> torch.Tensor:
 
 def plan_for(model, mesh) -> tuple[Any, str]:
     """``ShardingPlan.from_hf`` where HF declares a TP plan, ``auto_plan`` otherwise."""
-    import hp_functional as hpf
+    from ..plan.auto import auto_plan
+    from ..plan.plan import ShardingPlan
 
     if hf_declares_plan(model):
-        return hpf.ShardingPlan.from_hf(model), "from_hf"
-    return hpf.auto_plan(model, mesh), "auto_plan"
+        return ShardingPlan.from_hf(model), "from_hf"
+    return auto_plan(model, mesh), "auto_plan"
 
 
 def plan_source(model) -> str:
@@ -115,9 +116,10 @@ def plan_source(model) -> str:
 def compare(model, ids, ref_loss, ref_grads, mesh, plan, functional: bool) -> dict[str, Any]:
     """Shard, run ``.backward()`` (and ``torch.func.grad``), gather every gradient; the largest
     differences and this rank's share of the parameters."""
-    import hp_functional as hpf
+    from ..core.gather import unshard
+    from ..runtime.shard import shard
 
-    apply_fn, params, info = hpf.shard(model, plan, mesh)
+    apply_fn, params, info = shard(model, plan, mesh)
     out = apply_fn(params, input_ids=ids, labels=ids)
     loss = loss_of(out)
     loss.backward()
@@ -135,7 +137,7 @@ def compare(model, ids, ref_loss, ref_grads, mesh, plan, functional: bool) -> di
     worst = {"loss": 0.0, "grad": 0.0, "where": "", "note": note}
     ok = True
     for label, value, grads in runs:
-        full = hpf.unshard({k: (g if g is not None else torch.zeros_like(params[k])) for k, g in grads.items()}, info)
+        full = unshard({k: (g if g is not None else torch.zeros_like(params[k])) for k, g in grads.items()}, info)
         d = (value.float() - ref_loss.float()).abs().item()
         ok &= d <= TOL + TOL * ref_loss.abs().item()
         worst["loss"] = max(worst["loss"], d)

@@ -1,0 +1,274 @@
+"""The support table: every causal-LM model type of the installed transformers, tiny, at tp 2
+(and tp 4 where the heads allow), against the unsharded model; writes ``docs/models.md``.
+
+    python benchmarks/models.py                      # the whole sweep (about 20-30 min on 2 cores)
+    python benchmarks/models.py --only opt,gpt2      # a few families (a reproduction), table not written
+    python benchmarks/models.py --tp 2 --json out.json
+
+Each family runs in a process group of its own (gloo on CPU, ``tp`` ranks spawned once per world
+size and reused: a process start with transformers imported costs seconds), with a timeout: a
+family that outlives it is a ``hang`` and its ranks are killed and respawned.  The per-rank check
+is ``hp_functional.tools.sweep.check_family`` (the suite's ``tests/test_model_sweep.py`` runs the
+same function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import queue
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hp_functional.tools.sweep import HANG, OUTCOMES, combine, heads_allow  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, pg_timeout: float, inbox, outbox) -> None:
+    """One rank: for each family a fresh gloo process group, ``check_family``, then destroyed."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    from hp_functional.tools.sweep import CRASH, check_family, first_line
+
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    outbox.put((rank, "ready"))  # imports done: the per-family timeout starts from here
+    while (job := inbox.get()) is not None:
+        port, model_type, functional = job
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=pg_timeout))
+        except Exception as exc:  # noqa: BLE001 - e.g. a port taken meanwhile: the parent restarts and retries
+            outbox.put((rank, {"init_failed": first_line(exc)}))
+            return
+        try:
+            row = check_family(model_type, functional=functional)
+        except BaseException as exc:  # noqa: BLE001 - reported as the family's row
+            row = {"model_type": model_type, "tp": world, "plan": "", "outcome": CRASH, "reason": first_line(exc)}
+        finally:
+            dist.destroy_process_group()
+        outbox.put((rank, row))
+
+
+class Ranks:
+    """``world`` spawned ranks that run one family at a time, each in a new process group."""
+
+    def __init__(self, world: int, timeout: float):
+        self.world, self.timeout = world, timeout
+        self.ctx = mp.get_context("spawn")
+        self._start()
+
+    def _start(self) -> None:
+        self.ready = False
+        self.outbox = self.ctx.Queue()
+        self.inboxes = [self.ctx.Queue() for _ in range(self.world)]
+        pg_timeout = max(10.0, self.timeout * 0.6)
+        self.procs = [self.ctx.Process(target=_worker, args=(r, self.world, pg_timeout, self.inboxes[r], self.outbox),
+                                       daemon=True) for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def _wait_ready(self) -> None:
+        ready = 0
+        while ready < self.world:
+            rank, msg = self.outbox.get(timeout=900)
+            ready += msg == "ready"
+
+    def run(self, model_type: str, functional: bool) -> dict:
+        """The family's row; a process group that could not form (a port taken by another process
+        meanwhile) is retried once on fresh ranks."""
+        row = self._run(model_type, functional)
+        if "init_failed" in row:
+            self.restart()
+            row = self._run(model_type, functional)
+        if "init_failed" in row:
+            self.restart()
+            row = {"model_type": model_type, "tp": self.world, "plan": "", "outcome": "crash",
+                   "reason": f"the process group did not form twice: {row['init_failed']}"}
+        return row
+
+    def _run(self, model_type: str, functional: bool) -> dict:
+        if not self.ready:
+            self._wait_ready()
+            self.ready = True
+        port = _free_port()
+        for box in self.inboxes:
+            box.put((port, model_type, functional))
+        rows: dict[int, dict] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(rows) < self.world:
+            try:
+                rank, row = self.outbox.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                if "init_failed" in row:
+                    return row
+                rows[rank] = row
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if time.monotonic() < deadline and not dead:
+                    continue
+                codes = [self.procs[r].exitcode for r in dead]
+                self.restart()
+                why = f"rank(s) {dead} died (exit codes {codes})" if dead else f"no result after {self.timeout:.0f} s"
+                return {"model_type": model_type, "tp": self.world, "plan": "", "outcome": HANG if not dead else "crash",
+                        "reason": f"{why}; ranks done: {sorted(rows)}"}
+        return combine([rows[r] for r in range(self.world)])
+
+    def restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for box in self.inboxes:
+                box.put(None)
+            for p in self.procs:
+                p.join(timeout=20)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def model_types() -> list[str]:
+    """Every model type of the installed transformers' causal-LM auto mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, jobs: int = 1,
+          log=print) -> dict[str, dict[int, dict]]:
+    """``{model type: {tp: row}}`` in ``types`` order; tp > 2 runs only where tp 2 built and the
+    heads divide.  ``jobs``: families run at the same time (each job its own ranks)."""
+    todo: queue.Queue = queue.Queue()
+    for i, t in enumerate(types):
+        todo.put((i, t))
+    table: dict[str, dict[int, dict]] = {t: {} for t in types}
+
+    def work() -> None:
+        pools = {tp: Ranks(tp, timeout) for tp in tps}
+        try:
+            while True:
+                try:
+                    i, t = todo.get_nowait()
+                except queue.Empty:
+                    return
+                for tp in tps:
+                    built = all(r["outcome"] != "not buildable tiny" for r in table[t].values())
+                    if tp != min(tps) and not (built and heads_allow(t, tp)):
+                        continue
+                    row = table[t][tp] = pools[tp].run(t, functional)
+                    log(f"[{i + 1}/{len(types)}] {t:28s} tp {tp}: {row['outcome']:20s} {row.get('plan', ''):9s} "
+                        f"{row['reason'][:110]}  ({row.get('seconds', 0):.1f} s)", flush=True)
+        finally:
+            for p in pools.values():
+                p.close()
+
+    threads = [threading.Thread(target=work) for _ in range(max(1, jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return table
+
+
+def counts(table: dict[str, dict[int, dict]], tp: int) -> Counter:
+    return Counter(rows[tp]["outcome"] for rows in table.values() if tp in rows)
+
+
+def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path, seconds: float) -> None:
+    """``docs/models.md``: versions, counts, one row per family."""
+    import torch
+    import transformers
+
+    lines = [
+        "# Support table: every causal LM of transformers",
+        "",
+        f"Generated by `python benchmarks/models.py` on {datetime.date.today().isoformat()}: transformers "
+        f"{transformers.__version__}, torch {torch.__version__}, {len(table)} model types of "
+        "`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, CPU gloo ranks, "
+        f"{seconds / 60:.0f} min on this machine.",
+        "",
+        "Each family: a tiny config from `hp_functional.tools.model_configs.tiny_config_for` (hidden 64, 4 heads "
+        "of 16, 2 KV heads at tp 2 and 4 at tp 4, vocabulary 128, 2 to 4 layers, 4 experts), eager attention, "
+        "random weights, batch 2 × 8 tokens; the plan is `ShardingPlan.from_hf(model)` where HF declares a TP "
+        "plan and `hpf.auto_plan(model, mesh)` otherwise; `shard()` on a 1-D `tp` mesh, the loss and every "
+        "gradient (`.backward()` and `torch.func.grad`, gathered with `hpf.unshard`) against the unsharded "
+        "model in the same process (`hp_functional.tools.sweep.check_family`). tp 4 runs where tp 2 built and "
+        "the heads divide by 4.",
+        "",
+        "Outcomes: **exact** (within 1e-5 and a rank holds < 80 % of the parameters); **ran, sharded little** "
+        "(exact, but a rank holds ≥ 80 %); **refused** (the library's own error, first line); **crash** (any "
+        "other exception, with the site); **wrong** (numbers differ: largest loss/gradient difference); "
+        "**hang** (timeout); **not buildable tiny** (the tiny config or the unsharded model failed).",
+        "",
+        "| outcome | " + " | ".join(f"tp {tp}" for tp in tps) + " |",
+        "|---|" + "---:|" * len(tps),
+    ]
+    per_tp = {tp: counts(table, tp) for tp in tps}
+    for outcome in reversed(OUTCOMES):
+        lines.append(f"| {outcome} | " + " | ".join(str(per_tp[tp].get(outcome, 0)) for tp in tps) + " |")
+    lines.append("| total | " + " | ".join(str(sum(per_tp[tp].values())) for tp in tps) + " |")
+    lines += ["", "Reproduce one family: `python benchmarks/models.py --only <model type>`.", "",
+              "| model type | " + " | ".join(f"tp {tp}" for tp in tps) + " | plan | reason |",
+              "|---|" + "---|" * len(tps) + "---|---|"]
+    for t, rows in table.items():
+        cells = [rows[tp]["outcome"] if tp in rows else "–" for tp in tps]
+        plan = next((r["plan"] for r in rows.values() if r.get("plan")), "")
+        reasons = []
+        for tp in tps:
+            if tp in rows and rows[tp]["reason"] and rows[tp]["reason"] not in reasons:
+                reasons.append(rows[tp]["reason"] if not reasons else f"tp {tp}: {rows[tp]['reason']}")
+        reason = " ; ".join(reasons).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {t} | " + " | ".join(cells) + f" | {plan} | {reason} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated model types (default: all); the table is not written")
+    ap.add_argument("--tp", default="2,4", help="world sizes (default 2,4)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per family and tp before it is a hang")
+    ap.add_argument("--no-func-grad", action="store_true", help="check .backward() only, not torch.func.grad")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "models.md"), help="the markdown table to write")
+    ap.add_argument("--json", default="", help="also write the rows as JSON here")
+    ap.add_argument("--jobs", type=int, default=1, help="families at the same time (default 1; 2 on 2 cores)")
+    args = ap.parse_args(argv)
+    tps = [int(x) for x in args.tp.split(",")]
+    types = [t for t in args.only.split(",") if t] or model_types()
+    t0 = time.perf_counter()
+    table = sweep(types, tps, args.timeout, not args.no_func_grad, args.jobs)
+    seconds = time.perf_counter() - t0
+    for tp in tps:
+        c = counts(table, tp)
+        print(f"tp {tp}: " + ", ".join(f"{o} {c[o]}" for o in reversed(OUTCOMES) if c.get(o)) + f" (of {sum(c.values())})")
+    print(f"{seconds / 60:.1f} min")
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1, default=str))
+    if not args.only:
+        write_markdown(table, tps, Path(args.out), seconds)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""One row of the support table: a tiny model of one HF causal-LM family, sharded over a 1-D
+``tp`` mesh with the plan a new user would reach for, against the unsharded model in the same
+process.  ``benchmarks/models.py`` runs it for every family (one process group per family);
+``tests/test_model_sweep.py`` runs it for a fixed few inside the rank pools.
+
+``check_family`` runs on every rank of the mesh and returns a plain dict (picklable):
+``outcome`` is one of ``OUTCOMES``; ``reason`` the first line of the error (with its site for a
+crash) or the largest differences for ``wrong``.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+
+EXACT, LITTLE, REFUSED, CRASH, WRONG, HANG, UNBUILDABLE = (
+    "exact", "ran, sharded little", "refused", "crash", "wrong", "hang", "not buildable tiny")
+#: worst first: how per-rank outcomes that disagree are combined.
+OUTCOMES = (HANG, CRASH, WRONG, REFUSED, UNBUILDABLE, LITTLE, EXACT)
+TOL = 1e-5
+#: a rank holding at least this share of the model's parameters has "sharded little".
+LITTLE_SHARE = 0.8
+BATCH, SEQ = 2, 8
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def site(exc: BaseException) -> str:
+    """Where ``exc`` was raised (``file:line`` of the innermost frame) and, where that is outside
+    hp_functional, the innermost hp_functional frame it passed through."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+
+    def short(f) -> str:
+        name = f.filename.split("/hp_functional/", 1)[1] if "/hp_functional/" in f.filename else f.filename.rsplit("/", 1)[-1]
+        return f"{name}:{f.lineno}"
+
+    ours = [f for f in frames if "/hp_functional/" in f.filename and "/tools/sweep.py" not in f.filename]
+    if not ours or ours[-1] is frames[-1]:
+        return short(frames[-1])
+    return f"{short(frames[-1])} via {short(ours[-1])}"
+
+
+def _is_hang(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "timed out" in text or "timeout" in text or "connection closed by peer" in text
+
+
+def hf_declares_plan(model) -> bool:
+    """Whether HF declares a TP plan for ``model`` (what ``ShardingPlan.from_hf`` reads)."""
+    return bool(getattr(model, "_tp_plan", None) or getattr(getattr(model, "config", None), "base_model_tp_plan", None))
+
+
+def build(model_type: str, tp: int, seed: int = 0):
+    """The tiny model (eval mode: no dropout; weights perturbed so no parameter sits at its
+    symmetric init), its token ids (no special token) and the unsharded loss and gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from .model_configs import VOCAB, special_ids, tiny_config_for
+
+    config = tiny_config_for(model_type, tp=tp)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if hasattr(model, "set_default_language") and getattr(config, "languages", None):  # X-MOD: adapters per language
+        model.set_default_language(config.languages[0])
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.02)
+    vocab = min(VOCAB, model.get_input_embeddings().weight.shape[0]) if model.get_input_embeddings() is not None else VOCAB
+    allowed = torch.tensor([i for i in range(3, vocab) if i not in special_ids(config)])
+    ids = allowed[torch.randint(0, len(allowed), (BATCH, SEQ), generator=g)]
+    ref = loss_of(model(input_ids=ids, labels=ids))
+    if not torch.isfinite(ref):
+        raise ValueError(f"unsharded loss is {ref.item()}")
+    ref.backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return model, ids, ref.detach(), grads
+
+
+def loss_of(out) -> torch.Tensor:
+    """The model's own loss, else the mean square of its logits."""
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        loss = logits.float().pow(2).mean()
+    return loss
+
+
+def plan_for(model, mesh) -> tuple[Any, str]:
+    """``ShardingPlan.from_hf`` where HF declares a TP plan, ``auto_plan`` otherwise."""
+    from ..plan.auto import auto_plan
+    from ..plan.plan import ShardingPlan
+
+    if hf_declares_plan(model):
+        return ShardingPlan.from_hf(model), "from_hf"
+    return auto_plan(model, mesh), "auto_plan"
+
+
+def plan_source(model) -> str:
+    """``"from_hf"`` or ``"auto_plan"``: which ``plan_for`` uses."""
+    return "from_hf" if hf_declares_plan(model) else "auto_plan"
+
+
+def compare(model, ids, ref_loss, ref_grads, mesh, plan, functional: bool) -> dict[str, Any]:
+    """Shard, run ``.backward()`` (and ``torch.func.grad``), gather every gradient; the largest
+    differences and this rank's share of the parameters."""
+    from ..core.gather import unshard
+    from ..runtime.shard import shard
+
+    apply_fn, params, info = shard(model, plan, mesh)
+    out = apply_fn(params, input_ids=ids, labels=ids)
+    loss = loss_of(out)
+    loss.backward()
+    runs = [("backward", loss.detach(), {k: p.grad for k, p in params.items()})]
+    note = ""
+    if functional:
+        try:
+            grads, value = torch.func.grad_and_value(lambda p: loss_of(apply_fn(p, input_ids=ids, labels=ids)))(
+                {k: p.detach() for k, p in params.items()})
+            runs.append(("func.grad", value.detach(), grads))
+        except Exception as exc:
+            if _functional_works(model, ids):
+                raise
+            note = f"; torch.func.grad not checked: the unsharded model fails under it too ({first_line(exc)[:80]})"
+    worst = {"loss": 0.0, "grad": 0.0, "where": "", "note": note}
+    ok = True
+    for label, value, grads in runs:
+        full = unshard({k: (g if g is not None else torch.zeros_like(params[k])) for k, g in grads.items()}, info)
+        d = (value.float() - ref_loss.float()).abs().item()
+        ok &= d <= TOL + TOL * ref_loss.abs().item()
+        worst["loss"] = max(worst["loss"], d)
+        for k, ref in ref_grads.items():
+            got = full.get(k)
+            ref = torch.zeros_like(got) if ref is None and got is not None else ref
+            if got is None or ref is None or got.shape != ref.shape:
+                ok = False
+                shape = None if got is None else tuple(got.shape)
+                worst["where"] = worst["where"] or f"{label} grad {k}: missing or shape {shape}"
+                continue
+            diff = (got.float() - ref.float()).abs()
+            d = diff.max().item() if diff.numel() else 0.0
+            if not bool((diff <= TOL + TOL * ref.float().abs()).all()):
+                ok = False
+                if d >= worst["grad"]:
+                    worst["where"] = f"{label} grad {k}"
+            worst["grad"] = max(worst["grad"], d)
+    held = sum(p.numel() for p in params.values())
+    total = sum(p.numel() for p in model.parameters())
+    return {"ok": ok, **worst, "share": held / max(total, 1)}
+
+
+def _functional_works(model, ids) -> bool:
+    """Whether ``torch.func.grad`` runs on the unsharded model (HF's Bloom, e.g., has an
+    ``autograd.Function`` without ``setup_context``)."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    try:
+        torch.func.grad(lambda p: loss_of(torch.func.functional_call(model, p, (), {"input_ids": ids, "labels": ids})))(
+            params)
+    except Exception:  # noqa: BLE001 - any failure: the transform does not apply to this model
+        return False
+    return True
+
+
+def check_family(model_type: str, mesh=None, *, functional: bool = True, seed: int = 0) -> dict[str, Any]:
+    """The support-table row of ``model_type`` on this rank (call on every rank of ``mesh``, a
+    1-D mesh named ``tp``; default: one over the whole default process group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..core.errors import CheckpointError, PlanError, ReplicationError
+
+    t0 = time.perf_counter()
+    row: dict[str, Any] = {"model_type": model_type, "plan": "", "reason": "", "share": None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if mesh is None:
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+        row["tp"] = mesh.size()
+        try:
+            model, ids, ref_loss, ref_grads = build(model_type, mesh.size(), seed)
+        except Exception as exc:  # noqa: BLE001 - the family cannot be built or run unsharded at tiny size
+            return {**row, "outcome": UNBUILDABLE, "reason": first_line(exc), "seconds": time.perf_counter() - t0}
+        row["plan"] = plan_source(model)
+        try:
+            plan, _ = plan_for(model, mesh)
+            res = compare(model, ids, ref_loss, ref_grads, mesh, plan, functional)
+        except (PlanError, ReplicationError, CheckpointError) as exc:
+            row.update(outcome=REFUSED, reason=first_line(exc))
+        except Exception as exc:  # noqa: BLE001 - classified: a timeout is a hang, anything else a crash
+            row.update(outcome=HANG if _is_hang(exc) else CRASH, reason=f"{first_line(exc)} @ {site(exc)}")
+        else:
+            row["share"] = res["share"]
+            if not res["ok"]:
+                row.update(outcome=WRONG, reason=f"loss {res['loss']:.2g}, grad {res['grad']:.2g} ({res['where']})")
+            elif res["share"] >= LITTLE_SHARE:
+                row.update(outcome=LITTLE, reason=f"a rank holds {res['share']:.0%} of the parameters")
+            else:
+                row.update(outcome=EXACT, reason=f"a rank holds {res['share']:.0%}; max diff loss {res['loss']:.1g}, "
+                                                 f"grad {res['grad']:.1g}")
+            row["reason"] += res["note"]
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the per-rank rows: the worst outcome; a note where the ranks disagree."""
+    worst = min(rows, key=lambda r: OUTCOMES.index(r["outcome"]))
+    outcomes = sorted({r["outcome"] for r in rows})
+    if len(outcomes) > 1:
+        return {**worst, "reason": f"{worst['reason']} (ranks disagree: {', '.join(outcomes)})"}
+    return worst
+
+
+def heads_allow(model_type: str, tp: int) -> bool:
+    """Whether the tiny config at ``tp`` has attention heads divisible by ``tp``."""
+    from .model_configs import tiny_config_for
+
+    try:
+        config = tiny_config_for(model_type, tp=tp)
+    except Exception:  # noqa: BLE001 - not buildable: nothing to run at this tp
+        return False
+    config = getattr(config, "text_config", None) or config
+    heads = next((getattr(config, k) for k in ("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads",
+                                                "n_heads") if isinstance(getattr(config, k, None), int)), None)
+    return heads is not None and heads % tp == 0

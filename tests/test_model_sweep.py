@@ -1,0 +1,47 @@
+"""A fixed subset of the support table (``benchmarks/models.py``, ``docs/models.md``): the same
+per-family check (``hp_functional.tools.sweep.check_family``: tiny config, ``from_hf`` or
+``auto_plan``, loss and every gradient under ``.backward()`` and ``torch.func.grad`` against the
+unsharded model) for a few representative families, at ws 2 and 4 in the rank pools."""
+
+import pytest
+
+from hp_functional.tools.model_configs import tiny_config_for
+from hp_functional.tools.sweep import EXACT, LITTLE, UNBUILDABLE, check_family, combine, heads_allow
+from tests.conftest import get_pool
+from tests.helpers import mesh
+
+# dense with HF plans (GQA, tied/scaled embedding, packed qkv/gate_up), auto_plan (GPT-2's Conv1D
+# and OPT's attention), and MoE (experts: HF's tp_plan leaves them whole, so exact but sharded little)
+FAMILIES = {"llama": (EXACT,), "qwen2": (EXACT,), "gemma": (EXACT,), "phi3": (EXACT,), "gpt2": (EXACT,),
+            "opt": (EXACT,), "mixtral": (EXACT, LITTLE)}
+
+
+def case_family(model_type: str):
+    return check_family(model_type, mesh())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_unsharded(pool, family):
+    row = combine(pool.run(case_family, family))
+    assert row["outcome"] in FAMILIES[family], row
+    assert row["plan"] == ("auto_plan" if family in ("gpt2", "opt") else "from_hf"), row
+    if row["outcome"] == EXACT:
+        assert row["share"] < 0.8, row
+
+
+def test_tiny_configs_follow_the_family_rules():
+    """The builder: hybrid layouts keep one layer of each kind, MLA keeps its rope dims, GQA at tp."""
+    qwen3_next = tiny_config_for("qwen3_next")
+    assert set(qwen3_next.layer_types) == {"linear_attention", "full_attention"}
+    assert qwen3_next.num_hidden_layers == len(qwen3_next.layer_types)
+    ds = tiny_config_for("deepseek_v3", tp=4)
+    assert (ds.qk_rope_head_dim, ds.qk_nope_head_dim, ds.num_attention_heads) == (8, 8, 4)
+    assert ds.head_dim == ds.qk_rope_head_dim and ds.n_routed_experts == 4
+    llama = tiny_config_for("llama")
+    assert (llama.hidden_size, llama.num_key_value_heads, llama.vocab_size) == (64, 2, 128)
+    assert tiny_config_for("llama", tp=4).num_key_value_heads == 4 and heads_allow("llama", 4)
+
+
+def test_a_family_that_cannot_be_built_is_classified_not_crashed():
+    row = combine(get_pool(2).run(case_family, "not_a_model_type"))
+    assert row["outcome"] == UNBUILDABLE and "not_a_model_type" in row["reason"], row

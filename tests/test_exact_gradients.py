@@ -48,7 +48,7 @@ def _model(family: str, **overrides):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(family, **overrides))
     with torch.no_grad():  # non-trivial scalars and norm weights, so their gradients are really checked
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() < 2:
                 p.uniform_(0.5, 1.5)
     return model

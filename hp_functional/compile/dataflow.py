@@ -169,9 +169,7 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     try:
         with torch.no_grad(), mode:
             twin(*args, **kwargs)
-    except PlanError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - meta-hostile code: reported, the numeric probe checks instead
+    except Exception as exc:  # noqa: BLE001 - meta-hostile code, or a forward that does not take token ids: reported
         where = "real" if real else "meta"
         return Dataflow({}, f"one forward on {where} tensors failed ({type(exc).__name__}: {str(exc)[:120]})")
     finally:

@@ -93,12 +93,15 @@ def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[s
     if batch is None:
         return f"{type(model).__name__} does not start with an embedding: no batch to probe with"
     batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
+    try:
+        ref_out = model(**batch)
+    except Exception as exc:  # noqa: BLE001 - the model itself does not take this batch (a pipeline stage's view)
+        return f"skipped: the model does not take the synthesized batch ({type(exc).__name__}: {str(exc)[:120]})"
     apply_fn, params, info = shard_fn(model, plan, mesh, varying)
     try:
         out = apply_fn(params, **batch)
     except PlanError as exc:  # a refusal of this batch (raised alike on every rank, before any collective)
         return f"skipped: the plan refuses the probe's batch ({str(exc).splitlines()[0][:160]})"
-    ref_out = model(**batch)
     if getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
         return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
     loss, ref = scalar_loss(out), scalar_loss(ref_out)

@@ -7,10 +7,14 @@ any backend: gloo, nccl, hccl).  ``core.collectives`` pairs each with its transp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from .errors import CollectiveError
 
 _funcol = torch.ops._c10d_functional
 
@@ -31,15 +35,63 @@ def mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
+_TIMEOUT: list[timedelta | None] = [None]  # hpf.set_timeout's value (None: each process group's own)
+
+
+def set_timeout(seconds: float) -> None:
+    """Every collective issued from now on by this rank's process groups (all of them: the
+    default group, every mesh axis, DCP's) fails after ``seconds`` instead of the group's
+    timeout (torch's default: 30 min for gloo, 10 min for NCCL), as does ``apply_fn``'s input
+    agreement.  Call on every rank after building the meshes; groups created later keep the
+    timeout they were created with.  A failure raises ``CollectiveError`` naming the collective,
+    the mesh axis and the module (on NCCL the watchdog may abort the process instead)."""
+    if not seconds > 0:
+        raise ValueError(f"set_timeout: seconds must be positive, got {seconds!r}")
+    timeout = timedelta(seconds=float(seconds))
+    _TIMEOUT[0] = timeout
+    if dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if dist.get_backend(group) != "fake":
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def get_timeout() -> timedelta:
+    """The timeout ``set_timeout`` set, else the default process group's default."""
+    from torch.distributed.constants import default_pg_timeout
+
+    return _TIMEOUT[0] or default_pg_timeout
+
+
+def wait(x: Tensor, op: str, g: Group, where: str = "") -> Tensor:
+    """``wait_tensor(x)``; a failure (a timeout, a peer gone) is a ``CollectiveError`` naming ``op``,
+    the axis and ``where``.  Under ``torch.compile`` the plain wait (traced into the graph)."""
+    if torch.compiler.is_compiling():
+        return _funcol.wait_tensor(x)
+    try:
+        return _funcol.wait_tensor(x)
+    except RuntimeError as exc:
+        raise collective_error(exc, op, g.axis, g.size, where) from exc
+
+
+def collective_error(exc: BaseException, op: str, axis: str, size: int, where: str = "") -> CollectiveError:
+    """The ``CollectiveError`` for ``exc`` raised by ``op`` over mesh axis ``axis``."""
+    timeout = get_timeout().total_seconds()
+    at = f" in {where}" if where else ""
+    return CollectiveError(
+        f"{op} over mesh axis {axis!r} ({size} ranks){at} failed: {exc}. Another rank of the axis did not take part "
+        f"within the timeout ({timeout:g}s, hpf.set_timeout): it is stuck, has failed (see its error) or issued other "
+        "collectives (ranks out of step); the process group may be unusable now")
+
+
 def raw_all_reduce(x: Tensor, g: Group) -> Tensor:
-    return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", g.group_name))
+    return wait(_funcol.all_reduce(x.contiguous(), "sum", g.group_name), "all_reduce", g)
 
 
 def raw_all_gather(x: Tensor, dim: int, g: Group) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``; contiguous, as a module's ``view`` of its input
     may need (HF ``Conv1D``)."""
     moved = x.movedim(dim, 0).contiguous()
-    out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(moved, g.size, g.group_name))
+    out = wait(_funcol.all_gather_into_tensor(moved, g.size, g.group_name), "all_gather", g)
     return out.movedim(0, dim).contiguous()
 
 
@@ -52,7 +104,7 @@ def _check_divisible(x: Tensor, dim: int, g: Group, op: str) -> None:
 def raw_reduce_scatter(x: Tensor, dim: int, g: Group) -> Tensor:
     _check_divisible(x, dim, g, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()
-    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(moved, "sum", g.size, g.group_name))
+    out = wait(_funcol.reduce_scatter_tensor(moved, "sum", g.size, g.group_name), "reduce_scatter", g)
     return out.movedim(0, dim)
 
 
@@ -71,7 +123,7 @@ def raw_all_to_all(x: Tensor, split_dim: int, concat_dim: int, g: Group) -> Tens
     pieces = pieces.reshape(n, pieces.shape[0] // n, *pieces.shape[1:]).contiguous()
     flat = pieces.reshape(-1)
     split = [flat.numel() // n] * n
-    got = _funcol.wait_tensor(_funcol.all_to_all_single(flat, split, split, g.group_name))
+    got = wait(_funcol.all_to_all_single(flat, split, split, g.group_name), "all_to_all", g)
     got = got.reshape(pieces.shape).movedim(1, split_dim + 1)  # (n, *x-shape with split_dim/n)
     got = got.movedim(0, concat_dim)
     return got.flatten(concat_dim, concat_dim + 1)
@@ -85,7 +137,7 @@ def raw_all_to_all_v(x: Tensor, dim: int, send: tuple[int, ...], recv: tuple[int
     if moved.shape[0] != sum(send) or len(send) != g.size or len(recv) != g.size:
         raise ValueError(f"all_to_all_v on mesh axis {g.axis!r} (size {g.size}): send splits {list(send)} do not cover "
                          f"dim {dim} of shape {tuple(x.shape)}, or a split list is not one entry per rank")
-    got = _funcol.wait_tensor(_funcol.all_to_all_single(moved.contiguous(), list(recv), list(send), g.group_name))
+    got = wait(_funcol.all_to_all_single(moved.contiguous(), list(recv), list(send), g.group_name), "all_to_all_v", g)
     return got.movedim(0, dim)
 
 
@@ -118,7 +170,7 @@ def start_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: Group) -> Ca
     work = _funcol.all_to_all_single(flat if send is not None else flat[:0], out_splits, in_splits, g.group_name)
 
     def wait() -> Tensor:
-        got = _funcol.wait_tensor(work)
+        got = wait(work, "ppermute", g)
         return got.reshape(x.shape) if recv is not None else torch.zeros_like(x)
 
     return wait

@@ -35,31 +35,37 @@ def mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
-_TIMEOUT: list[timedelta | None] = [None]  # hpf.set_timeout's value (None: each process group's own)
-
-
-def set_timeout(seconds: float) -> None:
-    """Every collective issued from now on by this rank's process groups (all of them: the
-    default group, every mesh axis, DCP's) fails after ``seconds`` instead of the group's
-    timeout (torch's default: 30 min for gloo, 10 min for NCCL), as does ``apply_fn``'s input
-    agreement.  Call on every rank after building the meshes; groups created later keep the
-    timeout they were created with.  A failure raises ``CollectiveError`` naming the collective,
-    the mesh axis and the module (on NCCL the watchdog may abort the process instead)."""
-    if not seconds > 0:
-        raise ValueError(f"set_timeout: seconds must be positive, got {seconds!r}")
+def set_timeout(seconds: float, mesh=None) -> None:
+    """Every collective issued from now on over this rank's process groups fails after ``seconds``
+    instead of the group's timeout (torch's default: 30 min for gloo, 10 min for NCCL), as does
+    ``apply_fn``'s input agreement.  ``mesh``: only that mesh's axes; None: every group this
+    rank is in (the default group, every mesh axis, DCP's).  Call on every rank after building
+    the meshes (groups created later keep the timeout they were created with).  A failure
+    raises ``CollectiveError`` naming the collective, the mesh axis and the module; on NCCL the
+    watchdog may abort the process instead, as torch documents for its timeout."""
+    if not (isinstance(seconds, (int, float)) and seconds > 0):
+        raise ValueError(f"set_timeout: seconds must be a positive number, got {seconds!r}")
     timeout = timedelta(seconds=float(seconds))
-    _TIMEOUT[0] = timeout
-    if dist.is_initialized():
-        for group in list(dist.distributed_c10d._world.pg_map):
-            if dist.get_backend(group) != "fake":
-                dist.distributed_c10d._set_pg_timeout(timeout, group)
+    if not dist.is_initialized():
+        raise RuntimeError("set_timeout: torch.distributed is not initialised (call init_process_group first)")
+    groups = list(dist.distributed_c10d._world.pg_map) if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim)]
+    for group in groups:
+        if dist.get_backend(group) != "fake":
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def get_timeout() -> timedelta:
-    """The timeout ``set_timeout`` set, else the default process group's default."""
+def get_timeout(group_name: str | None = None) -> timedelta:
+    """The timeout of the process group named ``group_name`` (None: the default group), as
+    ``set_timeout`` or ``init_process_group`` set it; torch's default where it cannot be read."""
     from torch.distributed.constants import default_pg_timeout
 
-    return _TIMEOUT[0] or default_pg_timeout
+    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else dist.group.WORLD
+    for device in group._device_types:
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return default_pg_timeout
 
 
 def wait(x: Tensor, op: str, g: Group, where: str = "") -> Tensor:
@@ -70,12 +76,13 @@ def wait(x: Tensor, op: str, g: Group, where: str = "") -> Tensor:
     try:
         return _funcol.wait_tensor(x)
     except RuntimeError as exc:
-        raise collective_error(exc, op, g.axis, g.size, where) from exc
+        raise collective_error(exc, op, g, where) from exc
 
 
-def collective_error(exc: BaseException, op: str, axis: str, size: int, where: str = "") -> CollectiveError:
-    """The ``CollectiveError`` for ``exc`` raised by ``op`` over mesh axis ``axis``."""
-    timeout = get_timeout().total_seconds()
+def collective_error(exc: BaseException, op: str, g: Group, where: str = "") -> CollectiveError:
+    """The ``CollectiveError`` for ``exc`` raised by ``op`` over ``g``'s mesh axis."""
+    axis, size = g.axis, g.size
+    timeout = get_timeout(g.group_name).total_seconds()
     at = f" in {where}" if where else ""
     return CollectiveError(
         f"{op} over mesh axis {axis!r} ({size} ranks){at} failed: {exc}. Another rank of the axis did not take part "

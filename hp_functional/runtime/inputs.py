@@ -154,7 +154,7 @@ def _exchange(group, payload: bytes, axis: str) -> list[bytes]:
     me = dist.get_rank()
     keys = [f"hpf/inputs/{name}/{seq}/{r}" for r in ranks]
     store.set(keys[ranks.index(me)], payload)
-    timeout = get_timeout()
+    timeout = get_timeout(name)
     try:
         store.wait(keys, timeout)
     except RuntimeError as exc:

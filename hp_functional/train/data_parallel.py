@@ -9,6 +9,11 @@ that overlaps them can.  Leaves *sharded* on ``axis`` belong to ``hpf.fsdp`` (re
 except those whose gradient already arrives summed over it (``ShardInfo.summed``: experts when
 ``ep`` shares ranks with ``dp``, every ep rank routing its own tokens): no collective, and
 ``"mean"`` divides them by the axis size like the rest.
+
+Before the buckets, the ranks of the axis agree on the gradients' structure (one all-gather of
+four numbers per rank, ``clip.agree_structure``): the buckets are planned from the leaves that
+have a gradient, so a ``None`` (or a key missing) on one rank only would pair different buckets
+across ranks; instead every rank raises, naming the key and the ranks.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import ShardInfo
-from .clip import check_grads, is_shard
+from ..core.raw_collectives import mesh_device, wait
+from .clip import agree_structure, check_grads, gather_rows, is_shard, structure_words
 
 _funcol = torch.ops._c10d_functional
 
@@ -67,17 +74,21 @@ def reduce_gradients(
         raise ValueError(f"reduce_gradients: op must be one of {list(OPS)}, got {op!r}")
     if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
         raise ValueError(f"reduce_gradients: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    leaves = check_grads(grads, shard_info, "reduce_gradients")
-    summed = {}
-    for name, g, info in leaves:
-        p = info.axes.get(axis)
-        if p is not None and is_shard(p) and axis in info.summed:
-            summed[name] = g
-        elif p is not None and is_shard(p):
-            raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r} (FSDP): its gradients are "
-                            "reduce-scattered by hpf.fsdp, not all-reduced; a leaf the plan shards there (TP, or experts "
-                            f"whose ep ranks share their tokens) has no per-rank shares over {axis!r} to reduce")
     group = AxisGroup.from_mesh(mesh, axis)
+    error, leaves, summed = None, [], {}
+    try:  # every local check before any collective; a failure is agreed with the other ranks, not raised alone
+        leaves = check_grads(grads, shard_info, "reduce_gradients")
+        summed = _summed(leaves, axis)
+    except PlanError as exc:
+        error = exc
+    if group.size > 1:
+        device = leaves[0][1].device if leaves else mesh_device(mesh)
+        row = torch.tensor(structure_words(grads, shard_info, error is not None), dtype=torch.float32, device=device)
+        order = dist.get_process_group_ranks(mesh.get_group(axis))
+        agree_structure(gather_rows(row, [group], "reduce_gradients"), error, grads, shard_info, [group], order,
+                        "reduce_gradients")
+    elif error is not None:
+        raise error
     present = {name: g for name, g, _ in leaves if name not in summed}
     out: dict[str, Tensor | None] = dict.fromkeys(grads)
     out.update({k: g / group.size if op == "mean" else g.clone() for k, g in summed.items()})
@@ -90,9 +101,23 @@ def reduce_gradients(
         buf = flat[0].contiguous() if len(flat) == 1 else torch.cat(flat)
         pending.append((bucket, _funcol.all_reduce(buf, "sum", group.group_name)))
     for bucket, work in pending:
-        total = _funcol.wait_tensor(work)
+        total = wait(work, "all_reduce", group, "reduce_gradients")
         if op == "mean":
             total = total / group.size
         for k, piece in zip(bucket, total.split([present[k].numel() for k in bucket]), strict=True):
             out[k] = piece.view(present[k].shape)
     return out
+
+
+def _summed(leaves: list, axis: str) -> dict[str, Tensor]:
+    """The leaves whose gradient already arrives summed over ``axis``; a PlanError for one sharded there otherwise."""
+    summed = {}
+    for name, g, info in leaves:
+        p = info.axes.get(axis)
+        if p is not None and is_shard(p) and axis in info.summed:
+            summed[name] = g
+        elif p is not None and is_shard(p):
+            raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r} (FSDP): its gradients are "
+                            "reduce-scattered by hpf.fsdp, not all-reduced; a leaf the plan shards there (TP, or experts "
+                            f"whose ep ranks share their tokens) has no per-rank shares over {axis!r} to reduce")
+    return summed

@@ -176,11 +176,11 @@ def start_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: Group) -> Ca
     in_splits = [n if k == send else 0 for k in range(g.size)]
     work = _funcol.all_to_all_single(flat if send is not None else flat[:0], out_splits, in_splits, g.group_name)
 
-    def wait() -> Tensor:
+    def finish() -> Tensor:
         got = wait(work, "ppermute", g)
         return got.reshape(x.shape) if recv is not None else torch.zeros_like(x)
 
-    return wait
+    return finish
 
 
 def raw_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: Group) -> Tensor:

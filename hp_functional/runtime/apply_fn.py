@@ -70,13 +70,13 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
             _raise_shape(values, keys, shapes)
         if not {v.device.type for v in values} <= devices:
             _raise_device(values, keys, devices)
+        if agreement is not None and not torch.compiler.is_compiling():  # before any collective of the call
+            agreement.check(args, kwargs)
         if converted:
             values = list(values)
             for i in converted:
                 for step in steps[i]:
                     values[i] = step(values[i])
-        if agreement is not None and not torch.compiler.is_compiling():
-            agreement.check(args, kwargs)
         try:
             for i, store, name, _ in slots:
                 store[name] = values[i]

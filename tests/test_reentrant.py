@@ -1,9 +1,12 @@
 """apply_fn called from several threads at once: exact (a skeleton per thread) on a one-rank mesh,
 a ReentrancyError at once from any other thread on a multi-rank mesh — never a wrong value, never a hang."""
 
+import functools
 import threading
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import hp_functional as hpf
 from tests.conftest import get_pool
@@ -13,12 +16,19 @@ from tests.models import build_llama, make_llama_state
 THREADS, CALLS = 4, 5
 
 
-def case_threads(state):
+@functools.cache
+def own_mesh() -> DeviceMesh:
+    """A mesh of this rank alone (a group per rank: new_subgroups is a collective, made once per process)."""
+    group, _ = dist.new_subgroups(group_size=1)
+    return DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",))
+
+
+def case_threads(state, one_rank: bool):
     """Serial losses and gradients of THREADS * CALLS batches, then the same calls from THREADS
     threads at once (started together): which succeeded, which differ from the serial result,
     which raised what."""
     model = build_llama(state)
-    apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh())
+    apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), own_mesh() if one_rank else mesh())
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 128, (2, 8), generator=gen) for _ in range(THREADS * CALLS)]
 
@@ -52,16 +62,17 @@ def case_threads(state):
 
 
 def test_one_rank_threads_are_exact():
-    """World size 1: every call from every thread equals the serial result."""
-    (done, wrong, errors), = get_pool(1).run(case_threads, make_llama_state())
-    assert not errors and not wrong, (errors, wrong)
-    assert done == list(range(THREADS * CALLS))
+    """A one-rank mesh (as at world size 1; here each rank of the pool has its own): every call
+    from every thread equals the serial result."""
+    for done, wrong, errors in get_pool(2).run(case_threads, make_llama_state(), True):
+        assert not errors and not wrong, (errors, wrong)
+        assert done == list(range(THREADS * CALLS))
 
 
 def test_multi_rank_other_threads_are_refused():
     """World size 2 (tp 2): no other thread may call (its collectives could pair with another
     thread's on the other rank), so every call raises ReentrancyError at once, on both ranks."""
-    for done, wrong, errors in get_pool(2).run(case_threads, make_llama_state()):
+    for done, wrong, errors in get_pool(2).run(case_threads, make_llama_state(), False):
         assert done == [] and wrong == []
         assert sorted(errors) == list(range(THREADS * CALLS))
         assert all(e.startswith("ReentrancyError") and "thread 'worker" in e for e in errors.values()), errors

@@ -6,6 +6,7 @@ any backend: gloo, nccl, hccl).  ``core.collectives`` pairs each with its transp
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import NamedTuple, Protocol
@@ -68,6 +69,29 @@ def get_timeout(group_name: str | None = None) -> timedelta:
     return default_pg_timeout
 
 
+class _Pending(threading.local):
+    """A check to run before this thread's next collective (``apply_fn``'s input agreement for a
+    new signature: placed there, every local check of the call before it has run)."""
+
+    check: Callable[[], None] | None = None
+
+
+PENDING = _Pending()
+
+
+def run_pending() -> None:
+    """Run (once) the check waiting for this thread's next collective, if any."""
+    check = PENDING.check
+    if check is not None:
+        PENDING.check = None
+        check()
+
+
+def _issue() -> None:
+    if not torch.compiler.is_compiling() and PENDING.check is not None:
+        run_pending()
+
+
 def wait(x: Tensor, op: str, g: Group, where: str = "") -> Tensor:
     """``wait_tensor(x)``; a failure (a timeout, a peer gone) is a ``CollectiveError`` naming ``op``,
     the axis and ``where``.  Under ``torch.compile`` the plain wait (traced into the graph)."""
@@ -91,12 +115,14 @@ def collective_error(exc: BaseException, op: str, g: Group, where: str = "") -> 
 
 
 def raw_all_reduce(x: Tensor, g: Group) -> Tensor:
+    _issue()
     return wait(_funcol.all_reduce(x.contiguous(), "sum", g.group_name), "all_reduce", g)
 
 
 def raw_all_gather(x: Tensor, dim: int, g: Group) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``; contiguous, as a module's ``view`` of its input
     may need (HF ``Conv1D``)."""
+    _issue()
     moved = x.movedim(dim, 0).contiguous()
     out = wait(_funcol.all_gather_into_tensor(moved, g.size, g.group_name), "all_gather", g)
     return out.movedim(0, dim).contiguous()
@@ -110,6 +136,7 @@ def _check_divisible(x: Tensor, dim: int, g: Group, op: str) -> None:
 
 def raw_reduce_scatter(x: Tensor, dim: int, g: Group) -> Tensor:
     _check_divisible(x, dim, g, "reduce_scatter")
+    _issue()
     moved = x.movedim(dim, 0).contiguous()
     out = wait(_funcol.reduce_scatter_tensor(moved, "sum", g.size, g.group_name), "reduce_scatter", g)
     return out.movedim(0, dim)
@@ -123,6 +150,7 @@ def raw_split(x: Tensor, dim: int, g: Group) -> Tensor:
 def raw_all_to_all(x: Tensor, split_dim: int, concat_dim: int, g: Group) -> Tensor:
     """Chunk ``split_dim`` into ``size`` pieces, send piece k to rank k, concat received on ``concat_dim``."""
     _check_divisible(x, split_dim, g, "all_to_all")
+    _issue()
     nd = x.dim()
     split_dim, concat_dim = split_dim % nd, concat_dim % nd
     n = g.size
@@ -144,6 +172,7 @@ def raw_all_to_all_v(x: Tensor, dim: int, send: tuple[int, ...], recv: tuple[int
     if moved.shape[0] != sum(send) or len(send) != g.size or len(recv) != g.size:
         raise ValueError(f"all_to_all_v on mesh axis {g.axis!r} (size {g.size}): send splits {list(send)} do not cover "
                          f"dim {dim} of shape {tuple(x.shape)}, or a split list is not one entry per rank")
+    _issue()
     got = wait(_funcol.all_to_all_single(moved.contiguous(), list(recv), list(send), g.group_name), "all_to_all_v", g)
     return got.movedim(0, dim)
 
@@ -170,6 +199,7 @@ def start_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: Group) -> Ca
     transfer where the backend runs it asynchronously (ring attention's next K/V block)."""
     send = {s: d for s, d in perm}.get(g.rank)
     recv = {d: s for s, d in perm}.get(g.rank)
+    _issue()
     flat = x.contiguous().reshape(-1)
     n = flat.numel()
     out_splits = [n if k == recv else 0 for k in range(g.size)]

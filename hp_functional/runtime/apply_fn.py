@@ -16,8 +16,9 @@ calls are exact and run in parallel.  On a multi-rank mesh the call's collective
 with the same call's on every other rank, and two threads' collectives cannot be ordered alike
 on every rank (a lock would serialise them in a different order per rank), so only the thread
 that built the ``apply_fn`` (the one that called ``shard()``) may call it: any other thread
-gets ``ReentrancyError`` at once, on every rank alike.  Before binding, the inputs are agreed
-across the ranks that must see them alike (``runtime.inputs``).
+gets ``ReentrancyError`` at once, on every rank alike.  The inputs are agreed across the ranks
+that must see them alike (``runtime.inputs``) just before the call's first collective, so every
+local check of the call (a sequence the plan cannot split) raises before it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 from ..core.errors import PlanError, ReentrancyError
 from ..core.program import Program
+from ..core.raw_collectives import PENDING, run_pending
 from .boundary import ConversionCache
 from .inputs import InputAgreement
 
@@ -70,18 +72,23 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
             _raise_shape(values, keys, shapes)
         if not {v.device.type for v in values} <= devices:
             _raise_device(values, keys, devices)
-        if agreement is not None and not torch.compiler.is_compiling():  # before any collective of the call
-            agreement.check(args, kwargs)
-        if converted:
-            values = list(values)
-            for i in converted:
-                for step in steps[i]:
-                    values[i] = step(values[i])
+        pending = None
+        if agreement is not None and not torch.compiler.is_compiling():
+            pending = PENDING.check = agreement.pending(args, kwargs)  # runs before the call's first collective
         try:
+            if converted:
+                values = list(values)
+                for i in converted:
+                    for step in steps[i]:
+                        values[i] = step(values[i])
             for i, store, name, _ in slots:
                 store[name] = values[i]
             out = skeleton(*args, **kwargs)
+            if pending is not None:  # a forward without collectives: agree before the backward can issue any
+                run_pending()
         finally:  # the skeleton never keeps the caller's tensors alive
+            if pending is not None:
+                PENDING.check = None
             for _, store, name, placeholder in slots:
                 store[name] = placeholder
             if cache:

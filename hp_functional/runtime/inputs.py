@@ -6,11 +6,12 @@ the full batch: every boundary but those of experts holding their own tokens,
 differs in shape makes gloo abort inside a collective (no Python exception); one that differs
 in values gives a silently wrong loss.  So each call's input signature — every tensor
 argument's shape and dtype, every plain scalar's value, by argument — is compared across the
-ranks of each such axis once per new signature (cached: steady state adds nothing but the
+ranks of each such axis once per new signature, just before the call's first collective
+(so the call's local checks raise first; cached: steady state adds nothing but the
 signature's computation), and with ``HPF_CHECK_INPUTS=1`` (or ``apply_fn.input_check.values =
 True``) a checksum of every tensor's values on every call.  A difference raises
 ``InputMismatchError`` on every rank of the axis, naming the argument, the axis and the ranks,
-before any collective of the call.
+before any collective of the call (a forward without collectives agrees before returning).
 
 The comparison goes through the process group's key-value store (``c10d.Store``), not a
 collective: a rank whose signature is new waits there for its peers, within the timeout
@@ -26,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -120,15 +122,19 @@ class InputAgreement:
         axes = agreeing_axes(program)
         return cls(program, axes, root) if axes else None
 
-    def check(self, args: tuple, kwargs: dict) -> None:
-        """Raise ``InputMismatchError`` on every rank of an axis whose ranks were given different
-        inputs (see the module docstring); nothing to do for a signature agreed before."""
+    def pending(self, args: tuple, kwargs: dict) -> Callable[[], None] | None:
+        """The check this call needs (``apply_fn`` runs it just before its first collective), or
+        None for a signature agreed before (without the value check)."""
+        key = None
         if not self.values:
             key = (tuple(signature(a) for a in args), tuple((k, signature(v)) for k, v in kwargs.items()))
             if key in self.agreed:
-                return
-        else:
-            key = None
+                return None
+        return lambda: self.check(args, kwargs, key)
+
+    def check(self, args: tuple, kwargs: dict, key=None) -> None:
+        """Raise ``InputMismatchError`` on every rank of an axis whose ranks were given different
+        inputs (see the module docstring); ``key``: the signature to remember once agreed."""
         described: list[tuple[str, str]] = []
         for i, a in enumerate(args):
             _describe(a, f"argument {self.names[i]!r}" if i < len(self.names) else f"positional argument {i}",

@@ -23,10 +23,21 @@ if TYPE_CHECKING:
     from .compile.lint import Finding
     from .core import collectives
     from .core.cp_layout import cp_positions, cp_shard, cp_unshard
-    from .core.errors import CheckpointError, PlanError, PlanMismatchError, PlanWarning, ReplicationError, ShapeError
+    from .core.errors import (
+        CheckpointError,
+        CollectiveError,
+        InputMismatchError,
+        PlanError,
+        PlanMismatchError,
+        PlanWarning,
+        ReentrancyError,
+        ReplicationError,
+        ShapeError,
+    )
     from .core.gather import unshard
     from .core.placement import ShardInfo, slice_local, to_dtensor
     from .core.program import Program
+    from .core.raw_collectives import set_timeout
     from .plan.auto import auto_plan
     from .plan.context import ContextParallel
     from .plan.experts import Experts, expert_mesh
@@ -138,6 +149,10 @@ _LAZY: dict[str, str] = {
     "simulate": ".tools.simulate",
     "validate": ".tools.validate",
     "validate_placements": ".tools.validate_dtensor",
+    "CollectiveError": ".core.errors",
+    "InputMismatchError": ".core.errors",
+    "ReentrancyError": ".core.errors",
+    "set_timeout": ".core.raw_collectives",
     "PlacementMismatchError": ".tools.validation_report",
     "ValidationError": ".tools.validation_report",
     "ValidationReport": ".tools.validation_report",
@@ -146,6 +161,10 @@ _LAZY: dict[str, str] = {
 _SUBMODULES: dict[str, str] = {"collectives": ".core.collectives", "optim": ".train.optim"}
 
 __all__ = [
+    "CollectiveError",
+    "InputMismatchError",
+    "ReentrancyError",
+    "set_timeout",
     "Checkpoint",
     "CheckpointError",
     "Colwise",

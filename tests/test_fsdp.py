@@ -101,7 +101,8 @@ def case_train(state, world: int, kind: str, func: bool):
             elif kind == "fsdp":
                 assert reductions["reduce_scatter_tensor"] == len(apply_fn.fsdp.groups), reductions
             else:
-                assert reductions == {"all_reduce": 1}, reductions  # one bucket, once per step
+                # one bucket, once per step, after the small all-gather agreeing on the gradients' structure
+                assert reductions == {"all_gather_into_tensor": 1, "all_reduce": 1}, reductions
             torch_opt.step()
         ref_opt.zero_grad()
         if func:

@@ -26,3 +26,20 @@ class ReplicationError(RuntimeError):
 class CheckpointError(ValueError):
     """A checkpoint on disk is incomplete, corrupt or does not fit the target layout (``hpf.load``;
     raised on every rank before any collective)."""
+
+
+class InputMismatchError(ReplicationError):
+    """An ``apply_fn`` input that the plan needs alike on every rank of a mesh axis differs there
+    (its shape, or with ``HPF_CHECK_INPUTS=1`` its values); names the argument, the axis and the
+    ranks.  Raised on every rank of the axis before any collective of the call."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective the library issued failed or did not complete within the timeout
+    (``hpf.set_timeout``): a rank stuck, dead or out of step.  Names the collective, the mesh
+    axis and, where known, the module."""
+
+
+class ReentrancyError(RuntimeError):
+    """``apply_fn`` on a multi-rank mesh was called from a thread other than the one that built
+    it: collectives from two threads cannot be ordered alike on every rank."""

@@ -6,11 +6,16 @@ any backend: gloo, nccl, hccl).  ``core.collectives`` pairs each with its transp
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from .errors import CollectiveError
 
 _funcol = torch.ops._c10d_functional
 
@@ -31,15 +36,95 @@ def mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
+def set_timeout(seconds: float, mesh=None) -> None:
+    """Every collective issued from now on over this rank's process groups fails after ``seconds``
+    instead of the group's timeout (torch's default: 30 min for gloo, 10 min for NCCL), as does
+    ``apply_fn``'s input agreement.  ``mesh``: only that mesh's axes; None: every group this
+    rank is in (the default group, every mesh axis, DCP's).  Call on every rank after building
+    the meshes (groups created later keep the timeout they were created with).  A failure
+    raises ``CollectiveError`` naming the collective, the mesh axis and the module; on NCCL the
+    watchdog may abort the process instead, as torch documents for its timeout."""
+    if not (isinstance(seconds, (int, float)) and seconds > 0):
+        raise ValueError(f"set_timeout: seconds must be a positive number, got {seconds!r}")
+    timeout = timedelta(seconds=float(seconds))
+    if not dist.is_initialized():
+        raise RuntimeError("set_timeout: torch.distributed is not initialised (call init_process_group first)")
+    groups = list(dist.distributed_c10d._world.pg_map) if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim)]
+    for group in groups:
+        if dist.get_backend(group) != "fake":
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def get_timeout(group_name: str | None = None) -> timedelta:
+    """The timeout of the process group named ``group_name`` (None: the default group), as
+    ``set_timeout`` or ``init_process_group`` set it; torch's default where it cannot be read."""
+    from torch.distributed.constants import default_pg_timeout
+
+    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else dist.group.WORLD
+    for device in group._device_types:
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return default_pg_timeout
+
+
+class _Pending(threading.local):
+    """A check to run before this thread's next collective (``apply_fn``'s input agreement for a
+    new signature: placed there, every local check of the call before it has run)."""
+
+    check: Callable[[], None] | None = None
+
+
+PENDING = _Pending()
+
+
+def run_pending() -> None:
+    """Run (once) the check waiting for this thread's next collective, if any."""
+    check = PENDING.check
+    if check is not None:
+        PENDING.check = None
+        check()
+
+
+def _issue() -> None:
+    if not torch.compiler.is_compiling() and PENDING.check is not None:
+        run_pending()
+
+
+def wait(x: Tensor, op: str, g: Group, where: str = "") -> Tensor:
+    """``wait_tensor(x)``; a failure (a timeout, a peer gone) is a ``CollectiveError`` naming ``op``,
+    the axis and ``where``.  Under ``torch.compile`` the plain wait (traced into the graph)."""
+    if torch.compiler.is_compiling():
+        return _funcol.wait_tensor(x)
+    try:
+        return _funcol.wait_tensor(x)
+    except RuntimeError as exc:
+        raise collective_error(exc, op, g, where) from exc
+
+
+def collective_error(exc: BaseException, op: str, g: Group, where: str = "") -> CollectiveError:
+    """The ``CollectiveError`` for ``exc`` raised by ``op`` over ``g``'s mesh axis."""
+    axis, size = g.axis, g.size
+    timeout = get_timeout(g.group_name).total_seconds()
+    at = f" in {where}" if where else ""
+    return CollectiveError(
+        f"{op} over mesh axis {axis!r} ({size} ranks){at} failed: {exc}. Another rank of the axis did not take part "
+        f"within the timeout ({timeout:g}s, hpf.set_timeout): it is stuck, has failed (see its error) or issued other "
+        "collectives (ranks out of step); the process group may be unusable now")
+
+
 def raw_all_reduce(x: Tensor, g: Group) -> Tensor:
-    return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", g.group_name))
+    _issue()
+    return wait(_funcol.all_reduce(x.contiguous(), "sum", g.group_name), "all_reduce", g)
 
 
 def raw_all_gather(x: Tensor, dim: int, g: Group) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``; contiguous, as a module's ``view`` of its input
     may need (HF ``Conv1D``)."""
+    _issue()
     moved = x.movedim(dim, 0).contiguous()
-    out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(moved, g.size, g.group_name))
+    out = wait(_funcol.all_gather_into_tensor(moved, g.size, g.group_name), "all_gather", g)
     return out.movedim(0, dim).contiguous()
 
 
@@ -51,8 +136,9 @@ def _check_divisible(x: Tensor, dim: int, g: Group, op: str) -> None:
 
 def raw_reduce_scatter(x: Tensor, dim: int, g: Group) -> Tensor:
     _check_divisible(x, dim, g, "reduce_scatter")
+    _issue()
     moved = x.movedim(dim, 0).contiguous()
-    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(moved, "sum", g.size, g.group_name))
+    out = wait(_funcol.reduce_scatter_tensor(moved, "sum", g.size, g.group_name), "reduce_scatter", g)
     return out.movedim(0, dim)
 
 
@@ -64,6 +150,7 @@ def raw_split(x: Tensor, dim: int, g: Group) -> Tensor:
 def raw_all_to_all(x: Tensor, split_dim: int, concat_dim: int, g: Group) -> Tensor:
     """Chunk ``split_dim`` into ``size`` pieces, send piece k to rank k, concat received on ``concat_dim``."""
     _check_divisible(x, split_dim, g, "all_to_all")
+    _issue()
     nd = x.dim()
     split_dim, concat_dim = split_dim % nd, concat_dim % nd
     n = g.size
@@ -71,7 +158,7 @@ def raw_all_to_all(x: Tensor, split_dim: int, concat_dim: int, g: Group) -> Tens
     pieces = pieces.reshape(n, pieces.shape[0] // n, *pieces.shape[1:]).contiguous()
     flat = pieces.reshape(-1)
     split = [flat.numel() // n] * n
-    got = _funcol.wait_tensor(_funcol.all_to_all_single(flat, split, split, g.group_name))
+    got = wait(_funcol.all_to_all_single(flat, split, split, g.group_name), "all_to_all", g)
     got = got.reshape(pieces.shape).movedim(1, split_dim + 1)  # (n, *x-shape with split_dim/n)
     got = got.movedim(0, concat_dim)
     return got.flatten(concat_dim, concat_dim + 1)
@@ -85,7 +172,8 @@ def raw_all_to_all_v(x: Tensor, dim: int, send: tuple[int, ...], recv: tuple[int
     if moved.shape[0] != sum(send) or len(send) != g.size or len(recv) != g.size:
         raise ValueError(f"all_to_all_v on mesh axis {g.axis!r} (size {g.size}): send splits {list(send)} do not cover "
                          f"dim {dim} of shape {tuple(x.shape)}, or a split list is not one entry per rank")
-    got = _funcol.wait_tensor(_funcol.all_to_all_single(moved.contiguous(), list(recv), list(send), g.group_name))
+    _issue()
+    got = wait(_funcol.all_to_all_single(moved.contiguous(), list(recv), list(send), g.group_name), "all_to_all_v", g)
     return got.movedim(0, dim)
 
 
@@ -111,17 +199,18 @@ def start_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: Group) -> Ca
     transfer where the backend runs it asynchronously (ring attention's next K/V block)."""
     send = {s: d for s, d in perm}.get(g.rank)
     recv = {d: s for s, d in perm}.get(g.rank)
+    _issue()
     flat = x.contiguous().reshape(-1)
     n = flat.numel()
     out_splits = [n if k == recv else 0 for k in range(g.size)]
     in_splits = [n if k == send else 0 for k in range(g.size)]
     work = _funcol.all_to_all_single(flat if send is not None else flat[:0], out_splits, in_splits, g.group_name)
 
-    def wait() -> Tensor:
-        got = _funcol.wait_tensor(work)
+    def finish() -> Tensor:
+        got = wait(work, "ppermute", g)
         return got.reshape(x.shape) if recv is not None else torch.zeros_like(x)
 
-    return wait
+    return finish
 
 
 def raw_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: Group) -> Tensor:

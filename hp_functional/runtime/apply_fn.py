@@ -7,24 +7,41 @@ parameter and buffer of the module on each call to find tied weights and resolve
 name to its submodule; here the tied groups are known (``Program.leaf_of``) and the
 (submodule ``_parameters`` dict, name) slots are resolved once, so a call is one dict store
 per slot, the forward, and one store per slot to put the meta placeholders back.
+
+Re-entrancy: binding writes the skeleton's slots, so two calls at once on one skeleton would
+read each other's parameters.  On a mesh of one rank (no collective pairs with another
+process) a call from another thread runs on a skeleton of its own, built from the pristine
+template on that thread's first call (``rebuild``) and kept for the thread's life: concurrent
+calls are exact and run in parallel.  On a multi-rank mesh the call's collectives must pair
+with the same call's on every other rank, and two threads' collectives cannot be ordered alike
+on every rank (a lock would serialise them in a different order per rank), so only the thread
+that built the ``apply_fn`` (the one that called ``shard()``) may call it: any other thread
+gets ``ReentrancyError`` at once, on every rank alike.  The inputs are agreed across the ranks
+that must see them alike (``runtime.inputs``) just before the call's first collective, so every
+local check of the call (a sequence the plan cannot split) raises before it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from ..core.buckets import copy_to_many
-from ..core.errors import PlanError
+from ..core.errors import PlanError, ReentrancyError
 from ..core.program import Program
+from ..core.raw_collectives import PENDING, run_pending
 from .boundary import ConversionCache
+from .inputs import InputAgreement
 
 
-def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None) -> Callable:
+def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None,
+                  rebuild: Callable[[], Callable] | None = None) -> Callable:
     """``apply_fn(params, *args, **kwargs)``: check, convert, bind into the skeleton, forward.
-    ``cache``: the boundaries' per-call conversion cache, emptied after every call."""
+    ``cache``: the boundaries' per-call conversion cache, emptied after every call; ``rebuild``:
+    a new ``apply_fn`` on a fresh skeleton, for another thread (see the module docstring)."""
     keys = tuple(program.infos)
     key_set = frozenset(keys)
     shapes = tuple(torch.Size(program.infos[k].local_shape) for k in keys)
@@ -41,26 +58,44 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     in_bucket = {i for idx, _, _ in bucketed for i in idx}
     converted = tuple(i for i, s in enumerate(steps) if s and i not in in_bucket)
     devices = frozenset({program.mesh.device_type, "meta"})  # meta: shapes only (explain, simulate)
+    owner = threading.get_ident()
+    guard = ThreadGuard(program.mesh.size(), "apply_fn") if program.mesh.size() > 1 or rebuild is None else None
+    mine = threading.local()  # another thread's own apply_fn (one-rank meshes)
+    agreement = InputAgreement.for_program(program, skeleton)
 
     def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
+        if not torch.compiler.is_compiling() and threading.get_ident() != owner:
+            if guard is not None:
+                guard.refuse()
+            private = getattr(mine, "apply_fn", None)
+            if private is None:
+                private = mine.apply_fn = rebuild()
+            return private(params, *args, **kwargs)
         values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, key_set)
         if tuple(v.shape for v in values) != shapes:
             _raise_shape(values, keys, shapes)
         if not {v.device.type for v in values} <= devices:
             _raise_device(values, keys, devices)
-        if converted or bucketed:
-            values = list(values)
-            for i in converted:
-                for step in steps[i]:
-                    values[i] = step(values[i])
-            for idx, buckets, groups in bucketed:  # copy_to-only conversions: one all-reduce per bucket
-                for i, v in zip(idx, copy_to_many([values[i] for i in idx], buckets, groups), strict=True):
-                    values[i] = v
+        pending = None
+        if agreement is not None and not torch.compiler.is_compiling():
+            pending = PENDING.check = agreement.pending(args, kwargs)  # runs before the call's first collective
         try:
+            if converted or bucketed:
+                values = list(values)
+                for i in converted:
+                    for step in steps[i]:
+                        values[i] = step(values[i])
+                for idx, buckets, groups in bucketed:  # copy_to-only conversions: one all-reduce per bucket
+                    for i, v in zip(idx, copy_to_many([values[i] for i in idx], buckets, groups), strict=True):
+                        values[i] = v
             for i, store, name, _ in slots:
                 store[name] = values[i]
             out = skeleton(*args, **kwargs)
+            if pending is not None:  # a forward without collectives: agree before the backward can issue any
+                run_pending()
         finally:  # the skeleton never keeps the caller's tensors alive
+            if pending is not None:
+                PENDING.check = None
             for _, store, name, placeholder in slots:
                 store[name] = placeholder
             if cache:
@@ -68,7 +103,28 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
         return out
 
     apply_fn.program = program  # for explain() and tests; read-only by convention
+    apply_fn.input_check = agreement  # .values = True: also compare the values (HPF_CHECK_INPUTS=1)
     return apply_fn
+
+
+class ThreadGuard:
+    """Refuses calls from threads other than the one that created it, with a message saying why
+    (an ``apply_fn`` whose collectives span several ranks; see the module docstring)."""
+
+    def __init__(self, ranks: int, what: str):
+        self.owner, self.ranks, self.what = threading.get_ident(), ranks, what
+
+    def check(self) -> None:
+        """Raise unless called from the creating thread (not traced by ``torch.compile``)."""
+        if not torch.compiler.is_compiling() and threading.get_ident() != self.owner:
+            self.refuse()
+
+    def refuse(self) -> None:
+        raise ReentrancyError(
+            f"{self.what} was called from thread {threading.current_thread().name!r}, but its collectives span "
+            f"{self.ranks} ranks and it belongs to the thread that built it (id {self.owner}): calls from two threads "
+            "cannot be ordered alike on every rank, so they would pair with each other's collectives (wrong values or "
+            "a hang). Call it from one thread on every rank: the one that called hpf.shard() (or hpf.fsdp())")
 
 
 _PASS_PARAMS = "pass the params pytree that shard() returned (this rank's local shards), not model.state_dict()"

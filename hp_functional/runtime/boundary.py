@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from ..core.errors import ShapeError
+from ..core.errors import CollectiveError, ShapeError
 from ..core.lowering import Step
 from ..core.signature import ArgSlot, arg_slots, map_output, output_index
 
@@ -90,6 +90,16 @@ class BoundaryForward:
         return out
 
     def __call__(self, *args, **kwargs):
+        try:
+            return self.run(*args, **kwargs)
+        except CollectiveError as exc:  # a collective that timed out or failed: say which module issued it
+            if getattr(exc, "module", None) is None:
+                exc.module = self.fqn
+                exc.args = (f"{exc.args[0]} [module {self.fqn!r}]", *exc.args[1:])
+            raise
+
+    def run(self, *args, **kwargs):
+        """The call without the error context: convert the arguments, the local forward, convert the outputs."""
         # map_arguments (core.signature) over the laid-out slots: a keyword argument first, else
         # the positional one; an argument not passed is left alone
         if self.inputs:

@@ -83,7 +83,7 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
     blocks = install_checkpoints(skeleton, checkpoint, program.leaf_of, cache, program.mesh.device_type) if checkpoint else {}
     if install is not None:
         install(skeleton, cache)
-    apply_fn = make_apply_fn(skeleton, program, cache)
+    apply_fn = make_apply_fn(skeleton, program, cache, lambda: build_runtime(model, program, checkpoint, install))
     apply_fn.checkpointed = blocks  # block path -> its CheckpointedForward, for explain() and tests; read-only
     return apply_fn
 

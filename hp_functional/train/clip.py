@@ -1,12 +1,21 @@
-"""Gradient clipping by the norm of the *global* gradient, with one all-reduce for the whole pytree.
+"""Gradient clipping by the norm of the *global* gradient, with one small collective for the whole pytree.
 
 Every leaf's local shard contributes its p-th-power sum (its max for ``inf``), but only on the
 ranks that *own* it: the ranks whose coordinate is 0 on every mesh axis the leaf is replicated
-on.  One all-reduce over the mesh then sums each sharded piece once and each replicated leaf once
-(not once per replica), so ``total_norm`` equals ``torch.nn.utils.clip_grad_norm_`` on the
-unsharded model.  Tied weights are already one leaf; FSDP leaves (``Shard``/``_StridedShard`` on
-``dp``, possibly uneven or empty) are pieces like any other.  Owner masking is exact (no 1/n
-weights), and replicas are assumed equal, as they are after ``reduce_gradients``.
+on. One all-gather over the mesh (a few numbers per rank, summed in mesh order) then counts each
+sharded piece once and each replicated leaf once (not once per replica), so ``total_norm``
+equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Tied weights are already one
+leaf; FSDP leaves (``Shard``/``_StridedShard`` on ``dp``, possibly uneven or empty) are pieces
+like any other. Owner masking is exact (no 1/n weights), and replicas are assumed equal, as they
+are after ``reduce_gradients``.
+
+Before the norm is trusted, the ranks agree on the gradients' structure: each rank's local
+checks (keys, shapes) and a digest of which keys have a gradient (not ``None``) travel with its
+norm in the one collective (an all-gather of a few numbers per rank, summed in mesh order, so
+every rank computes the same total).  A rank whose check failed, or a ``None`` (or missing key)
+on some ranks only, raises on every rank — never a silently wrong norm, and never a rank that
+skips the collective while the others pair theirs with its next one.  ``reduce_gradients``
+agrees the same way (``agree_structure``) before its buckets.
 """
 
 from __future__ import annotations
@@ -22,8 +31,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 from torch.utils._foreach_utils import _device_has_foreach_support
 
+from ..compile.agree import digest
+from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, ShapeError
 from ..core.placement import GroupedShard, ShardInfo, fmt_placements, splits
+from ..core.raw_collectives import mesh_device, wait
 
 _funcol = torch.ops._c10d_functional
 
@@ -111,21 +123,75 @@ def _local_norms(tensors: list[Tensor], p: float, acc: torch.dtype, foreach: boo
     return norms  # type: ignore[return-value]
 
 
-def _group_names(mesh: DeviceMesh) -> list[str]:
-    """Process groups whose all-reduce covers the whole mesh: the default group when the mesh spans
+def _mesh_groups(mesh: DeviceMesh) -> list[AxisGroup]:
+    """Process groups whose all-gathers cover the whole mesh: the default group when the mesh spans
     the world (one collective), else each mesh axis of size > 1 in turn."""
     if mesh.size() == 1:
         return []
+    axes = ",".join(mesh.mesh_dim_names or ())
     if mesh.size() == dist.get_world_size():
-        return [dist.group.WORLD.group_name]
-    return [mesh.get_group(d).group_name for d in range(mesh.ndim) if mesh.size(d) > 1]
+        return [AxisGroup(axes, dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank())]
+    return [AxisGroup.from_mesh(mesh, name) for d, name in enumerate(mesh.mesh_dim_names) if mesh.size(d) > 1]
 
 
-def _mesh_all_reduce(x: Tensor, mesh: DeviceMesh, op: str) -> Tensor:
-    """``x`` reduced (``"sum"`` or ``"max"``) over every rank of ``mesh``; not differentiable."""
-    for name in _group_names(mesh):
-        x = _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), op, name))
-    return x
+def _mesh_order(mesh: DeviceMesh) -> list[int]:
+    """The global ranks in the order ``gather_rows`` returns their rows."""
+    if mesh.size() == dist.get_world_size():
+        return list(range(dist.get_world_size()))
+    return mesh.mesh.permute(*reversed(range(mesh.ndim))).flatten().tolist()
+
+
+def gather_rows(x: Tensor, groups: list[AxisGroup], where: str) -> Tensor:
+    """[ranks, n]: every rank's 1-D ``x``, in ``_mesh_order`` (the same order on every rank)."""
+    n = x.numel()
+    for g in groups:
+        x = wait(_funcol.all_gather_into_tensor(x.contiguous(), g.size, g.group_name), "all_gather", g, where)
+    return x.view(-1, n)
+
+
+def _structure(grads: Mapping, shard_info: Mapping[str, ShardInfo]) -> list[str]:
+    """This rank's gradient structure: per ``shard_info`` key "grad", "None" or "missing", then the extra keys."""
+    return [("missing" if k not in grads else "None" if grads[k] is None else "grad") for k in shard_info] + \
+        sorted(f"extra {k}" for k in grads if k not in shard_info)
+
+
+def structure_words(grads: Mapping, shard_info: Mapping[str, ShardInfo], failed: bool) -> list[float]:
+    """[failed, digest of ``_structure`` in three 20-bit words]: exact in float32 and float64."""
+    d = digest("\n".join(_structure(grads, shard_info)))
+    return [float(failed), *(float((d >> s) & 0xFFFFF) for s in (0, 20, 40))]
+
+
+def agree_structure(rows: Tensor, error: Exception | None, grads: Mapping, shard_info: Mapping[str, ShardInfo],
+                    groups: list[AxisGroup], order: list[int], where: str) -> None:
+    """Raise on every rank unless every rank passed its local checks (column 0 of ``rows``) and has
+    the same gradient structure (columns 1-3): ``error`` itself on a rank that failed, a
+    PlanError naming those ranks elsewhere; for differing structures, the first key and the
+    ranks holding each variant (gathered only then)."""
+    failed = [r for r, f in zip(order, rows[:, 0].tolist(), strict=True) if f]
+    if error is not None:
+        raise error
+    if failed:
+        raise PlanError(f"{where}: the gradients failed the local checks on ranks {failed} (see their error: keys or "
+                        "shapes that differ from shard_info there); every rank stops here, before any other collective")
+    if bool((rows[:, 1:] == rows[0, 1:]).all()):
+        return
+    mine = _structure(grads, shard_info)
+    everyone = [mine]
+    for g in groups:  # the slow path, only after a mismatch (every rank takes it)
+        out = [None] * g.size
+        dist.all_gather_object(out, everyone, group=dist.distributed_c10d._resolve_process_group(g.group_name))
+        everyone = [v for chunk in out for v in chunk]
+    keys = list(shard_info)
+    for i in range(max(len(s) for s in everyone)):
+        variants: dict[str, list[int]] = {}
+        for r, s in zip(order, everyone, strict=True):
+            variants.setdefault(s[i] if i < len(s) else "absent", []).append(r)
+        if len(variants) > 1:
+            what = f"grads[{keys[i]!r}]" if i < len(keys) else "the keys beyond shard_info"
+            seen = "; ".join(f"{v} on ranks {rs}" for v, rs in variants.items())
+            raise PlanError(f"{where}: {what} differs across ranks: {seen}. Every rank must have a gradient for the same "
+                            "keys (a None on some ranks only would make the global result differ per rank)")
+    raise PlanError(f"{where}: the gradients' structure differs across ranks")
 
 
 def global_norm(
@@ -133,29 +199,54 @@ def global_norm(
     *, foreach: bool | None = None,
 ) -> Tensor:
     """The ``norm_type``-norm of the global gradient (all leaves together, each counted once), the
-    same on every rank; one all-reduce of one scalar (a collective: call on every rank)."""
-    return _global_norm(check_grads(grads, shard_info, "global_norm"), norm_type, foreach, "global_norm")
+    same on every rank; one all-gather of a few numbers per rank (a collective: call on every rank)."""
+    return _global_norm(grads, shard_info, norm_type, foreach, "global_norm")[0]
 
 
-def _global_norm(leaves: list[tuple[str, Tensor, ShardInfo]], norm_type: float, foreach: bool | None, where: str) -> Tensor:
+def _mesh_of(shard_info: Mapping[str, ShardInfo], where: str) -> DeviceMesh | None:
+    """The mesh the collective runs over: the first leaf's (every rank has the same shard_info)."""
+    info = next(iter(shard_info.values()), None)
+    if info is None:
+        return None
+    if info.mesh.get_coordinate() is None:
+        raise PlanError(f"{where}: this rank is not in the mesh {info.mesh.mesh.tolist()}")
+    return info.mesh
+
+
+def _global_norm(grads: Mapping[str, Tensor | None], shard_info: Mapping[str, ShardInfo], norm_type: float,
+                 foreach: bool | None, where: str) -> tuple[Tensor, list[tuple[str, Tensor, ShardInfo]]]:
+    """(the global norm, the checked leaves); see the module docstring for the agreement."""
     p = float(norm_type)
     if not (p > 0 or p == math.inf):
         raise ValueError(f"{where}: norm_type must be positive or inf, got {norm_type!r}")
-    mesh = _common_mesh(leaves, where)  # every local check before the collective
+    mesh = _mesh_of(shard_info, where)
+    error, leaves = None, []
+    try:  # every local check before the collective; a failure is agreed there, not raised alone
+        leaves = check_grads(grads, shard_info, where)
+        _common_mesh(leaves, where)
+    except (PlanError, ValueError) as exc:
+        error = exc
     out_dtype = functools.reduce(torch.promote_types, [g.dtype for _, g, _ in leaves], torch.float32)
     if mesh is None:
-        return torch.zeros((), dtype=out_dtype)
-    first = leaves[0][1].device
-    device = first if first.type == mesh.device_type else torch.device(mesh.device_type)
+        if error is not None:
+            raise error
+        return torch.zeros((), dtype=out_dtype), leaves
+    first = leaves[0][1].device if leaves else mesh_device(mesh)
+    device = first if first.type == mesh.device_type else mesh_device(mesh)
     acc = torch.float64 if device.type == "cpu" else torch.float32  # float64 keeps equality with torch's fp32 sums
     coord = mesh.get_coordinate()
     owned = [g for _, g, info in leaves if g.numel() and _owns(info, coord)]  # inf has no identity on empty tensors
     local = torch.zeros((), dtype=acc, device=device)
-    if owned:
+    if owned and error is None:
         norms = torch.stack([n.to(device) for n in _local_norms(owned, p, acc, foreach)])
         local = norms.max() if p == math.inf else norms.pow(p).sum()
-    total = _mesh_all_reduce(local, mesh, "max" if p == math.inf else "sum")
-    return (total if p == math.inf else total.pow(1.0 / p)).to(out_dtype)
+    row = torch.cat([local.view(1), torch.tensor(structure_words(grads, shard_info, error is not None), dtype=acc,
+                                                   device=device)])
+    groups = _mesh_groups(mesh)
+    rows = gather_rows(row, groups, where)
+    agree_structure(rows[:, 1:], error, grads, shard_info, groups, _mesh_order(mesh), where)
+    total = rows[:, 0].max() if p == math.inf else rows[:, 0].sum()
+    return (total if p == math.inf else total.pow(1.0 / p)).to(out_dtype), leaves
 
 
 def clip_grad_norm(
@@ -165,13 +256,13 @@ def clip_grad_norm(
     """``(clipped_grads, total_norm)``: every gradient scaled by ``min(1, max_norm / (total_norm + 1e-6))``,
     where ``total_norm`` is the norm of the global gradient — what ``torch.nn.utils.clip_grad_norm_``
     returns on the unsharded model.  Pure: new tensors, same keys and order, ``None`` kept as
-    ``None``.  One all-reduce of one scalar (a collective: call on every rank).
+    ``None``.  One all-gather of a few numbers per rank (a collective: call on every rank); a
+    ``None`` or a missing key on some ranks only raises on every rank.
 
     >>> grads = torch.func.grad(loss_fn)(params)
     >>> grads, norm = hpf.clip_grad_norm(grads, shard_info, max_norm=1.0)
     """
-    leaves = check_grads(grads, shard_info, "clip_grad_norm")
-    total = _global_norm(leaves, norm_type, foreach, "clip_grad_norm")
+    total, leaves = _global_norm(grads, shard_info, norm_type, foreach, "clip_grad_norm")
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # equal on every rank: all raise
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot "

@@ -9,6 +9,11 @@ that overlaps them can.  Leaves *sharded* on ``axis`` belong to ``hpf.fsdp`` (re
 except those whose gradient already arrives summed over it (``ShardInfo.summed``: experts when
 ``ep`` shares ranks with ``dp``, every ep rank routing its own tokens): no collective, and
 ``"mean"`` divides them by the axis size like the rest.
+
+Before the buckets, the ranks of the axis agree on the gradients' structure (one all-gather of
+four numbers per rank, ``clip.agree_structure``): the buckets are planned from the leaves that
+have a gradient, so a ``None`` (or a key missing) on one rank only would pair different buckets
+across ranks; instead every rank raises, naming the key and the ranks.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..core.buckets import plan_buckets as buckets_by_rule
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import ShardInfo
-from .clip import check_grads, is_shard
+from ..core.raw_collectives import mesh_device, wait
+from .clip import agree_structure, check_grads, gather_rows, is_shard, structure_words
 
 _funcol = torch.ops._c10d_functional
 
@@ -30,22 +38,10 @@ OPS = ("mean", "sum")
 
 
 def plan_buckets(grads: Mapping[str, Tensor | None], bucket_bytes: int) -> list[list[str]]:
-    """The buckets ``reduce_gradients`` all-reduces, as lists of names: leaves grouped by (device,
-    dtype) in first-seen order, each group filled greedily in order, a new bucket started when the
-    next leaf would take it past ``bucket_bytes`` (a leaf larger than that is a bucket of its own)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[list[str]]] = {}
-    fill: dict[tuple[torch.device, torch.dtype], int] = {}
-    for name, g in grads.items():
-        if g is None:
-            continue
-        key, size = (g.device, g.dtype), g.numel() * g.element_size()
-        buckets = groups.setdefault(key, [])
-        if not buckets or (buckets[-1] and fill[key] + size > bucket_bytes):
-            buckets.append([])
-            fill[key] = 0
-        buckets[-1].append(name)
-        fill[key] += size
-    return [b for buckets in groups.values() for b in buckets]
+    """The buckets ``reduce_gradients`` all-reduces, as lists of names: the present leaves by
+    (device, dtype) under ``core.buckets.plan_buckets``' one grouping rule."""
+    items = ((name, (g.device, g.dtype), g.numel() * g.element_size()) for name, g in grads.items() if g is not None)
+    return buckets_by_rule(items, bucket_bytes)
 
 
 def reduce_gradients(
@@ -67,22 +63,21 @@ def reduce_gradients(
         raise ValueError(f"reduce_gradients: op must be one of {list(OPS)}, got {op!r}")
     if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
         raise ValueError(f"reduce_gradients: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    leaves = check_grads(grads, shard_info, "reduce_gradients")
-    owed = next((name for name, g, info in leaves if axis in info.reduced), None)
-    if owed is not None:
-        raise PlanError(f"reduce_gradients: the gradient of {owed} is already summed over mesh axis {axis!r} inside "
-                        f"apply_fn's backward (ShardInfo.reduced); reducing it again over {axis!r} would count it "
-                        f"{mesh.size(names.index(axis))} times; drop this call (context parallelism needs none)")
-    summed = {}
-    for name, g, info in leaves:
-        p = info.axes.get(axis)
-        if p is not None and is_shard(p) and axis in info.summed:
-            summed[name] = g
-        elif p is not None and is_shard(p):
-            raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r} (FSDP): its gradients are "
-                            "reduce-scattered by hpf.fsdp, not all-reduced; a leaf the plan shards there (TP, or experts "
-                            f"whose ep ranks share their tokens) has no per-rank shares over {axis!r} to reduce")
     group = AxisGroup.from_mesh(mesh, axis)
+    error, leaves, summed = None, [], {}
+    try:  # every local check before any collective; a failure is agreed with the other ranks, not raised alone
+        leaves = check_grads(grads, shard_info, "reduce_gradients")
+        summed = _summed(leaves, axis, mesh)
+    except PlanError as exc:
+        error = exc
+    if group.size > 1:
+        device = leaves[0][1].device if leaves else mesh_device(mesh)
+        row = torch.tensor(structure_words(grads, shard_info, error is not None), dtype=torch.float32, device=device)
+        order = dist.get_process_group_ranks(mesh.get_group(axis))
+        agree_structure(gather_rows(row, [group], "reduce_gradients"), error, grads, shard_info, [group], order,
+                        "reduce_gradients")
+    elif error is not None:
+        raise error
     present = {name: g for name, g, _ in leaves if name not in summed}
     out: dict[str, Tensor | None] = dict.fromkeys(grads)
     out.update({k: g / group.size if op == "mean" else g.clone() for k, g in summed.items()})
@@ -95,9 +90,30 @@ def reduce_gradients(
         buf = flat[0].contiguous() if len(flat) == 1 else torch.cat(flat)
         pending.append((bucket, _funcol.all_reduce(buf, "sum", group.group_name)))
     for bucket, work in pending:
-        total = _funcol.wait_tensor(work)
+        total = wait(work, "all_reduce", group, "reduce_gradients")
         if op == "mean":
             total = total / group.size
         for k, piece in zip(bucket, total.split([present[k].numel() for k in bucket]), strict=True):
             out[k] = piece.view(present[k].shape)
     return out
+
+
+def _summed(leaves: list, axis: str, mesh) -> dict[str, Tensor]:
+    """The leaves whose gradient already arrives summed over ``axis``; a PlanError for one sharded there otherwise,
+    or for one whose gradient apply_fn's backward already sums over ``axis`` (``ShardInfo.reduced``)."""
+    owed = next((name for name, _, info in leaves if axis in info.reduced), None)
+    if owed is not None:
+        raise PlanError(f"reduce_gradients: the gradient of {owed} is already summed over mesh axis {axis!r} inside "
+                        f"apply_fn's backward (ShardInfo.reduced); reducing it again over {axis!r} would count it "
+                        f"{mesh.size(mesh.mesh_dim_names.index(axis))} times; drop this call (context parallelism "
+                        "needs none)")
+    summed = {}
+    for name, g, info in leaves:
+        p = info.axes.get(axis)
+        if p is not None and is_shard(p) and axis in info.summed:
+            summed[name] = g
+        elif p is not None and is_shard(p):
+            raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r} (FSDP): its gradients are "
+                            "reduce-scattered by hpf.fsdp, not all-reduced; a leaf the plan shards there (TP, or experts "
+                            f"whose ep ranks share their tokens) has no per-rank shares over {axis!r} to reduce")
+    return summed

@@ -60,6 +60,7 @@ from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import RowSplit, ShardInfo, fmt_placements, splits
 from ..core.program import Program
+from ..runtime.apply_fn import ThreadGuard
 from ..runtime.checkpoint import Checkpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
 from .fsdp_bucket import Bucket, Piece, Sync
 from .fsdp_forwards import CallState, GatherOnUse, ReshardedBlock
@@ -340,8 +341,10 @@ def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: CallState, placehold
                 infos: Mapping[str, ShardInfo]) -> Callable:
     keys = tuple(infos)
     shapes = tuple(torch.Size(infos[k].local_shape) for k in keys)
+    guard = ThreadGuard(max((i.mesh.size() for i in infos.values()), default=1), "fsdp apply_fn")  # one CallState: one thread
 
     def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
+        guard.check()
         if not isinstance(params, Mapping) or params.keys() != placeholders.keys():
             theirs = set(params) if isinstance(params, Mapping) else set()
             raise PlanError(f"fsdp apply_fn: params keys differ from hpf.fsdp()'s: missing {sorted(set(keys) - theirs)[:5]}, "

@@ -44,6 +44,20 @@ def _exit_placement(spec: ModuleSpec, axis: str) -> Placement:
     )
 
 
+def _declared(groups: Mapping[str, AxisGroup], spec_or_src, key, v: Varying, side: str,
+              spec: ModuleSpec | None = None) -> Mapping[str, AxisGroup]:
+    """The axes a boundary converts ``key`` on: those its spec names for it, and every axis
+    that is not varying only through the module's descendants.  A module made varying on an
+    axis by a planned child (an ``Experts`` below a tp-only ``PrepareInput``) says nothing
+    about that axis: the child's own boundary owns it there, so the parent adds no region
+    entry or exit of its own (which the child, not knowing it is inside, would contradict)."""
+    if side == "in":
+        named = {*spec_or_src.in_src.get(key, {}), *spec_or_src.in_dst.get(key, {})}
+    else:
+        named = {*spec_or_src.get(key, {}), *spec.out_dst.get(key, {})}
+    return {a: g for a, g in groups.items() if a in named or a not in v.varying or a in v.region or a in v.inside}
+
+
 def lower_boundaries(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec], analysis: Mapping[str, Varying],
                      groups: Mapping[str, AxisGroup]) -> list[Boundary]:
     """One ``Boundary`` per planned module, with the steps on its arguments and outputs."""
@@ -56,14 +70,14 @@ def lower_boundaries(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec]
         b = Boundary(p, spec, varying=set(v.varying))
         for key in {*spec.in_src, *spec.in_dst}:
             src = spec.in_src.get(key, {})
-            steps = tensor_steps(src, {**src, **spec.in_dst.get(key, {})}, groups, consumer=v.varying,
-                                 src_varying=v.inside, where=f"{p.fqn} input {key!r}")
+            steps = tensor_steps(src, {**src, **spec.in_dst.get(key, {})}, _declared(groups, spec, key, v, "in"),
+                                 consumer=v.varying, src_varying=v.inside, where=f"{p.fqn} input {key!r}")
             if steps:
                 b.in_steps[key] = steps
         for key in {*out_src, *spec.out_dst}:
             src = out_src.get(key, {})
-            steps = tensor_steps(src, {**src, **spec.out_dst.get(key, {})}, groups, consumer=v.inside,
-                                 src_varying=v.varying, where=f"{p.fqn} output {key!r}")
+            steps = tensor_steps(src, {**src, **spec.out_dst.get(key, {})}, _declared(groups, out_src, key, v, "out", spec),
+                                 consumer=v.inside, src_varying=v.varying, where=f"{p.fqn} output {key!r}")
             if steps:
                 b.out_steps[key] = steps
         boundaries.append(b)

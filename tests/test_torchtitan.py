@@ -55,8 +55,8 @@ def _check(model, apply_fn, params, info, ids, m, *, vocab_sharded: bool, func: 
         assert_close(value, ref.detach(), f"{label} loss")
         full = hpf.unshard(grads, info)
         assert set(full) == {k for k, _ in model.named_parameters()}, "every parameter has a gradient"
-        worst[label] = max(assert_close(full[k], p.grad, f"{label} grad {k}", atol=2e-5, rtol=2e-5)
-                           for k, p in model.named_parameters())
+        worst[label] = max(assert_close(full[k], p.grad, f"{label} grad {k}", atol=1e-4 * p.grad.abs().max().item() + 1e-9,
+                                        rtol=1e-4) for k, p in model.named_parameters())
     return worst
 
 
@@ -136,3 +136,31 @@ def test_deepseek_v3_with_torchtitans_plans(layout):
         assert placements["layers.0.attention.wkv_a.weight"] == placements["layers.1.moe.router.gate.weight"]
         assert "Shard" not in placements["layers.1.moe.router.gate.weight"]
     print(f"deepseek {layout}: max |Δgrad| {worst}")
+
+
+def case_bad_input():
+    """torchtitan styles with no counterpart, and a head count the tp axis does not divide: a
+    PlanError naming the entry or the attribute, before any collective; the model untouched."""
+    from torchtitan.distributed.expert_parallel import ReordererSequenceParallel
+
+    from tests import torchtitan_real as T
+    from tests.helpers import plan_errors
+
+    model = T.deepseek_v3(n_heads=3)
+    entries, _, _ = deepseek_plans(model, "tp")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    errors = plan_errors({
+        "reorderer": lambda: hpf.ShardingPlan.from_torch({"layers.1.moe.reorderer": ReordererSequenceParallel()}),
+        "heads": lambda: hpf.shard(model, hpf.ShardingPlan.from_torch(entries), mesh()),
+    })
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()), "the model is untouched"
+    return errors
+
+
+def test_bad_input():
+    errors = get_pool(2).run(case_bad_input)[0]
+    kind, message = errors["reorderer"]
+    assert "'layers.1.moe.reorderer'" in message and "ReordererSequenceParallel" in message, message
+    assert "expert_tensor_parallel_degree" in message, message
+    kind, message = errors["heads"]
+    assert "layers.0.attention" in message and "n_heads=3" in message, message

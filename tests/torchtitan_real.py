@@ -96,10 +96,10 @@ def deepseek_v3(seed: int = 0, **overrides) -> nn.Module:
 
     moe = MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, use_grouped_mm=False, score_func="softmax",
                   score_before_experts=False)  # the scores weight the experts' (partial, under TP) outputs
-    args = DeepSeekV3ModelArgs(dim=32, inter_dim=48, moe_inter_dim=16, n_layers=2, n_dense_layers=1, n_heads=4,
-                               vocab_size=VOCAB, max_seq_len=16, original_seq_len=16, q_lora_rank=0,
-                               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                               moe_args=moe, **overrides)
+    kwargs = dict(dim=32, inter_dim=48, moe_inter_dim=16, n_layers=2, n_dense_layers=1, n_heads=4, vocab_size=VOCAB,
+                  max_seq_len=16, original_seq_len=16, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8,
+                  qk_rope_head_dim=4, v_head_dim=8, moe_args=moe)
+    args = DeepSeekV3ModelArgs(**{**kwargs, **overrides})
     args.moe_impl = "standard"  # set from the job config in torchtitan (update_from_config)
     model = _init(DeepSeekV3Model(args), seed)
     with torch.no_grad():  # routed experts and router large enough that their gradients are far from rounding

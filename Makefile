@@ -14,11 +14,13 @@ VENV        ?= $(ROOT)/.venv
 TORCH       ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# extras the set-up installs: `make test EXTRAS=test,titan` adds torchtitan's models (~1.3 GB: docs/torchtitan.md)
+EXTRAS      ?= test
 
 VENV  := $(abspath $(VENV))
 BIN   := $(VENV)/bin
 # the stamp's name is keyed on what the set-up installs: pyproject.toml and the torch pin
-KEY   := $(shell (cat "$(ROOT)/pyproject.toml"; echo "$(TORCH)") | sha256sum | cut -c1-16)
+KEY   := $(shell (cat "$(ROOT)/pyproject.toml"; echo "$(TORCH) $(EXTRAS)") | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.hpf-setup-$(KEY)
 
 .PHONY: demo test setup clean-setup
@@ -36,7 +38,7 @@ setup: $(STAMP)
 $(STAMP):
 	test -x "$(BIN)/python" || $(PYTHON) -m venv "$(VENV)"
 	"$(BIN)/python" -m pip install $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH)"
-	cd "$(ROOT)" && "$(BIN)/python" -m pip install -e ".[test]"
+	cd "$(ROOT)" && "$(BIN)/python" -m pip install -e ".[$(EXTRAS)]"
 	rm -f "$(VENV)"/.hpf-setup-*
 	touch "$@"
 

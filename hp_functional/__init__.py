@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .plan.auto import auto_plan
     from .plan.context import ContextParallel
     from .plan.experts import Experts, expert_mesh
+    from .plan.experts_calls import ExpertsCall
     from .plan.local import Local
     from .plan.plan import ShardingPlan
     from .plan.recipes import llama_sp_plan, megatron_plan
@@ -103,6 +104,7 @@ _LAZY: dict[str, str] = {
     "ContextParallel": ".plan.context",
     "Experts": ".plan.experts",
     "expert_mesh": ".plan.experts",
+    "ExpertsCall": ".plan.experts_calls",
     "llama_sp_plan": ".plan.recipes",
     "megatron_plan": ".plan.recipes",
     "Colwise": ".plan.styles",
@@ -170,6 +172,7 @@ __all__ = [
     "Colwise",
     "ContextParallel",
     "Experts",
+    "ExpertsCall",
     "Explanation",
     "Finding",
     "Heads",

@@ -15,3 +15,18 @@ def test_fsdp_tp_training_example_under_torchrun():
     assert "dp 2 x tp 2: max |loss or norm diff|" in run.stdout, run.stdout
     assert "tok_s=" in run.stderr, run.stderr[-3000:]  # tqdm's bar, with the throughput
     assert "FutureWarning" not in run.stderr, run.stderr[-3000:]
+
+
+def test_torchtitan_llama_example_under_torchrun():
+    """torchtitan's own Llama 3 with its own apply_tp plan, FSDP x TP, vs the unsharded model (the titan extra)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed: pip install -e '.[titan]' (docs/torchtitan.md)")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(ROOT / "examples" / "torchtitan_llama.py"), "--tp", "2", "--steps", "3"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "torchtitan llama3 dp 2 x tp 2:" in run.stdout, run.stdout

@@ -22,7 +22,7 @@ from ..core.buckets import BUCKET_BYTES, plan_buckets
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.lowering import Step, lower
-from ..core.placement import ShardInfo
+from ..core.placement import ShardInfo, splits
 from ..core.program import Boundary, ParamBucket, Planned
 from ..plan.styles import ModuleSpec
 from .place import Placed, declared
@@ -50,6 +50,19 @@ def _exit_placement(spec: ModuleSpec, axis: str) -> Placement:
     )
 
 
+def _owned(groups: Mapping[str, AxisGroup], spec: ModuleSpec, named: set[str], v: Varying) -> Mapping[str, AxisGroup]:
+    """The axes a boundary converts one argument or output on: those the spec names for it, and
+    every axis on which the module is not varying only through its descendants.  A module made
+    varying on an axis by a planned child alone (an ``Experts`` below a tp-only ``PrepareInput``)
+    says nothing about that axis: the child's own boundary owns it there, so the parent adds no
+    region entry or exit of its own (which the child, not knowing it is inside one, would
+    contradict: its gather's backward would split a gradient kept on rank 0)."""
+    own = {a for pls in spec.params.values() for a, pl in pls.items() if splits(pl)}
+    own |= {a for d in spec.in_dst.values() for a, pl in d.items() if not isinstance(pl, Replicate)}
+    return {a: g for a, g in groups.items()
+            if a in named or a in own or a not in v.varying or a in v.region or a in v.inside}
+
+
 def lower_boundaries(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec], analysis: Mapping[str, Varying],
                      groups: Mapping[str, AxisGroup]) -> list[Boundary]:
     """One ``Boundary`` per planned module, with the steps on its arguments and outputs."""
@@ -62,13 +75,15 @@ def lower_boundaries(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec]
         b = Boundary(p, spec, varying=set(v.varying))
         for key in {*spec.in_src, *spec.in_dst}:
             src = spec.in_src.get(key, {})
-            steps = tensor_steps(src, {**src, **spec.in_dst.get(key, {})}, groups, consumer=v.varying,
+            dst = {**src, **spec.in_dst.get(key, {})}
+            steps = tensor_steps(src, dst, _owned(groups, spec, {*dst}, v), consumer=v.varying,
                                  src_varying=v.inside, where=f"{p.fqn} input {key!r}")
             if steps:
                 b.in_steps[key] = steps
         for key in {*out_src, *spec.out_dst}:
             src = out_src.get(key, {})
-            steps = tensor_steps(src, {**src, **spec.out_dst.get(key, {})}, groups, consumer=v.inside,
+            dst = {**src, **spec.out_dst.get(key, {})}
+            steps = tensor_steps(src, dst, _owned(groups, spec, {*dst}, v), consumer=v.inside,
                                  src_varying=v.varying, where=f"{p.fqn} output {key!r}")
             if steps:
                 b.out_steps[key] = steps

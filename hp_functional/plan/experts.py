@@ -61,6 +61,7 @@ from ..core import collectives as C
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import StackedShard
+from .experts_calls import CALLS, ExpertsCall, experts_call
 from .local import Local
 from .styles import ModuleSpec, Style, layer_patterns, path_matches
 
@@ -148,12 +149,13 @@ def _connected(out: Tensor, rows: Tensor, module: nn.Module) -> Tensor:
 
 def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: Tensor, top_k_index: Tensor,
                      top_k_weights: Tensor, *, axis: str, fqn: str, stacked: int, capacity_factor: float | None,
-                     on_drop: OnDrop | None) -> Tensor:
+                     on_drop: OnDrop | None, call: ExpertsCall = CALLS["routed"]) -> Tensor:
     """This rank's tokens through their experts on whichever ranks own them (module docstring).
     ``top_k_index`` is ``[T, k]`` expert ids, or a one-hot mask ``[T, k, E]`` (HF's Switch), and
-    the module is called back the same way.  ``stacked``: the number of experts of a container
-    of expert modules, called with global expert ids (its children are all there, the other
-    ranks' ones empty); 0: fused experts, localised, called with local ids."""
+    the module is called back the same way, through ``call.run`` (``plan.experts_calls``).
+    ``stacked``: the number of experts of a container of expert modules, called with global
+    expert ids (its children are all there, the other ranks' ones empty); 0: fused experts,
+    localised, called with local ids."""
     g = axes[axis]
     local = stacked // g.size if stacked else module.num_experts  # localised
     experts = local * g.size
@@ -182,7 +184,7 @@ def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: T
         ones = rows.new_ones((rows.shape[0], 1), dtype=top_k_weights.dtype)
         ids = rows_expert + g.rank * local if stacked else rows_expert
         ids = F.one_hot(ids, experts if stacked else local).to(top_k_index.dtype)[:, None] if mask else ids[:, None]
-        out = _connected(type(module).forward(module, rows, ids, ones), rows, module)
+        out = _connected(call.run(module, rows, ids, ones), rows, module)
     back = C.all_to_all_v(out, 0, recv, send, g)
     weighted = (back * weight[:, None]).to(hidden.dtype)
     return hidden.new_zeros(hidden.shape).index_add(0, token, weighted)
@@ -202,6 +204,8 @@ class Experts(Style):
     tp_axis: str | None = None
     axis: str | None = None  # None: the plan's ep_axis
     tokens: str = "replicated"  # or "local": ep shares ranks with dp (module docstring)
+    call: str | ExpertsCall | None = None  # the calling convention (plan.experts_calls); None: from the forward
+    tp_partial: bool = False  # TP inside: leave the output a partial sum over tp (the caller reduces it)
     axis_role = "ep"
 
     def on_mesh(self, names: tuple[str, ...]) -> Experts:
@@ -211,8 +215,9 @@ class Experts(Style):
     def local(self, module: nn.Module, fqn: str, axis: str) -> Local:
         """The ``Local`` this style is on ``module``."""
         members = [] if expert_weights(module) else expert_members(module)
-        fn = partial(dispatch_combine, axis=axis, fqn=fqn, stacked=len(members), capacity_factor=self.capacity_factor,
-                     on_drop=self.on_drop)
+        call = experts_call(module, self.call, fqn)
+        fn = partial(_dispatch_call, axis=axis, fqn=fqn, stacked=len(members), capacity_factor=self.capacity_factor,
+                     on_drop=self.on_drop, call=call, split=self.tokens != "local")
         tp = self.tp_axis
         whole = {axis: Replicate()}
         tokens = whole if self.tokens == "local" else {axis: Shard(0)}
@@ -221,10 +226,12 @@ class Experts(Style):
         if members:
             params = {n: {axis: p} for n, p in _stacked_params(module, members).items()}
         else:
-            params = {n: {axis: Shard(0), **({tp: _TP_EXPERTS[_tp_role(n, fqn)]} if tp else {})}
-                      for n in expert_weights(module)}
-        return Local(fn, in_src=dict.fromkeys(range(3), whole), in_dst=dict.fromkeys(range(3), tokens),
-                     out_src={"output": {**tokens, **({tp: Partial()} if tp else {})}}, out_dst={"output": whole},
+            layouts = call.tp_layouts(expert_weights(module), fqn) if tp else {}
+            params = {n: {axis: Shard(0), **({tp: layouts[n][0]} if tp else {})} for n in expert_weights(module)}
+        out = {**whole, tp: Partial()} if tp and self.tp_partial else whole
+        return Local(fn, in_src=dict.fromkeys(range(call.n_args), whole),
+                     in_dst={i: tokens if i in call.token_args else whole for i in range(call.n_args)},
+                     out_src={"output": {**tokens, **({tp: Partial()} if tp else {})}}, out_dst={"output": out},
                      params=params, setup=None if members else partial(_localise, axis=axis), axis=axis)
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
@@ -251,28 +258,25 @@ class Experts(Style):
             spec = replace(spec, varying=False, region=None, summed_axes=(axis,))
         if self.tp_axis is None:
             return spec
-        packed = {n: 2 for n in expert_weights(module) if _tp_role(n, fqn) == "gate_up"}
-        return replace(spec, param_blocks=packed)
+        layouts = experts_call(module, self.call, fqn).tp_layouts(expert_weights(module), fqn)
+        return replace(spec, param_blocks={n: b for n, (_, b) in layouts.items() if b > 1})
 
     def local_forward(self, module, forward, *, fqn, axis, axes):
         return self.local(module, fqn, axis).local_forward(module, forward, fqn=fqn, axis=axis, axes=axes)
 
     def __hash__(self) -> int:
-        return hash((self.capacity_factor, self.tp_axis, self.axis, self.tokens))
+        return hash((self.capacity_factor, self.tp_axis, self.axis, self.tokens, self.call, self.tp_partial))
 
 
-#: TP inside each expert (HF ``moe_tp_experts``): the fused gate/up colwise (packed: each rank
-#: holds matching gate and up rows), the down projection rowwise (partial sums over ``tp``).
-_TP_EXPERTS = {"gate_up": Shard(1), "down": Shard(2)}
-
-
-def _tp_role(name: str, fqn: str) -> str:
-    if name.endswith("gate_up_proj"):
-        return "gate_up"
-    if name.endswith("down_proj"):
-        return "down"
-    raise PlanError(f"{fqn}: TP inside experts shards gate_up_proj (colwise, packed) and down_proj (rowwise); "
-                    f"{name!r} is neither: plan Experts(tp_axis=None) for this module")
+def _dispatch_call(module: nn.Module, axes: Mapping[str, AxisGroup], *args: Tensor, axis: str, call: ExpertsCall,
+                   split: bool, **kwargs) -> Tensor:
+    """``dispatch_combine`` on the routing ``call`` reads from the forward's arguments (this
+    rank's slice of the tokens when ``split``: the ep ranks hold the same tokens)."""
+    g = axes[axis]
+    n = args[call.token_args[0]].shape[0]
+    offset, total = (g.rank * n, n * g.size) if split else (0, n)
+    hidden, index, weights = call.routing(args, offset, total)
+    return dispatch_combine(module, axes, hidden, index, weights, axis=axis, call=call, **kwargs)
 
 
 #: Hugging Face ``ep_plan`` strings: the experts module's style, or a parameter the style shards.

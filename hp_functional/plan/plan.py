@@ -193,14 +193,19 @@ class ShardingPlan:
 
     @classmethod
     def from_torch(cls, plan: Mapping[str, ParallelStyle] | ParallelStyle, tp_axis: str = "tp", *,
-                   loss_parallel: bool = False) -> ShardingPlan:
+                   loss_parallel: bool = False, ep_axis: str | None = None, ep_tokens: str = "replicated") -> ShardingPlan:
         """The plan a ``parallelize_module(model, mesh, plan)`` call states: torch's styles
         (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``,
-        ``PrepareModuleOutput``, ``PrepareModuleInputOutput``), one style alone meaning the root.
-        ``tp_axis`` names the mesh axis ``parallelize_module`` was given.  A style or layout that
-        cannot be expressed raises naming the pattern and the style (``plan.torch_styles``)."""
+        ``PrepareModuleOutput``, ``PrepareModuleInputOutput``), one style alone meaning the root,
+        and torchtitan's ``NoParallel`` and MoE styles, recognised by their shape
+        (``plan.torch_moe_styles``).  ``tp_axis`` names the mesh axis ``parallelize_module`` was
+        given; ``ep_axis`` the one its expert-parallel styles were (``ep_tokens``: whether the ep
+        ranks hold one batch, ``"replicated"``, or each its own, ``"local"``).  A style or layout
+        that cannot be expressed raises naming the pattern and the style (``plan.torch_styles``)."""
         entries = {"": plan} if isinstance(plan, ParallelStyle) else plan
-        return cls(entries, tp_axis=tp_axis, loss_parallel=loss_parallel)
+        entries = {p: from_torch_style(s, f"plan entry {p!r}", tp_axis=tp_axis, ep_tokens=ep_tokens)
+                   if isinstance(s, ParallelStyle) else s for p, s in entries.items()}
+        return cls(entries, tp_axis=tp_axis, loss_parallel=loss_parallel, ep_axis=ep_axis)
 
     def resolve(self, model: nn.Module, mesh: DeviceMesh) -> list[Planned]:
         """Every planned module in ``model.named_modules()`` order; raises PlanError on a pattern

@@ -12,7 +12,9 @@ knows torch's styles exist.  The conversion (docs/plan-language.md, "Torch's own
   reduced onto ``output_layouts``);
 * ``SequenceParallel(sequence_dim)`` → ``SequenceParallel(seq_dim)``;
 * ``PrepareModuleInput`` / ``PrepareModuleOutput`` → ``PrepareInput`` / ``PrepareOutput``
-  (positions and keyword names as keys; a ``None`` layout leaves that argument alone);
+  (positions and keyword names as keys; a ``None`` layout leaves that argument alone); the
+  input side also localises the module's head counts (``TorchPrepareInput``: torch's module sees
+  global DTensor shapes, the skeleton here local ones);
   ``PrepareModuleInputOutput`` → ``PrepareInputOutput``, both at once.
 
 ``use_local_output`` (and ``use_local_input``) changes nothing: outputs here are always plain
@@ -20,7 +22,8 @@ tensors holding the declared placement, which the next module's declared input l
 it is — what torch's DTensor would carry to it.  Any other ``ParallelStyle`` (a subclass
 included: it may override ``_apply``), a placement other than ``Replicate()``, ``Shard(d)`` or
 ``Partial()`` (sum), and a layout pair the lowering cannot express raise ``PlanError`` naming the
-plan entry's pattern and the torch style.
+plan entry's pattern and the torch style.  torchtitan's own styles (``NoParallel`` and the MoE
+ones) are recognised by their class's shape instead (``plan.torch_moe_styles``).
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ from torch.distributed.tensor.parallel import SequenceParallel as TorchSequenceP
 
 from ..core.errors import PlanError
 from .styles import Colwise, ModuleSpec, PrepareInput, PrepareOutput, Rowwise, SequenceParallel, Style
+from .torch_moe_styles import behaviour_style
 from .vocab import VocabEmbedding
 
-__all__ = ["ParallelStyle", "PrepareInputOutput", "TorchColwise", "TorchRowwise", "from_torch_style"]
+__all__ = ["ParallelStyle", "PrepareInputOutput", "TorchColwise", "TorchPrepareInput", "TorchRowwise", "from_torch_style"]
 
 
 def _culprit(fqn: str, source: str) -> str:
@@ -121,6 +125,30 @@ class PrepareInputOutput(Style):
         return replace(self.inputs.spec(module, fqn, axis), out_src=out.out_src, out_dst=out.out_dst)
 
 
+def head_counts(module: nn.Module) -> tuple[str, ...]:
+    """The module's integer head-count attributes: names with "head" and no "dim"/"size"."""
+    return tuple(n for n, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool) and v > 0
+                 and "head" in n and "dim" not in n and "size" not in n)
+
+
+@dataclass(frozen=True)
+class TorchPrepareInput(PrepareInput):
+    """torch's ``PrepareModuleInput``: a ``PrepareInput`` that also localises the module's head
+    counts.  Under torch's plan the module computes on DTensors of global shape, so code such
+    as DeepSeek MLA's ``k_pe.expand(-1, -1, self.n_heads, -1)`` is right there with the global
+    count; here the module sees local shards, so the skeleton's copy holds ``head_counts``
+    divided by the axis size (a count that does not divide is refused naming it,
+    ``compile.build.check_head_counts``).  ``source`` takes no part in equality."""
+
+    source: str = field(default="", compare=False, repr=False)
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        return replace(super().spec(module, fqn, axis), divide_attrs=head_counts(module))
+
+    def __hash__(self) -> int:
+        return super().__hash__()
+
+
 def _placement(p: Any, where: str, what: str, *, partial: bool = True) -> Placement:
     """``p`` when it is one of the placements the lowering table speaks, else a PlanError."""
     if type(p) in (Replicate, Shard):  # exact types: _StridedShard is a Shard subclass
@@ -176,20 +204,28 @@ _CONVERTERS = {
     ColwiseParallel: _colwise,
     RowwiseParallel: _rowwise,
     TorchSequenceParallel: _sequence,
-    PrepareModuleInput: lambda s, where: PrepareInput(_inputs(s, where)),
+    PrepareModuleInput: lambda s, where: TorchPrepareInput(_inputs(s, where), source=where),
     PrepareModuleOutput: lambda s, where: PrepareOutput(_outputs(s, where)),
-    PrepareModuleInputOutput: lambda s, where: PrepareInputOutput(PrepareInput(_inputs(s.prepare_module_input, where)),
-                                                                  PrepareOutput(_outputs(s.prepare_module_output, where))),
+    PrepareModuleInputOutput: lambda s, where: PrepareInputOutput(
+        TorchPrepareInput(_inputs(s.prepare_module_input, where), source=where),
+        PrepareOutput(_outputs(s.prepare_module_output, where))),
 }
 
 
-def from_torch_style(style: ParallelStyle, entry: str) -> Style:
-    """The style here with the placements of torch's ``style``; ``entry`` names the plan entry
-    (``"plan entry 'lm_head'"``) in the PlanError a style or layout that cannot be expressed raises."""
+def from_torch_style(style: ParallelStyle, entry: str, *, tp_axis: str = "tp", ep_tokens: str = "replicated") -> Style:
+    """The style here with the placements of torch's ``style`` (or of torchtitan's, recognised by
+    its class's shape: ``plan.torch_moe_styles``); ``entry`` names the plan entry (``"plan entry
+    'lm_head'"``) in the PlanError a style or layout that cannot be expressed raises; ``tp_axis``
+    and ``ep_tokens`` go to the experts styles (``Experts(tp_axis=, tokens=)``)."""
     where = f"{entry} ({style!r})"
     convert = _CONVERTERS.get(type(style))  # exact type: a subclass may change what _apply does
     if convert is None:
+        found = behaviour_style(style, where, tp_axis=tp_axis, ep_tokens=ep_tokens, placement=_placement,
+                                both=PrepareInputOutput)
+        if found is not None:
+            return found
         names = sorted(c.__name__ for c in _CONVERTERS)
+        names += ["torchtitan's NoParallel", "TensorParallel", "ExpertParallel", "ExpertTensorParallel"]
         raise PlanError(f"{where}: torch style {type(style).__name__} has no counterpart here (supported: {names}); "
                         "write the entry as an hpf style, a ModuleSpec or a Local")
     return convert(style, where)

@@ -43,7 +43,7 @@ from ..core.placement import ShardInfo, splits
 from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments
 from ..plan.trace import _leaves, _to_meta
-from .reduce import Reduced, reduced_copy
+from .reduce import Reduced, plan_marks, reduced_copy
 from .regions import Varying
 
 
@@ -147,7 +147,7 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     inputs = inputs or synthesize_inputs(model)
     if inputs is None:
         return Dataflow({}, f"{type(model).__name__} does not start with an embedding: no batch to trace")
-    reduced = Reduced(model, {}) if real else reduced_copy(model)
+    reduced = Reduced(model, {}) if real else reduced_copy(model, plan_marks(boundaries, infos, leaf_of))
     twin = reduced.model
     names = list(axes)
     params: dict[int, tuple[str, frozenset[str]]] = {}

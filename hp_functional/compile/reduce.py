@@ -8,10 +8,15 @@ parameters it stands for.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
+from ..core.placement import ShardInfo
+from ..core.program import Boundary
+from ..plan.plan import ShardingPlan, most_specific
+from ..plan.styles import path_matches
 from ..plan.trace import meta_copy
 
 
@@ -31,12 +36,26 @@ class Reduced:
         return name
 
 
-def block_kind(block: nn.Module) -> tuple:
+def block_kind(block: nn.Module, marks: Mapping[str, str] = {}) -> tuple:  # noqa: B006 - read only
     """What makes two blocks of a stack compute differently: their module structure (classes,
-    parameter shapes) and the layer-type attributes hybrid models branch on."""
+    parameter shapes), the layer-type attributes hybrid models branch on, and how the plan treats
+    them (``marks``: path relative to the block → the style or placement the plan gives it)."""
     layout = tuple((n, type(m).__name__, tuple((k, tuple(p.shape)) for k, p in m._parameters.items() if p is not None))
                    for n, m in block.named_modules())
-    return (layout, *(str(getattr(block, a, None)) for a in ("attention_type", "layer_type", "is_sliding")))
+    planned = tuple(sorted(marks.items()))
+    return (layout, planned, *(str(getattr(block, a, None)) for a in ("attention_type", "layer_type", "is_sliding")))
+
+
+def plan_marks(boundaries: Sequence[Boundary], infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str]) -> dict[str, str]:
+    """Module or parameter path → how a compiled plan treats it (its style, its placements): blocks
+    the plan treats differently are different kinds, however alike their structure."""
+    marks = {fqn: repr(infos[key].placements) for fqn, key in leaf_of.items()}
+    marks.update({b.planned.fqn: repr(b.planned.style) for b in boundaries})
+    return marks
+
+
+def _within(marks: Mapping[str, str], prefix: str) -> dict[str, str]:
+    return {k[len(prefix) + 1:]: v for k, v in marks.items() if k.startswith(prefix + ".")}
 
 
 def _library_hook(fn) -> bool:
@@ -51,10 +70,12 @@ def _is_block_stack(container: nn.Module) -> bool:
     return len(children) > 1 and all(type(c).__name__.endswith(("Layer", "Block")) for c in children)
 
 
-def reduced_copy(model: nn.Module) -> Reduced:
+def reduced_copy(model: nn.Module, marks: Mapping[str, str] | None = None) -> Reduced:
     """A meta copy of ``model`` whose ``ModuleList``/``ModuleDict`` stacks of blocks (children named
-    ``*Layer``/``*Block``) keep the first block of each kind, in order, without the user's module
-    hooks (those of torch and transformers stay).  ``model`` is only read."""
+    ``*Layer``/``*Block``) keep the first block of each kind (``block_kind``, ``marks`` from
+    ``plan_marks``), in order, without the user's module hooks (those of torch and transformers
+    stay).  ``model`` is only read."""
+    marks = marks or {}
     twin = meta_copy(model)
     for m in twin.modules():  # the user's hooks are the user's: a private check must not run them
         for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
@@ -66,7 +87,8 @@ def reduced_copy(model: nn.Module) -> Reduced:
             continue
         kinds: dict[tuple, list[str]] = {}
         for key, block in container.named_children():
-            kinds.setdefault(block_kind(block), []).append(key)
+            full = f"{path}.{key}" if path else key
+            kinds.setdefault(block_kind(block, _within(marks, full)), []).append(key)
         kept = [keys for keys in kinds.values()]
         if len(kept) == len(container):
             continue
@@ -82,3 +104,18 @@ def reduced_copy(model: nn.Module) -> Reduced:
         match = next(((prefix, originals) for prefix, originals in renames if name.startswith(prefix + ".")), None)
         names[name] = [o + name[len(match[0]):] for o in match[1]] if match else [name]
     return Reduced(twin, names, tuple(renames))
+
+
+def reduced_plan(plan: ShardingPlan, model: nn.Module, reduced: Reduced, axes: Sequence[str]) -> ShardingPlan:
+    """``plan`` restated for the reduced copy: each module of the copy gets the style the plan gives
+    the original it stands for (exact paths: a pattern naming a dropped or renumbered block still
+    reaches its stand-in), special handlers likewise; the plan's settings are kept."""
+    chosen = {path: most_specific(path, cands)[1] for path, cands in plan.candidates(model, tuple(axes)).items()}
+    entries = {path: chosen[o] for path, _ in reduced.model.named_modules() if (o := reduced.original(path)) in chosen}
+    handlers = {}
+    for name, _ in reduced.model.named_parameters(remove_duplicate=False):
+        o = reduced.original(name)
+        hit = next((h for pattern, h in plan.special_handlers.items() if path_matches(pattern, o)), None)
+        if hit is not None:
+            handlers[name] = hit
+    return plan.with_entries(entries, special_handlers=handlers)

@@ -303,5 +303,7 @@ def handoff(spec, axis: str, n: int) -> Handoff:
 
 def boundaries(spec, axis: str) -> bool:
     """Whether the audit runs a planned module opaque, its boundaries applied: it shards a
-    parameter (a projection, an embedding)."""
-    return any(isinstance(pl.get(axis), (Shard, *STORED_ONLY)) for pl in spec.params.values())
+    parameter (a projection, an embedding) or converts a layout on ``axis`` (a sequence-parallel
+    norm, a ``PrepareModuleInput``: what it hands on is its output's declared layout)."""
+    return any(isinstance(pl.get(axis), (Shard, *STORED_ONLY)) for pl in spec.params.values()) or any(
+        axis in layouts for layouts in (*spec.in_dst.values(), *spec.out_dst.values()))

@@ -17,15 +17,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..compile.agree import agree
 from ..compile.build import build_program
+from ..compile.reduce import plan_marks, reduced_plan
 from ..core.placement import ShardInfo
 from ..core.program import Program
 from ..core.raw_collectives import mesh_device
-from ..plan.plan import ShardingPlan
+from ..plan.plan import ShardingPlan, as_plan
 from .apply_fn import make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .checkpoint import (
@@ -128,11 +130,15 @@ def shard(
     program = build_program(model, plan, mesh)
     checks = {"dataflow": program.dataflow_skipped or "traced on meta tensors"}
     probe, probe_uses = None, None
-    if verify and seed is not None:
-        probe, why = probe_copy_or_reason(model, seed, mesh_device(mesh))
+    fake = dist.is_initialized() and dist.get_backend() == "fake"  # simulate(): collectives carry no numbers
+    if verify and seed is not None and not fake:
+        marks = plan_marks(program.boundaries, program.infos, program.leaf_of)
+        probe, why = probe_copy_or_reason(model, seed, mesh_device(mesh), marks)
         checks["probe"] = why
+        if probe is not None:  # the plan restated on the copy's paths (its blocks are renumbered)
+            probe_plan = reduced_plan(as_plan(plan), model, probe, mesh.mesh_dim_names or ())
         if probe is not None and program.dataflow_skipped:  # trace the real copy instead (local, no collective)
-            probe_uses, uses, skipped = probe_varying_uses(probe, plan, mesh)
+            probe_uses, uses, skipped = probe_varying_uses(probe, probe_plan, mesh)
             if not skipped:
                 program = build_program(model, plan, mesh, varying_uses=uses)
                 checks["dataflow"] = "traced on the probe's real copy"
@@ -141,9 +147,10 @@ def shard(
         def shard_probe(m, p, msh, uses):
             prog = build_program(m, p, msh, varying_uses=uses)
             return _shard(m, p, msh, prog, None, 0, agree_timeout, False, False)
-        checks["probe"] = run_probe(probe, plan, mesh, shard_probe, probe_uses) or "exact on the probe copy"
+        checks["probe"] = run_probe(probe, probe_plan, mesh, shard_probe, probe_uses) or "exact on the probe copy"
     elif "probe" not in checks:
-        checks["probe"] = "skipped: verify=False" if not verify else "skipped: seed=None (shapes only)"
+        checks["probe"] = ("skipped: verify=False" if not verify else "skipped: seed=None (shapes only)" if seed is None
+                           else "skipped: a simulated (fake) process group carries no numbers")
     apply_fn.runtime = dataclasses.replace(apply_fn.runtime, checks=checks)
     return apply_fn, params, infos
 

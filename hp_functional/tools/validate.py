@@ -255,7 +255,9 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
     plan = _checking_locals(plan, replication.append)
     for p in plan.resolve(ref, mesh):
         ref.get_submodule(p.fqn).register_forward_hook(rec.hook(p.fqn))
-    apply_fn, params, infos = shard(ref, plan, mesh)  # the skeleton is a deep copy of ``ref``: it inherits the hooks
+    # verify=False: this is the comparison itself, module by module (the shard-time probe would only
+    # refuse); the skeleton is a deep copy of ``ref``: it inherits the hooks
+    apply_fn, params, infos = shard(ref, plan, mesh, verify=False)
     program = apply_fn.program
     axes, groups = list(mesh.mesh_dim_names), program.groups
     check = list(check_axes) if check_axes is not None else [

@@ -167,7 +167,8 @@ def case_one_rank_fails_before_a_collective():
 def case_one_rank_fails_inside_shard(state):
     cfg = {"intermediate_size": 129} if rank() == 1 else {}  # rank 1's MLP does not divide by 2
     model = build_hf("llama", None if cfg else state, **cfg)
-    plan = hpf.ShardingPlan({"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"})
+    plan = hpf.ShardingPlan({"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.gate_proj": "colwise",
+                             "model.layers.*.mlp.down_proj": "rowwise"})
     hpf.shard(model, plan, mesh(), agree_timeout=3.0)
 
 

@@ -164,7 +164,7 @@ def test_peak_memory_of_a_load_is_the_local_shards_plus_one_slice(pool, tmp_path
         print(f"  rank {r}: {row['local'] / mib:6.1f} MiB  {row['slice'] / mib:5.1f} MiB  {row['peak'] / mib:6.1f} MiB")
     for row in rows:
         assert row["peak"] < row["local"] + 2 * row["slice"] + 48 * mib, row
-        assert full > 2.5 * row["peak"], (full, row)
+        assert full > 2 * row["peak"], (full, row)  # (the shard-time probe's one-block copy included)
 
 
 # ---------------------------------------------------------------- bad checkpoints

@@ -58,13 +58,6 @@ def _within(marks: Mapping[str, str], prefix: str) -> dict[str, str]:
     return {k[len(prefix) + 1:]: v for k, v in marks.items() if k.startswith(prefix + ".")}
 
 
-def _library_hook(fn) -> bool:
-    """Whether a module hook belongs to torch or transformers (HF records router logits and hidden
-    states with hooks it installs once per model); anything else is the user's."""
-    fn = getattr(fn, "func", fn)  # functools.partial
-    return (getattr(fn, "__module__", None) or "").split(".")[0] in ("torch", "transformers")
-
-
 def _is_block_stack(container: nn.Module) -> bool:
     children = list(container.children())
     return len(children) > 1 and all(type(c).__name__.endswith(("Layer", "Block")) for c in children)
@@ -76,11 +69,7 @@ def reduced_copy(model: nn.Module, marks: Mapping[str, str] | None = None) -> Re
     ``plan_marks``), in order, without the user's module hooks (those of torch and transformers
     stay).  ``model`` is only read."""
     marks = marks or {}
-    twin = meta_copy(model)
-    for m in twin.modules():  # the user's hooks are the user's: a private check must not run them
-        for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
-            for key in [k for k, fn in hooks.items() if not _library_hook(fn)]:
-                del hooks[key]
+    twin = meta_copy(model)  # without the user's hooks
     renames: list[tuple[str, tuple[str, ...]]] = []  # (copy prefix, every original prefix it stands for)
     for path, container in list(twin.named_modules()):
         if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or not _is_block_stack(container):

@@ -167,14 +167,27 @@ def _meta_flag(t) -> bool:
 
 def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None) -> nn.Module:
     """A deep copy of ``module`` whose parameters and buffers are meta tensors (at ``shapes``, by
-    name, where given); ``module`` itself is only read."""
+    name, where given), without the user's module hooks (a private check must not run them; those
+    of torch and transformers, which record router logits and hidden states, stay); ``module``
+    itself is only read."""
     shapes = shapes or {}
     memo: dict[int, object] = {}
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         if id(t) not in memo:
             meta = torch.empty(shapes.get(name, t.shape), dtype=t.dtype, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
+    twin = copy.deepcopy(module, memo)
+    for m in twin.modules():
+        for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
+            for key in [k for k, fn in hooks.items() if not _library_hook(fn)]:
+                del hooks[key]
+    return twin
+
+
+def _library_hook(fn) -> bool:
+    """Whether a module hook belongs to torch or transformers; anything else is the user's."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    return (getattr(fn, "__module__", None) or "").split(".")[0] in ("torch", "transformers")
 
 
 def _to_meta(obj):

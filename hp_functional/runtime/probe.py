@@ -26,6 +26,9 @@ from ..core.gather import unshard
 from .loss import scalar_loss
 from .weights import recompute_buffers
 
+#: the probe copy's vocabulary (``shrink_vocab``): divides every mesh size up to 64
+PROBE_VOCAB = 128
+
 #: relative tolerance of the comparison (fp32; the sharded sums run in another order)
 TOLERANCE = 1e-4
 
@@ -36,6 +39,7 @@ def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping
     buffers recomputed by their modules' init."""
     probe = reduced_copy(model, marks)
     twin = probe.model.eval()  # dropout off: the probe compares functions, not random draws
+    shrink_vocab(twin, PROBE_VOCAB)
     originals = dict(model.named_buffers())
     buffers, missing = {}, []
     for name, _ in twin.named_buffers():  # the model's own constants where it has them, else recomputed
@@ -57,6 +61,41 @@ def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping
             owner, _, attr = name.rpartition(".")
             twin.get_submodule(owner)._buffers[attr] = b
     return Reduced(twin, probe.names, probe.renames)
+
+
+def shrink_vocab(twin: nn.Module, vocab: int) -> None:
+    """Give the (meta) copy a vocabulary of ``vocab`` tokens: its embeddings and output heads of the
+    vocabulary's size are the copy's largest tensors and say nothing a small vocabulary does not, so
+    the probe's memory stays a block's, not the model's.  Left alone where the vocabulary's size is
+    also another dim of the model (which dims are the vocabulary's would be a guess).  Ties stay."""
+    emb = next((m for m in twin.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None or emb.num_embeddings <= vocab:
+        return
+    big = emb.num_embeddings
+    heads = [m for m in twin.modules() if isinstance(m, nn.Linear) and m.out_features == big]
+    vocab_params = {id(m.weight) for m in twin.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == big}
+    vocab_params |= {id(p) for m in heads for p in (m.weight, m.bias) if p is not None}
+    others = {d for p in [*twin.parameters(), *twin.buffers()] if id(p) not in vocab_params for d in p.shape}
+    if big in others:
+        return
+    new: dict[int, nn.Parameter] = {}
+    for m in twin.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and id(p) in vocab_params:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty((vocab, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                                              requires_grad=p.requires_grad)
+                m._parameters[name] = new[id(p)]
+        if isinstance(m, nn.Embedding) and m.num_embeddings == big:
+            m.num_embeddings = vocab
+            if m.padding_idx is not None and m.padding_idx >= vocab:
+                m.padding_idx = vocab - 1
+        elif isinstance(m, nn.Linear) and m.out_features == big:
+            m.out_features = vocab
+    config = getattr(twin, "config", None)  # HF's loss views logits by config.vocab_size
+    for c in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)())}.values():
+        if c is not None and getattr(c, "vocab_size", None) == big:
+            c.vocab_size = vocab
 
 
 def probe_varying_uses(probe: Reduced, plan, mesh) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]], str]:

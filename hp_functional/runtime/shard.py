@@ -142,15 +142,17 @@ def shard(
             if not skipped:
                 program = build_program(model, plan, mesh, varying_uses=uses)
                 checks["dataflow"] = "traced on the probe's real copy"
-    apply_fn, params, infos = _shard(model, plan, mesh, program, weights, seed, agree_timeout, verify_values, checkpoint)
-    if probe is not None:
+    values, blocks = _agreed(model, program, weights, seed, agree_timeout, verify_values, checkpoint)
+    if probe is not None:  # agreed, and before the weights are read: its memory is freed before theirs is taken
         def shard_probe(m, p, msh, uses):
             prog = build_program(m, p, msh, varying_uses=uses)
             return _shard(m, p, msh, prog, None, 0, agree_timeout, False, False)
         checks["probe"] = run_probe(probe, probe_plan, mesh, shard_probe, probe_uses) or "exact on the probe copy"
+        del probe
     elif "probe" not in checks:
         checks["probe"] = ("skipped: verify=False" if not verify else "skipped: seed=None (shapes only)" if seed is None
                            else "skipped: a simulated (fake) process group carries no numbers")
+    apply_fn, params, infos = _materialised(model, program, values, blocks)
     apply_fn.runtime = dataclasses.replace(apply_fn.runtime, checks=checks)
     return apply_fn, params, infos
 
@@ -159,6 +161,14 @@ def _shard(model: nn.Module, plan, mesh: DeviceMesh, program: Program, weights, 
            agree_timeout: float | None, verify_values: bool, checkpoint) -> tuple[Callable, dict[str, Tensor],
                                                                                   dict[str, ShardInfo]]:
     """``shard()`` after compiling: agree, slice, build the runtime."""
+    values, blocks = _agreed(model, program, weights, seed, agree_timeout, verify_values, checkpoint)
+    return _materialised(model, program, values, blocks)
+
+
+def _agreed(model: nn.Module, program: Program, weights, seed: int | None, agree_timeout: float | None,
+            verify_values: bool, checkpoint) -> tuple[Values, tuple | None]:
+    """The local checks of the values and checkpointing, then the ranks' agreement (one small
+    all-gather: the plan, the runtime and the values' checksums)."""
     blocks = resolve_checkpoint(model, checkpoint)
     if blocks is not None:
         check_recorded_outputs(model, "shard(checkpoint=...)", "drop checkpoint=")
@@ -166,6 +176,12 @@ def _shard(model: nn.Module, plan, mesh: DeviceMesh, program: Program, weights, 
     runtime = {"checkpoint": repr(blocks), **values.fingerprint}  # ranks that recompute different blocks would hang
     agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout),
           values.checked if verify_values else None, runtime)
+    return values, blocks
+
+
+def _materialised(model: nn.Module, program: Program, values: Values, blocks) -> tuple[Callable, dict[str, Tensor],
+                                                                                           dict[str, ShardInfo]]:
+    """This rank's shards and the runtime over its skeleton."""
     params = values.local_shards()
     template = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of, values.buffers)
     apply_fn = build_runtime(template, program, blocks)

@@ -6,7 +6,7 @@ private copy), against ``shard(..., verify=False)`` in the same run, at two mode
 
 Per size: the median wall time of ``shard()`` with and without the probe (interleaved), the peak
 memory the call allocates (the allocator's events during one call, as ``bench_measure`` reads
-them; the probe's copy is one decoder layer plus the embedding and head, random values), the
+them; the probe's copy is one decoder layer of each kind with a 128-token vocabulary, random values), the
 model's own parameter bytes, and the ratios.  The dataflow pass runs in both variants (it is
 part of compiling); ``--no-dataflow`` is not offered: it decides the gradients.
 """

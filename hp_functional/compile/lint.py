@@ -34,8 +34,9 @@ code                   level    finding
                                 the global one divided along the dim the plan says, fed by an
                                 integer attribute (``self.n_heads``) to divide (or not)
 ``shape``              error    the same, with no integer attribute to blame
-``not-audited``        note     a region the shape audit could not run (its arguments cannot
-                                be synthesized, or its forward fails on meta tensors)
+``not-audited``        note     a region the shape audit could not run or compare (its
+                                arguments cannot be synthesized, its forward fails on meta
+                                tensors, or takes another path at local shapes)
 ``unreduced``          error    an unplanned Linear registered after Colwise siblings takes
                                 their output width, and no Rowwise reduces their Shard(-1)
                                 outputs (q/k/v colwise, o_proj left out)

@@ -148,7 +148,7 @@ def shard(
             prog = build_program(m, p, msh, varying_uses=uses)
             return _shard(m, p, msh, prog, None, 0, agree_timeout, False, False)
         checks["probe"] = run_probe(probe, probe_plan, mesh, shard_probe, probe_uses) or "exact on the probe copy"
-        del probe
+        del probe, shard_probe
     elif "probe" not in checks:
         checks["probe"] = ("skipped: verify=False" if not verify else "skipped: seed=None (shapes only)" if seed is None
                            else "skipped: a simulated (fake) process group carries no numbers")

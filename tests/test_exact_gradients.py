@@ -161,3 +161,26 @@ def test_proof_reports_what_it_cannot_see():
     checks = get_pool(2).run(case_no_batch)[0]
     assert "does not start with an embedding" in checks["dataflow"], checks
     assert "does not start with an embedding" in checks["probe"], checks
+
+
+def case_probe_memo():
+    from hp_functional.runtime.probe import VERDICTS
+
+    model = _model("apertus")
+    plan = hpf.ShardingPlan.from_hf(model)
+    first = hpf.shard(model, plan, mesh())[0].runtime.checks["probe"]
+    again = hpf.shard(model, plan, mesh())[0].runtime.checks["probe"]
+    if rank() == 0:  # one rank forgets: every rank must probe again (the decision is agreed, or ranks would hang)
+        VERDICTS.items.clear()
+    third = hpf.shard(model, plan, mesh())[0].runtime.checks["probe"]
+    return first, again, third
+
+
+def test_probe_verdicts_are_remembered_and_the_decision_agreed():
+    """The same structure, plan and mesh is probed once per process; whether to skip is decided
+    in ``shard()``'s one agreement all-gather, so one rank's cache never leaves the others waiting."""
+    for first, again, third in get_pool(2).run(case_probe_memo):
+        assert first in ("exact on the probe copy", "exact on the probe copy (probed before in this process: same "
+                         "structure, plan and mesh)"), first
+        assert again.endswith("(probed before in this process: same structure, plan and mesh)"), again
+        assert third == "exact on the probe copy", third

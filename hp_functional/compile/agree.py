@@ -143,20 +143,23 @@ def _gather(value, mesh, timeout: timedelta | None):
                     "unusable now"
                 ) from exc
         x = out
-    return x.view(-1, len(COMPONENTS)).cpu(), order
+    return x.view(-1, len(COMPONENTS) + 1).cpu(), order
 
 
 def agree(program: Program, timeout: timedelta | None = timedelta(minutes=5),
-          values: Mapping[str, Tensor] | None = None, runtime: Mapping[str, str] | None = None) -> None:
+          values: Mapping[str, Tensor] | None = None, runtime: Mapping[str, str] | None = None,
+          flag: bool = False) -> bool:
     """Raise ``PlanMismatchError`` on every rank unless all ranks of the mesh decided the same
-    (and, given ``values``, hold the same values in those tensors)."""
+    (and, given ``values``, hold the same values in those tensors).  Returns whether every rank
+    raised ``flag`` (carried in the same all-gather: a decision every rank must take alike)."""
     if not dist.is_initialized() or dist.get_backend() == "fake":  # nothing to agree with (simulate)
-        return
+        return flag
     described = describe(program, value_checksums(values) if values is not None else None, runtime)
-    mine = torch.tensor([_digest(described[c]) for c in COMPONENTS], dtype=torch.int64)
-    digests, order = _gather(mine, program.mesh, timeout)
+    mine = torch.tensor([*(_digest(described[c]) for c in COMPONENTS), int(flag)], dtype=torch.int64)
+    gathered, order = _gather(mine, program.mesh, timeout)
+    digests, flags = gathered[:, :-1], gathered[:, -1]
     if bool((digests == digests[0]).all()):
-        return
+        return bool(flags.all())
     everyone, _ = _gather([described], program.mesh, None)
     by_rank = dict(zip(order, everyone, strict=True))
     raise PlanMismatchError(_explain_mismatch(by_rank))

@@ -72,7 +72,7 @@ def _sharded_child(p: Planned, spec: ModuleSpec) -> bool:
     return splits(out) or any(splits(pl.get(p.axis)) for pl in spec.in_dst.values())
 
 
-class _Memo:
+class Memo:
     """A small bounded memo (least recently used out): the same model built again and sharded
     again (tests, notebooks) is traced and audited once per process.  Keys hold everything the
     result depends on — classes, shapes, dtypes, scalar attributes, the config — never ids."""
@@ -90,7 +90,7 @@ class _Memo:
         return value
 
 
-_TRACES, _AUDITS = _Memo(), _Memo(64)
+_TRACES, _AUDITS = Memo(), Memo(64)
 
 
 def _scalars(obj) -> tuple:

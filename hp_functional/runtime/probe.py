@@ -18,8 +18,10 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from ..compile.agree import checksum
 from ..compile.build import varying_uses
 from ..compile.dataflow import synthesize_inputs
+from ..compile.lint_heads import Memo, fingerprint
 from ..compile.reduce import Reduced, reduced_copy
 from ..core.errors import PlanError
 from ..core.gather import unshard
@@ -61,6 +63,25 @@ def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping
             owner, _, attr = name.rpartition(".")
             twin.get_submodule(owner)._buffers[attr] = b
     return Reduced(twin, probe.names, probe.renames)
+
+
+#: verdicts of probes that passed, by ``probe_key``: the same structure, plan and mesh sharded
+#: again in one process (a notebook, a test suite, a sweep) is not probed again
+VERDICTS = Memo(64)
+
+
+def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | None, program) -> tuple:
+    """What a probe's verdict depends on: the copy's module classes, scalar attributes, shapes,
+    dtypes and config (``compile.lint_heads.fingerprint``), the bits of its buffers (the model's
+    own constants), the plan restated on it, the mesh, the varying uses and the conversions the
+    compiled ``program`` gives the parameters (what the dataflow pass decided)."""
+    steps = tuple(sorted((k, tuple((s.name, s.axis) for s in v)) for k, v in program.param_steps.items()))
+    settings = (plan.tp_axis, plan.loss_parallel, plan.cp_axis, plan.cp_layout, plan.ep_axis, plan.tp_optional,
+                tuple(sorted(plan.special_handlers.items())), tuple(sorted((k, id(h)) for k, h in plan.handlers.items())))
+    return (fingerprint(probe.model), tuple((n, checksum(b)) for n, b in probe.model.named_buffers()),
+            tuple(sorted((k, repr(v)) for k, v in plan.entries.items())), settings,
+            tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names, mesh.device_type,
+            tuple(sorted((k, tuple(sorted(v))) for k, v in (uses or {}).items())), steps)
 
 
 def shrink_vocab(twin: nn.Module, vocab: int) -> None:

@@ -38,7 +38,7 @@ from .checkpoint import (
     neutralise_hf_checkpointing,
     resolve_checkpoint,
 )
-from .probe import probe_copy_or_reason, probe_varying_uses, run_probe
+from .probe import VERDICTS, probe_copy_or_reason, probe_key, probe_varying_uses, run_probe
 from .skeleton import build_skeleton
 from .values import Values
 
@@ -142,12 +142,17 @@ def shard(
             if not skipped:
                 program = build_program(model, plan, mesh, varying_uses=uses)
                 checks["dataflow"] = "traced on the probe's real copy"
-    values, blocks = _agreed(model, program, weights, seed, agree_timeout, verify_values, checkpoint)
-    if probe is not None:  # agreed, and before the weights are read: its memory is freed before theirs is taken
+    key = probe_key(probe, probe_plan, mesh, probe_uses, program) if probe is not None else None
+    values, blocks, cached = _agreed(model, program, weights, seed, agree_timeout, verify_values, checkpoint,
+                                     key is not None and key in VERDICTS.items)  # probed before on every rank?
+    if probe is not None and cached:
+        checks["probe"] = f"{VERDICTS.get(key, str)} (probed before in this process: same structure, plan and mesh)"
+    elif probe is not None:  # agreed, and before the weights are read: its memory is freed before theirs is taken
         def shard_probe(m, p, msh, uses):
             prog = build_program(m, p, msh, varying_uses=uses)
             return _shard(m, p, msh, prog, None, 0, agree_timeout, False, False)
         checks["probe"] = run_probe(probe, probe_plan, mesh, shard_probe, probe_uses) or "exact on the probe copy"
+        VERDICTS.get(key, lambda: checks["probe"])
         del probe, shard_probe
     elif "probe" not in checks:
         checks["probe"] = ("skipped: verify=False" if not verify else "skipped: seed=None (shapes only)" if seed is None
@@ -161,22 +166,23 @@ def _shard(model: nn.Module, plan, mesh: DeviceMesh, program: Program, weights, 
            agree_timeout: float | None, verify_values: bool, checkpoint) -> tuple[Callable, dict[str, Tensor],
                                                                                   dict[str, ShardInfo]]:
     """``shard()`` after compiling: agree, slice, build the runtime."""
-    values, blocks = _agreed(model, program, weights, seed, agree_timeout, verify_values, checkpoint)
+    values, blocks, _ = _agreed(model, program, weights, seed, agree_timeout, verify_values, checkpoint)
     return _materialised(model, program, values, blocks)
 
 
 def _agreed(model: nn.Module, program: Program, weights, seed: int | None, agree_timeout: float | None,
-            verify_values: bool, checkpoint) -> tuple[Values, tuple | None]:
+            verify_values: bool, checkpoint, flag: bool = False) -> tuple[Values, tuple | None, bool]:
     """The local checks of the values and checkpointing, then the ranks' agreement (one small
-    all-gather: the plan, the runtime and the values' checksums)."""
+    all-gather: the plan, the runtime and the values' checksums; and whether every rank raised
+    ``flag``)."""
     blocks = resolve_checkpoint(model, checkpoint)
     if blocks is not None:
         check_recorded_outputs(model, "shard(checkpoint=...)", "drop checkpoint=")
     values = Values.prepare(model, program, weights, seed)
     runtime = {"checkpoint": repr(blocks), **values.fingerprint}  # ranks that recompute different blocks would hang
-    agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout),
-          values.checked if verify_values else None, runtime)
-    return values, blocks
+    everyone = agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout),
+                     values.checked if verify_values else None, runtime, flag)
+    return values, blocks, everyone
 
 
 def _materialised(model: nn.Module, program: Program, values: Values, blocks) -> tuple[Callable, dict[str, Tensor],

@@ -6,7 +6,7 @@ unsharded model) for a few representative families, at ws 2 and 4 in the rank po
 import pytest
 
 from hp_functional.tools.model_configs import tiny_config_for
-from hp_functional.tools.sweep import EXACT, LITTLE, UNBUILDABLE, check_family, combine, heads_allow
+from hp_functional.tools.sweep import EXACT, LITTLE, REFUSED, UNBUILDABLE, check_family, combine, heads_allow
 from tests.conftest import get_pool
 from tests.helpers import mesh
 
@@ -45,3 +45,12 @@ def test_tiny_configs_follow_the_family_rules():
 def test_a_family_that_cannot_be_built_is_classified_not_crashed():
     row = combine(get_pool(2).run(case_family, "not_a_model_type"))
     assert row["outcome"] == UNBUILDABLE and "not_a_model_type" in row["reason"], row
+
+
+def test_a_plan_that_cannot_run_is_refused_at_shard_time():
+    """Aria's text model with HF's plan at tp 2 used to crash inside ``apply_fn`` (a grouped matmul
+    whose contraction dims the plan leaves unequal); the shard-time probe now runs the plan on a
+    random copy first, and a plan that cannot run where the unsharded copy does is a PlanError."""
+    row = combine(get_pool(2).run(case_family, "aria_text"))
+    assert row["outcome"] == REFUSED, row
+    assert "the plan cannot run on a random copy" in row["reason"], row

@@ -163,6 +163,11 @@ def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[s
         out = apply_fn(params, **batch)
     except PlanError as exc:  # a refusal of this batch (raised alike on every rank, before any collective)
         return f"skipped: the plan refuses the probe's batch ({str(exc).splitlines()[0][:160]})"
+    except Exception as exc:  # the unsharded copy ran this batch: the plan is what cannot run
+        raise PlanError(f"shard-time probe: the plan cannot run on a random copy of the model that runs unsharded "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); a shape the "
+                        "plan gives some module is not one its forward accepts (shard(..., verify=False) skips this "
+                        "check; docs/guarantees.md#exact-or-refused)") from exc
     if getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
         return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
     loss, ref = scalar_loss(out), scalar_loss(ref_out)

@@ -7,7 +7,8 @@ cannot make exact.
   dataflow runs on the probe's real copy) with HF's own plans at tp 2 and tp 4;
 * GLM4 under context parallelism: ``torch.func.grad`` of the loss is the full gradient, with
   no ``reduce_gradients`` call, and the cp reduction is one bucketed all-reduce, not one per
-  parameter;
+  parameter; under ``hpf.fsdp`` over ``("dp", "cp")`` (dp 2 × cp 2) that sum is folded into
+  FSDP's reduce-scatter (no cp all-reduce in the backward);
 * the probe refuses a plan whose gradients are wrong (the dataflow pass switched off on purpose)
   on every rank, naming the parameter; ``verify=False`` then shows that those gradients really
   are wrong.
@@ -184,3 +185,51 @@ def test_probe_verdicts_are_remembered_and_the_decision_agreed():
                          "structure, plan and mesh)"), first
         assert again.endswith("(probed before in this process: same structure, plan and mesh)"), again
         assert third == "exact on the probe copy", third
+
+
+def case_fsdp_folds_cp(family: str, axis):
+    """dp 2 × cp 2, FSDP over ``axis``: each dp rank its own rows, the full sequence on every cp
+    rank.  Over ("dp", "cp") the cp sum is folded into the reduce-scatter (torchtitan's
+    ``dp_shard_cp``): no all-reduce on cp in the backward; over "dp" alone one per bucket.  Either
+    way the gradient (mean over dp) is the unsharded model's on the global batch."""
+    from tests.test_fsdp import Collectives
+
+    model = _model(family)
+    m = mesh((2, 2), ("dp", "cp"))
+    apply_fn, params, info = hpf.fsdp(*hpf.shard(model, hpf.ShardingPlan.from_hf(model, cp_axis="cp"), m), m, axis)
+    owed = {a for i in info.values() for a in i.reduced}
+    assert owed == (set() if axis == ("dp", "cp") else {"cp"}), owed  # ShardInfo.reduced: the sums apply_fn does
+    ids = _ids(16)
+    ref = model(input_ids=torch.cat([ids, ids.flip(0)]), labels=torch.cat([ids, ids.flip(0)]))
+    ref.loss.backward()
+    rows = (ids, ids.flip(0))[m["dp"].get_local_rank()]
+    kwargs = dict(input_ids=rows, labels=rows)
+    out = apply_fn(params, **kwargs)
+    with Collectives() as counted:  # the backward's
+        out.loss.backward()
+    functional, loss = grad_and_value(lambda p: apply_fn(p, **kwargs).loss)(params)
+    cp_group, dp_group = m["cp"].get_group().group_name, m["dp"].get_group().group_name
+    diffs = {"loss": assert_close(hpf.reduce_gradients({"l": loss.detach()}, {"l": hpf.ShardInfo(
+        (torch.distributed.tensor.Replicate(),) * 2, m, loss.shape, loss.shape, ())}, m, axis="dp")["l"],
+        ref.loss.detach(), "loss"),
+        "cp all_reduce": counted.counts.get(("all_reduce", cp_group), 0),
+        "dp reduce_scatter": counted.counts.get(("reduce_scatter_tensor", dp_group), 0),
+        "reduce_scatter": sum(n for (op, _), n in counted.counts.items() if op == "reduce_scatter_tensor"),
+        "groups": len(apply_fn.fsdp.groups)}
+    for label, grads in (("backward", {k: p.grad for k, p in params.items()}), ("grad", functional)):
+        full = hpf.unshard(grads, info)
+        diffs[label] = max(assert_close(full[k], p.grad, f"{label} grad {k}") for k, p in model.named_parameters())
+    _, norm = hpf.clip_grad_norm(functional, info, 1.0)  # the flattened layout counts every row once
+    diffs["norm"] = assert_close(norm, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]), "norm")
+    return diffs
+
+
+@pytest.mark.parametrize("axis", [("dp", "cp"), "dp"], ids=["dp_shard_cp", "dp"])
+def test_fsdp_folds_the_context_parallel_sum(axis):
+    out = get_pool(4).run(case_fsdp_folds_cp, "glm4", axis)[0]
+    print(f"glm4 dp 2 x cp 2, fsdp over {axis}: {out}")
+    assert out["reduce_scatter"] == out["groups"], out
+    if axis == "dp":
+        assert out["cp all_reduce"] > 0 and out["dp reduce_scatter"] == out["groups"], out
+    else:
+        assert out["cp all_reduce"] == 0 and out["dp reduce_scatter"] == 0, out

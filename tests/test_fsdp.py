@@ -326,6 +326,8 @@ def case_bad_input(state):
     fsdp_module.agree = lambda *a, **k: calls.append(a)  # the first collective fsdp() issues
     bad = {
         "axis": lambda: hpf.fsdp(apply_fn, params, info, m, "data"),
+        "axes": lambda: hpf.fsdp(apply_fn, params, info, m, ("dp", "dp")),
+        "axes missing": lambda: hpf.fsdp(apply_fn, params, info, m, ("dp", "cp")),
         "already sharded": lambda: hpf.fsdp(*tp_sharded, tp_sharded[2]["lm_head.weight"].mesh, "tp"),
         "twice": lambda: hpf.fsdp(f_apply, f_params, f_info, m, "dp"),
         "other shard": lambda: hpf.fsdp(apply_fn, other[1], other[2], m, "dp"),
@@ -348,6 +350,8 @@ def case_bad_input(state):
 def test_fsdp_bad_input_raises_before_any_collective(pool):
     messages = pool.run(case_bad_input, make_llama_state())[0]
     assert "'data' is not in the mesh" in messages["axis"]
+    assert "tuple of distinct ones, got ('dp', 'dp')" in messages["axes"]
+    assert "'cp' is not in the mesh" in messages["axes missing"]
     assert "already sharded on mesh axis 'tp'" in messages["already sharded"]
     assert "already sharded by hpf.fsdp on axis 'dp'" in messages["twice"]
     assert "not this apply_fn's" in messages["other shard"]

@@ -58,6 +58,7 @@ exact Hessians differentiate rank-invariant (full) inputs, sliced inside with ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -69,6 +70,7 @@ from torch import Tensor
 from .raw_collectives import (
     Replicas,
     check_perm,
+    get_timeout,
     raw_all_gather,
     raw_all_reduce,
     raw_all_to_all,
@@ -98,6 +100,26 @@ class AxisGroup:
         """The group of ``mesh`` along ``axis`` (a mesh dim name)."""
         group = mesh.get_group(axis)
         return cls(axis, group.group_name, dist.get_world_size(group), dist.get_rank(group))
+
+    @classmethod
+    def flat(cls, mesh, axes: Sequence[str]) -> AxisGroup:
+        """Several axes of ``mesh`` flattened into one group (torchtitan's ``dp_shard_cp``): a
+        process group per set of ranks that differ only on ``axes``, made by
+        ``torch.distributed.new_group`` with the first axis's backend and timeout.  Every rank of
+        the world must call it, in the same order (it creates groups); one axis is ``from_mesh``."""
+        if len(axes) == 1:
+            return cls.from_mesh(mesh, axes[0])
+        first = mesh.get_group(axes[0])
+        names = list(mesh.mesh_dim_names)
+        moved = mesh.mesh.permute(*[names.index(n) for n in names if n not in axes],
+                                  *[names.index(n) for n in axes])
+        mine = None
+        for ranks in moved.reshape(-1, math.prod(mesh.size(names.index(n)) for n in axes)).tolist():
+            group = dist.new_group(sorted(ranks), backend=dist.get_backend(first),
+                                   timeout=get_timeout(first.group_name))
+            if mesh.get_rank() in ranks:
+                mine = group
+        return cls("+".join(axes), mine.group_name, dist.get_world_size(mine), dist.get_rank(mine))
 
     # The collectives of a rank-varying region, bound to this axis (``hpf.Local``'s ``axes``): each
     # takes and gives rank-varying values, so its transpose is again one of these (see the table).

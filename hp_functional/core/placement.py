@@ -102,12 +102,17 @@ class ShardInfo:
 
 @dataclass(frozen=True)
 class RowSplit:
-    """Dim 0 of a layout's local shard chunked further over one mesh axis (``hpf.fsdp``), with
-    ``torch.chunk``'s sizes: ``ceil(rows / n)`` rows per rank, the last ranks fewer or none.
-    ``inner`` is the layout before the split (its local shard holds ``rows`` rows)."""
+    """Dim 0 of a layout's local shard chunked further over one mesh axis, or over several
+    flattened into one (``hpf.fsdp``), with ``torch.chunk``'s sizes: ``ceil(rows / n)`` rows per
+    rank, the last ranks fewer or none.  ``inner`` is the layout before the split (its local
+    shard holds ``rows`` rows)."""
 
-    axis: str
+    axis: str | tuple[str, ...]
     inner: ShardInfo
+
+    def place(self, mesh: DeviceMesh) -> tuple[int, int]:
+        """(ranks of ``mesh`` the rows are chunked over, this rank's index among them): ``flat_index``."""
+        return flat_index(mesh, self.axis)
 
     @property
     def rows(self) -> int:
@@ -122,6 +127,19 @@ class RowSplit:
         c = self.chunk(size)
         start = min(index * c, self.rows)
         return start, min(c, self.rows - start)
+
+
+def flat_index(mesh: DeviceMesh, axes: str | Sequence[str]) -> tuple[int, int]:
+    """(size, this rank's index) of the ranks that share this rank's coordinates off ``axes``:
+    one mesh axis, or several flattened, ranked by global rank (``torch.distributed.new_group``'s
+    order, so the index is the rank in ``core.collectives.AxisGroup.flat``'s group)."""
+    if isinstance(axes, str):
+        return mesh.size(mesh.mesh_dim_names.index(axes)), mesh.get_local_rank(axes)
+    names = mesh.mesh_dim_names
+    coord = mesh.get_coordinate()
+    index = tuple(slice(None) if n in axes else c for n, c in zip(names, coord, strict=True))
+    ranks = sorted(mesh.mesh[index].reshape(-1).tolist())
+    return len(ranks), ranks.index(mesh.get_rank())
 
 
 def fmt_placements(placements) -> str:
@@ -243,8 +261,7 @@ def boxes(info: ShardInfo) -> list[Box]:
     """The boxes that make up this rank's local shard, in local order, none empty (the one map
     from local shards to global indices: slicing, weight reading and checkpoints use it)."""
     if info.split:
-        g = AxisGroup.from_mesh(info.mesh, info.split.axis)
-        first, rows = info.split.span(g.size, g.rank)
+        first, rows = info.split.span(*info.split.place(info.mesh))
         out = []
         for b in boxes(info.split.inner):
             lo, hi = max(b.local[0], first), min(b.local[0] + b.size[0], first + rows)
@@ -307,6 +324,12 @@ def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]
     if stacked:
         raise PlanError(f"to_dtensor: {stacked[:3]} are held whole by one rank of a stack (StackedShard: per-module "
                         "experts), which DTensor cannot express; use unshard()")
+    flat = [k for k, i in shard_info.items() if i.split and not isinstance(i.split.axis, str)
+            and (i.split.rows % i.split.place(i.mesh)[0] or any(type(p) is not Shard and splits(p) for p in i.placements))]
+    if flat:
+        raise PlanError(f"to_dtensor: {flat[:3]} are chunked over several mesh axes flattened (hpf.fsdp over "
+                        f"{shard_info[flat[0]].split.axis}) unevenly or under a TP row split, which DTensor's "
+                        "nested Shard(0) does not express; use unshard()")
     return {
         name: DTensor.from_local(
             local, shard_info[name].mesh, shard_info[name].placements, run_check=False,

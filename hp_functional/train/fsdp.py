@@ -30,6 +30,10 @@ not resharded (the backward needs them first), but their gathered tensors live o
 autograd needs them (the embedding's not at all: its backward needs the indices alone).  ``reshard_after_forward=False`` keeps
 every gathered group until its backward.
 
+``axis=("dp", "cp")`` flattens several axes into one group (``core.collectives.AxisGroup.flat``):
+a piece's ``copy_to`` on one of them (context parallelism's sum) is folded into the
+reduce-scatter, which then averages over the other axes only (``Piece.divisor``).
+
 Gradient accumulation: ``apply_fn.fsdp.no_sync()`` (``FsdpLayout.no_sync``) defers the
 reduce-scatters of the backward passes run inside it to the next one outside, as FSDP2's
 ``set_requires_gradient_sync(False)``.
@@ -139,19 +143,27 @@ def group_parameters(template: nn.Module, leaf_of: Mapping[str, str], keys: Sequ
 # ---------------------------------------------------------------- layouts
 
 
-def split_info(info: ShardInfo, mesh: DeviceMesh, axis: str) -> ShardInfo:
-    """``info`` with dim 0 of its local shard chunked over ``axis`` of ``mesh`` (see module docstring)."""
+def split_info(info: ShardInfo, mesh: DeviceMesh, axes: tuple[str, ...]) -> ShardInfo:
+    """``info`` with dim 0 of its local shard chunked over ``axes`` of ``mesh``, flattened (see
+    the module docstring); a sum owed over ``axes`` (``reduced``) is now the reduce-scatter's."""
     names = mesh.mesh_dim_names
-    split = RowSplit(axis, info)
-    i = names.index(axis)
-    start, rows = split.span(mesh.size(i), mesh.get_local_rank(axis))
+    split = RowSplit(axes[0] if len(axes) == 1 else axes, info)
+    start, rows = split.span(*split.place(mesh))
     inner = info.axes
-    later = [n for n in names[i + 1:] if isinstance(inner.get(n), Shard) and inner[n].dim % len(info.global_shape) == 0]
-    factor = math.prod(mesh.size(names.index(n)) for n in later)
-    mine = _StridedShard(0, split_factor=factor) if later else Shard(0)
-    placements = tuple(mine if n == axis else inner.get(n, Replicate()) for n in names)
-    return ShardInfo(placements, mesh, info.global_shape, torch.Size((rows, *info.local_shape[1:])),
-                     (info.offset[0] + start, *info.offset[1:]), info.aliases, None, split, info.summed, info.reduced)
+
+    def mine(axis: str):
+        i = names.index(axis)
+        later = [n for n in names[i + 1:]
+                 if isinstance(inner.get(n), Shard) and inner[n].dim % len(info.global_shape) == 0]
+        factor = math.prod(mesh.size(names.index(n)) for n in later)
+        return _StridedShard(0, split_factor=factor) if later else Shard(0)
+
+    placements = tuple(mine(n) if n in axes else inner.get(n, Replicate()) for n in names)
+    reduced = tuple(a for a in info.reduced if a not in axes)
+    return dataclasses.replace(info, placements=placements, mesh=mesh,
+                               local_shape=torch.Size((rows, *info.local_shape[1:])),
+                               offset=(info.offset[0] + start, *info.offset[1:]), blocks=None, split=split,
+                               reduced=reduced)
 
 
 @dataclass(frozen=True)
@@ -159,7 +171,7 @@ class FsdpLayout:
     """What ``fsdp`` decided, kept on its ``apply_fn`` as ``.fsdp`` (read-only): the axis, the
     groups in order, and whether blocks reshard after their forward."""
 
-    axis: str
+    axis: str | tuple[str, ...]
     groups: tuple[Group, ...]
     buckets: tuple[Bucket, ...]
     reshard_after_forward: bool
@@ -196,18 +208,23 @@ class FsdpLayout:
 
 
 def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh,
-         axis: str = "dp", *, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+         axis: str | Sequence[str] = "dp", *, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
          reduce_dtype: torch.dtype | None = None, blocks: Sequence[str] | None = None,
          ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``shard()``'s result further over ``axis`` of ``mesh`` (ZeRO-3); mutates nothing.
 
     Returns ``(apply_fn, params, shard_info)`` like ``shard()``: ``params`` holds this rank's
     rows of every TP-local shard, and gradients w.r.t. them are the mean over ``axis`` (each
-    ``axis`` rank feeds its own slice of the batch).  ``blocks``: module-path patterns of the
+    ``axis`` rank feeds its own slice of the batch).  ``axis`` may name several mesh axes,
+    flattened into one group (``("dp", "cp")``: torchtitan's ``dp_shard_cp``): the sum that
+    ``apply_fn``'s backward owes a parameter over one of them (``ShardInfo.reduced``, context
+    parallelism) is folded into the reduce-scatter instead of an all-reduce of its own, and the
+    mean is over the other axes.  ``blocks``: module-path patterns of the
     blocks (default: the Hugging Face decoder layers).  ``reshard_after_forward``,
     ``param_dtype``, ``reduce_dtype``: see the module docstring.  Bad input raises ``PlanError``
     on every rank before any collective."""
-    runtime = _check(apply_fn, params, shard_info, mesh, axis, param_dtype, reduce_dtype)
+    axes = _axes(axis, mesh)
+    runtime = _check(apply_fn, params, shard_info, mesh, axes, param_dtype, reduce_dtype)
     if reshard_after_forward:  # resharded blocks are recomputed in the backward
         check_recorded_outputs(runtime.template, "fsdp(reshard_after_forward=True)", "pass reshard_after_forward=False")
     program: Program = runtime.program
@@ -215,12 +232,13 @@ def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[s
     block_paths = _blocks(runtime.template, blocks)
     groups = group_parameters(runtime.template, program.leaf_of, keys, block_paths)
     _check_nesting(groups, runtime.checkpoint.blocks if runtime.checkpoint else ())
-    infos = {k: split_info(program.infos[k], mesh, axis) for k in keys}
+    infos = {k: split_info(program.infos[k], mesh, axes) for k in keys}
     agree(dataclasses.replace(program, mesh=mesh), None, None,
-          {"fsdp": repr((axis, reshard_after_forward, str(param_dtype), str(reduce_dtype), [g.keys for g in groups]))})
-    group, sync = AxisGroup.from_mesh(mesh, axis), Sync()
-    buckets = tuple(_bucket(g, program, infos, group, param_dtype, reduce_dtype, sync) for g in groups)
-    layout = FsdpLayout(axis, tuple(groups), buckets, reshard_after_forward, sync)
+          {"fsdp": repr((axes, reshard_after_forward, str(param_dtype), str(reduce_dtype), [g.keys for g in groups]))})
+    group, sync = AxisGroup.flat(mesh, axes), Sync()
+    sizes = {a: mesh.size(mesh.mesh_dim_names.index(a)) for a in axes}
+    buckets = tuple(_bucket(g, program, infos, group, sizes, param_dtype, reduce_dtype, sync) for g in groups)
+    layout = FsdpLayout(axes[0] if len(axes) == 1 else axes, tuple(groups), buckets, reshard_after_forward, sync)
     state = CallState()
     preserve_rng = runtime.checkpoint.preserve_rng if runtime.checkpoint else True
 
@@ -269,17 +287,22 @@ def _check_nesting(groups: Sequence[Group], checkpointed: Sequence[str]) -> None
 
 
 def _rows(local: Tensor, info: ShardInfo) -> Tensor:
-    g = AxisGroup.from_mesh(info.mesh, info.split.axis)
-    start, rows = info.split.span(g.size, g.rank)
+    start, rows = info.split.span(*info.split.place(info.mesh))
     return local.detach().narrow(0, start, rows).clone().requires_grad_(local.requires_grad)
 
 
-def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: AxisGroup,
+def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: AxisGroup, sizes: Mapping[str, int],
             param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, sync: Sync) -> Bucket:
+    """``g``'s bucket.  A piece's ``copy_to`` on an fsdp axis is folded into the reduce-scatter (which
+    sums over that axis anyway); its gradient is then averaged over the fsdp axes it was not owed."""
     pieces, start = [], 0
     for k in g.keys:
         shape = torch.Size(program.infos[k].local_shape)
-        piece = Piece(k, shape, infos[k].split.chunk(group.size), start, tuple(program.param_steps.get(k, ())))
+        steps = program.param_steps.get(k, ())
+        folded = {s.axis for s in steps if s.name == "copy_to" and s.axis in sizes}
+        kept = tuple(s for s in steps if not (s.name == "copy_to" and s.axis in folded))
+        divisor = math.prod(n for a, n in sizes.items() if a not in folded)
+        piece = Piece(k, shape, infos[k].split.chunk(group.size), start, kept, divisor)
         pieces.append(piece)
         start += piece.size
     dtypes = {program.dtypes[k] for k in g.keys}
@@ -300,7 +323,19 @@ def _blocks(template: nn.Module, patterns: Sequence[str] | None) -> tuple[str, .
     return resolved.blocks if resolved else ()
 
 
-def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axis: str, param_dtype, reduce_dtype):
+def _axes(axis: str | Sequence[str], mesh: DeviceMesh) -> tuple[str, ...]:
+    """``axis`` as a tuple of mesh axes in mesh order (one or several, each once), or a PlanError."""
+    names = mesh.mesh_dim_names or ()
+    axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
+    if not axes or len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
+        raise PlanError(f"fsdp: axis must be a mesh axis name or a tuple of distinct ones, got {axis!r}")
+    missing = [a for a in axes if a not in names]
+    if missing:
+        raise PlanError(f"fsdp: mesh axis {missing[0]!r} is not in the mesh (axes: {list(names)})")
+    return tuple(n for n in names if n in axes)
+
+
+def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axes: tuple[str, ...], param_dtype, reduce_dtype):
     """Every local check of ``fsdp``'s input (before any collective); returns ``apply_fn.runtime``."""
     if getattr(apply_fn, "fsdp", None) is not None:
         raise PlanError(f"fsdp: apply_fn is already sharded by hpf.fsdp on axis {apply_fn.fsdp.axis!r}; "
@@ -309,8 +344,6 @@ def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axis: str, param_dtyp
     if runtime is None:
         raise PlanError("fsdp: apply_fn is not one that hpf.shard() returned (it has no .runtime)")
     names = mesh.mesh_dim_names or ()
-    if axis not in names:
-        raise PlanError(f"fsdp: mesh axis {axis!r} is not in the mesh (axes: {list(names)})")
     infos = runtime.program.infos
     if not isinstance(params, Mapping) or params.keys() != infos.keys() or set(shard_info) != set(infos):
         theirs = set(params) if isinstance(params, Mapping) else set()
@@ -327,7 +360,8 @@ def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axis: str, param_dtyp
         theirs = dict(zip(info.mesh.mesh_dim_names, info.mesh.shape, strict=True))
         if any(sizes.get(a) != n for a, n in theirs.items()):
             raise PlanError(f"fsdp: the mesh {sizes} does not contain shard()'s mesh {theirs} (parameter {k})")
-        if splits(info.axes.get(axis)):
+        axis = next((a for a in axes if splits(info.axes.get(a))), None)
+        if axis is not None:
             raise PlanError(f"fsdp: parameter {k} is already sharded on mesh axis {axis!r} "
                             f"({fmt_placements(info.placements)}); choose another axis for fsdp")
         if len(info.local_shape) == 0:

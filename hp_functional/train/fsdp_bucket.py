@@ -35,18 +35,19 @@ class Unreduced:
 class GatherParams(torch.autograd.Function):
     """All-gather of a group's flat local bucket (cast to ``param_dtype`` first); backward: the
     gradients cast to ``reduce_dtype``, reduce-scattered (the differentiable ``reduce_scatter``,
-    so a double backward works), averaged over the axis and cast back to the bucket's dtype.
+    so a double backward works), divided by ``divisor`` (the axis size, or per piece, see
+    ``Piece.divisor``) and cast back to the bucket's dtype.
     While ``sync.deferred``, the backward keeps the gradient in ``unreduced`` instead (no
     collective; the local leaf gets no gradient), for the next reduce-scatter to include."""
 
     @staticmethod
     def forward(local: Tensor, group: AxisGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                unreduced: Unreduced, sync: Sync) -> Tensor:
+                unreduced: Unreduced, sync: Sync, divisor: int | Tensor) -> Tensor:
         return raw_all_gather(local.to(param_dtype), 0, group)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        local, ctx.group, _, ctx.reduce_dtype, ctx.unreduced, ctx.sync = inputs
+        local, ctx.group, _, ctx.reduce_dtype, ctx.unreduced, ctx.sync, ctx.divisor = inputs
         ctx.dtype = local.dtype
 
     @staticmethod
@@ -54,9 +55,9 @@ class GatherParams(torch.autograd.Function):
         grad = grad.to(ctx.reduce_dtype)
         if ctx.sync.deferred:
             ctx.unreduced.keep(grad)
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         summed = COLLECTIVES["reduce_scatter"].apply(ctx.unreduced.take(grad), 0, ctx.group)
-        return (summed / ctx.group.size).to(ctx.dtype), None, None, None, None, None
+        return (summed / ctx.divisor).to(ctx.dtype), None, None, None, None, None, None
 
 
 class Sync:
@@ -78,6 +79,7 @@ class Piece:
     chunk: int
     start: int
     steps: tuple[Step, ...]
+    divisor: int = 1  # the reduce-scattered gradient's divisor: the fsdp axes' sizes it is averaged over
 
     @property
     def size(self) -> int:
@@ -99,6 +101,10 @@ class Bucket:
         signatures = {tuple((s.name, s.axis) for s in p.steps) for p in self.pieces}
         shared = next(iter(signatures)) if len(signatures) == 1 else ()
         self.copy_to = self.pieces[0].steps if shared and all(n == "copy_to" for n, _ in shared) else ()
+        # mean over the fsdp axes, sum over those folded (a per-piece divisor only where they differ)
+        divisors = {p.divisor for p in self.pieces}
+        self.divisor: int | Tensor = divisors.pop() if len(divisors) == 1 else torch.cat(
+            [torch.full((p.size,), float(p.divisor)) for p in self.pieces])
 
     def unsharded_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the gathered parameters (what a rank holds while the group is gathered)."""
@@ -113,8 +119,9 @@ class Bucket:
             flat.append(f if f.numel() == piece.size else torch.cat([f, f.new_zeros(piece.size - f.numel())]))
         local = torch.cat(flat) if len(flat) > 1 else flat[0]
         dtype = local.dtype
+        divisor = self.divisor if isinstance(self.divisor, int) else self.divisor.to(local.device)
         full = GatherParams.apply(local, self.group, self.param_dtype or dtype, self.reduce_dtype or dtype,
-                                  self.unreduced, self.sync)
+                                  self.unreduced, self.sync, divisor)
         for step in self.copy_to:
             full = step(full)
         full = full.view(self.group.size, self.segment)

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from .runtime.meta_init import init_weights
     from .runtime.pretrained import from_pretrained
     from .runtime.shard import shard
+    from .runtime.state import buffers
     from .tools.explain import Explanation, Memory, Schedule, explain
     from .tools.explain_stage import StageExplanation, explain_stage
     from .tools.record import ScheduleRow
@@ -118,6 +119,7 @@ _LAZY: dict[str, str] = {
     "SequenceParallel": ".plan.styles",
     "Style": ".plan.styles",
     "Local": ".plan.local",
+    "buffers": ".runtime.state",
     "VocabEmbedding": ".plan.vocab",
     "default_handlers": ".plan.styles",
     "Checkpoint": ".runtime.checkpoint",
@@ -206,6 +208,7 @@ __all__ = [
     "VocabEmbedding",
     "as_module",
     "auto_plan",
+    "buffers",
     "build_program",
     "clip_grad_norm",
     "collectives",

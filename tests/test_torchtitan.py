@@ -10,8 +10,9 @@
 
 loss and every gradient against the unsharded model, under ``.backward()`` and
 ``torch.func.grad``.  DeepSeek's MoE counts tokens into a buffer in its forward
-(``tokens_per_expert.add_``), which ``torch.func`` refuses on a captured tensor, so the MoE cases
-run ``.backward()`` only (the buffers-through-``apply_fn`` work, issue 32 item 1, lifts that).
+(``tokens_per_expert.add_``), which ``torch.func`` refuses on a captured tensor: the MoE cases
+pass the buffers through ``apply_fn(..., buffers=)`` under ``torch.func.grad`` and compare the
+counts it returns with the unsharded model's after its forward.
 """
 
 import pytest
@@ -31,24 +32,33 @@ def _ce(logits, ids):
     return F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
 
 
-def _check(model, apply_fn, params, info, ids, m, *, vocab_sharded: bool, func: bool, ctx) -> dict[str, float]:
-    """Loss and every gradient of the sharded model vs the unsharded one (under ``ctx``)."""
+def _check(model, apply_fn, params, info, ids, m, *, vocab_sharded: bool, func: bool, ctx,
+           state=None) -> dict[str, float]:
+    """Loss and every gradient of the sharded model vs the unsharded one (under ``ctx``); with
+    ``state`` (``hpf.buffers``, taken before any forward), ``torch.func.grad`` runs with the
+    buffers passed through ``apply_fn`` and those it returns equal the model's after its forward."""
     with ctx():
         ref = _ce(model(ids), ids)
         ref.backward()
 
-    def loss_of(p):
+    def loss_of(p, buffers=None):
         with ctx():
-            logits = apply_fn(p, ids)
-        if vocab_sharded:
-            assert logits.shape[-1] == VOCAB // m["tp"].size(), logits.shape
-            return hpf.vocab_parallel_cross_entropy(logits.flatten(0, 1), ids.flatten(), m, "tp")
-        return _ce(logits, ids)
+            logits = apply_fn(p, ids) if buffers is None else apply_fn(p, ids, buffers=buffers)
+        if buffers is not None:
+            logits, after = logits
+            return _loss(logits, ids, m, vocab_sharded), after
+        return _loss(logits, ids, m, vocab_sharded)
 
     loss = loss_of(params)
     loss.backward()
     runs = {"backward": ({k: p.grad for k, p in params.items()}, loss)}
-    if func:
+    if state is not None:
+        grads, (value, after) = grad_and_value(loss_of, has_aux=True)(params, state)
+        runs["torch.func + buffers"] = grads, value
+        for k, b in model.named_buffers():
+            assert_close(after[k], b, f"buffer {k} after the forward")
+        assert any(not torch.equal(after[k], state[k]) for k in state), "the forward counted nothing"
+    elif func:
         runs["torch.func"] = grad_and_value(loss_of)(params)
     worst = {}
     for label, (grads, value) in runs.items():
@@ -58,6 +68,13 @@ def _check(model, apply_fn, params, info, ids, m, *, vocab_sharded: bool, func: 
         worst[label] = max(assert_close(full[k], p.grad, f"{label} grad {k}", atol=1e-4 * p.grad.abs().max().item() + 1e-9,
                                         rtol=1e-4) for k, p in model.named_parameters())
     return worst
+
+
+def _loss(logits, ids, m, vocab_sharded: bool):
+    if vocab_sharded:
+        assert logits.shape[-1] == VOCAB // m["tp"].size(), logits.shape
+        return hpf.vocab_parallel_cross_entropy(logits.flatten(0, 1), ids.flatten(), m, "tp")
+    return _ce(logits, ids)
 
 
 def case_dense(family: str, loss_parallel: bool):
@@ -121,8 +138,9 @@ def case_deepseek(layout: str):
     m = mesh(shape, names)
     plan = hpf.ShardingPlan.from_torch(entries, tp_axis="tp", ep_axis="ep" if "ep" in names else None)
     apply_fn, params, info = hpf.shard(model, plan, m)
+    state, _ = hpf.buffers(apply_fn)  # before any forward: the model's own initial buffers
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
-    worst = _check(model, apply_fn, params, info, ids, m, vocab_sharded=False, func=False, ctx=T.CpuHistc)
+    worst = _check(model, apply_fn, params, info, ids, m, vocab_sharded=False, func=False, ctx=T.CpuHistc, state=state)
     return worst, {k: str(i.placements) for k, i in info.items() if "moe" in k or "wkv" in k}
 
 

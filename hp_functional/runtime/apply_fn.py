@@ -35,11 +35,13 @@ from ..core.program import Program
 from ..core.raw_collectives import PENDING, run_pending
 from .boundary import ConversionCache
 from .inputs import InputAgreement
+from .state import BufferSlots
 
 
 def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None,
                   rebuild: Callable[[], Callable] | None = None) -> Callable:
-    """``apply_fn(params, *args, **kwargs)``: check, convert, bind into the skeleton, forward.
+    """``apply_fn(params, *args, buffers=None, **kwargs)``: check, convert, bind into the skeleton,
+    forward; with ``buffers`` (``runtime.state``) it returns ``(output, buffers after the call)``.
     ``cache``: the boundaries' per-call conversion cache, emptied after every call; ``rebuild``:
     a new ``apply_fn`` on a fresh skeleton, for another thread (see the module docstring)."""
     keys = tuple(program.infos)
@@ -62,21 +64,23 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     guard = ThreadGuard(program.mesh.size(), "apply_fn") if program.mesh.size() > 1 or rebuild is None else None
     mine = threading.local()  # another thread's own apply_fn (one-rank meshes)
     agreement = InputAgreement.for_program(program, skeleton)
+    buffer_slots = BufferSlots(skeleton, program.mesh)
 
-    def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
+    def apply_fn(params: Mapping[str, Tensor], *args, buffers: Mapping[str, Tensor] | None = None, **kwargs):
         if not torch.compiler.is_compiling() and threading.get_ident() != owner:
             if guard is not None:
                 guard.refuse()
             private = getattr(mine, "apply_fn", None)
             if private is None:
                 private = mine.apply_fn = rebuild()
-            return private(params, *args, **kwargs)
+            return private(params, *args, buffers=buffers, **kwargs)
         values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, key_set)
         if tuple(v.shape for v in values) != shapes:
             _raise_shape(values, keys, shapes)
         if not {v.device.type for v in values} <= devices:
             _raise_device(values, keys, devices)
-        pending = None
+        state = None if buffers is None else buffer_slots.check(buffers, devices)
+        pending = saved = None
         if agreement is not None and not torch.compiler.is_compiling():
             pending = PENDING.check = agreement.pending(args, kwargs)  # runs before the call's first collective
         try:
@@ -90,7 +94,11 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
                         values[i] = v
             for i, store, name, _ in slots:
                 store[name] = values[i]
+            if state is not None:
+                saved = buffer_slots.bind(state)
             out = skeleton(*args, **kwargs)
+            if state is not None:
+                out = (out, buffer_slots.collect(state))
             if pending is not None:  # a forward without collectives: agree before the backward can issue any
                 run_pending()
         finally:  # the skeleton never keeps the caller's tensors alive
@@ -98,11 +106,14 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
                 PENDING.check = None
             for _, store, name, placeholder in slots:
                 store[name] = placeholder
+            if saved:
+                buffer_slots.restore(saved)
             if cache:
                 cache.clear()
         return out
 
     apply_fn.program = program  # for explain() and tests; read-only by convention
+    apply_fn.buffer_slots = buffer_slots  # hpf.buffers(apply_fn); read-only
     apply_fn.input_check = agreement  # .values = True: also compare the values (HPF_CHECK_INPUTS=1)
     return apply_fn
 

@@ -398,4 +398,5 @@ def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: CallState, placehold
             state.values, state.gathered = None, {}
 
     apply_fn.fsdp = layout
+    apply_fn.buffer_slots = inner.buffer_slots  # hpf.buffers(apply_fn); read-only
     return apply_fn

@@ -169,6 +169,30 @@ def test_auto_plan_matches_unsharded(pool, kind, sequence_parallel, loss_paralle
         assert "packed 3" in text and "split_size" in text
 
 
+def case_flex_attention(state):
+    """Flex attention refuses meta tensors; auto_plan traces it on fake CPU tensors instead and
+    plans it as the same model on SDPA.  Forward only: flex attention has no backward on the CPU
+    (the plan's gradients are the SDPA model's, checked above).  Run eagerly (HF compiles flex
+    attention; the C++ build would dominate the suite)."""
+    m = mesh()
+    with torch.compiler.set_stance("force_eager"), torch.no_grad():
+        sdpa, model = build("llama", state), build("llama", state)
+        model.config._attn_implementation = "flex_attention"  # every attention module reads it per call
+        plan = hpf.auto_plan(model, m)
+        assert plan.entries == hpf.auto_plan(sdpa, m).entries
+        assert plan.entries["model.layers.*.mlp.down_proj"].input_layout == Shard(-1)  # heads localised, not gathered
+        apply_fn, params, _ = hpf.shard(model, plan, m)  # under no_grad: the probe takes its gradients anyway
+        checks = apply_fn.runtime.checks
+        assert checks["probe"].startswith("the loss agrees; gradients not compared"), checks
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(7))
+        ref, out = model(input_ids=ids, labels=ids), apply_fn(params, input_ids=ids, labels=ids)
+    return {"loss": assert_close(out.loss, ref.loss, "loss"), "logits": assert_close(out.logits, ref.logits, "logits")}
+
+
+def test_auto_plan_traces_flex_attention_on_fake_tensors(pool):
+    print(f"flex attention world {pool.world}: max |diff| {pool.run(case_flex_attention, make_state('llama'))[0]}")
+
+
 # ---------------------------------------------------------------- agreement with from_hf
 def case_agrees_with_from_hf(family: str, cfg):
     m = mesh()

@@ -116,7 +116,7 @@ def test_context_parallel_gradient_is_the_gradient(pool):
 
 def case_probe_refuses(family: str):
     """The dataflow pass switched off (as if it had missed the parameters): the probe refuses the
-    plan on every rank; with verify=False the gradients are indeed wrong."""
+    plan on every rank, under ``torch.no_grad()`` too; with verify=False the gradients are indeed wrong."""
     from hp_functional.compile import build
     from hp_functional.compile.dataflow import Dataflow
 
@@ -128,6 +128,9 @@ def case_probe_refuses(family: str):
     try:
         with pytest.raises(hpf.PlanError) as refused:
             hpf.shard(model, plan, m)
+        with torch.no_grad(), pytest.raises(hpf.PlanError) as refused_no_grad:  # the probe takes gradients anyway
+            hpf.shard(model, plan, m)
+        assert str(refused_no_grad.value) == str(refused.value)
         apply_fn, params, info = hpf.shard(model, plan, m, verify=False)
     finally:
         build.trace_dataflow = original

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
 from ..core.placement import STORED_ONLY
-from .trace import TracedInt, _leaves, _plain, _snapshot, _to_meta, meta_copy
+from .trace import TracedInt, _leaves, _plain, _snapshot, _to_meta, fake_mode, meta_copy
 
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 CONTRACTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "mm", "linear", "scaled_dot_product_attention"}
@@ -103,7 +104,13 @@ def record(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[s
     ``opaque``: relative path of a planned child → its ``Handoff`` (None: the global run, inputs
     and outputs kept); ``outputs``: filled with each opaque child's output shapes per call (the
     global run's, handed to ``Handoff.output`` in the local run)."""
-    twin = meta_copy(module, shapes)
+    fake = any(isinstance(t, FakeTensor) for t in _leaves((args, kwargs)))  # traced on fake CPU tensors
+    with fake_mode(fake) as device:
+        return _record(module, args, kwargs, shapes, attrs, opaque, outputs, device)
+
+
+def _record(module, args, kwargs, shapes, attrs, opaque, outputs, device: str) -> tuple[list[Op], bool]:
+    twin = meta_copy(module, shapes, device)
     for path, m in twin.named_modules():
         for attr, value in list(vars(m).items()):
             if type(value) is int:
@@ -135,13 +142,13 @@ def record(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[s
                 return out
             glob = calls[i][1] if i < len(calls) and calls[i][1] is not None else tuple(out.shape)
             shape = layout.output(tuple(out.shape), glob)
-            return out if shape == tuple(out.shape) else torch.empty(shape, dtype=out.dtype, device="meta")
+            return out if shape == tuple(out.shape) else torch.empty(shape, dtype=out.dtype, device=device)
         sub = twin.get_submodule(rel)
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
     ok = True
     try:
         with torch.no_grad(), rec:
-            twin(*_to_meta(_snapshot(tuple(args))), **_to_meta(_snapshot(dict(kwargs))))
+            twin(*_to_meta(_snapshot(tuple(args)), device), **_to_meta(_snapshot(dict(kwargs)), device))
     except Exception:  # noqa: BLE001 - the record says where it stopped
         ok = False
     finally:
@@ -277,7 +284,7 @@ class Handoff:
             return args
         have = tuple(args[0].shape)
         want = self._divided(have, glob, getattr(self.dst, "dim", None))
-        return args if want == have else (torch.empty(want, dtype=args[0].dtype, device="meta"), *args[1:])
+        return args if want == have else (torch.empty(want, dtype=args[0].dtype, device=args[0].device), *args[1:])
 
     def output(self, local: Shape, glob: Shape) -> Shape:
         if self.out == self.src:

@@ -21,6 +21,7 @@ alone with, at global and at local shapes.  Nothing here communicates.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from functools import cached_property
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from ..core.errors import PlanError
@@ -162,19 +164,21 @@ class _Tracer(TorchFunctionMode):
 
 
 def _meta_flag(t) -> bool:
-    return isinstance(t, Tensor) and t.device.type == "meta" and t.dtype == torch.bool and t.numel() == 1
+    return (isinstance(t, Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor)) and t.dtype == torch.bool
+            and t.numel() == 1)
 
 
-def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None) -> nn.Module:
+def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None, device: str = "meta") -> nn.Module:
     """A deep copy of ``module`` whose parameters and buffers are meta tensors (at ``shapes``, by
     name, where given), without the user's module hooks (a private check must not run them; those
     of torch and transformers, which record router logits and hidden states, stay); ``module``
-    itself is only read."""
+    itself is only read.  Under a ``FakeTensorMode``, ``device="cpu"`` makes them fake CPU tensors
+    instead (no storage either, but code that checks the device runs: ``trace_model``'s fallback)."""
     shapes = shapes or {}
     memo: dict[int, object] = {}
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         if id(t) not in memo:
-            meta = torch.empty(shapes.get(name, t.shape), dtype=t.dtype, device="meta")
+            meta = torch.empty(shapes.get(name, t.shape), dtype=t.dtype, device=device)
             memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
     twin = copy.deepcopy(module, memo)
     for m in twin.modules():
@@ -190,19 +194,33 @@ def _library_hook(fn) -> bool:
     return (getattr(fn, "__module__", None) or "").split(".")[0] in ("torch", "transformers")
 
 
-def _to_meta(obj):
+def _to_meta(obj, device: str = "meta"):
+    """``obj`` with every tensor replaced by an empty one of its shape on ``device`` (meta, or a fake one)."""
     if isinstance(obj, Tensor):
-        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+        return torch.empty(obj.shape, dtype=obj.dtype, device=device)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_meta(o) for o in obj)
+        return type(obj)(_to_meta(o, device) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_meta(v) for k, v in obj.items()}
+        return {k: _to_meta(v, device) for k, v in obj.items()}
     return obj
 
 
+class _EmptyCopies(TorchFunctionMode):
+    """Deep copies of tensors as new empty ones of their shapes (meta or fake tensors have no data
+    to keep; deep-copying a fake one reads its data pointer, which corrupts memory)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is Tensor.__deepcopy__:
+            return torch.empty(args[0].shape, dtype=args[0].dtype, device=args[0].device)
+        return func(*args, **(kwargs or {}))
+
+
 def _snapshot(obj):
+    """A deep copy of ``obj`` (module call arguments: the trace's own meta or fake tensors, nested
+    in objects such as a flex-attention mask too) with its tensors new and empty."""
     try:
-        return copy.deepcopy(obj)
+        with _EmptyCopies():
+            return copy.deepcopy(obj)
     except Exception:  # noqa: BLE001 - an argument that cannot be copied is replayed as it is
         return obj
 
@@ -245,8 +263,37 @@ class ModelTrace:
 
 def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
     """One forward of a meta copy of ``model`` on ``inputs`` (``(args, kwargs)``, moved to meta)
-    with the recording described in the module docstring."""
-    twin = meta_copy(model)
+    with the recording described in the module docstring.  Code that refuses meta tensors (flex
+    attention checks the device) is traced again on fake CPU tensors (``FakeTensorMode``: shapes
+    and devices, no storage, nothing computed); the meta error is raised if that fails too."""
+    try:
+        return _trace(model, inputs, "meta")
+    except Exception as meta_error:
+        try:
+            with fake_mode(True) as device:
+                return _trace(model, inputs, device)
+        except Exception:  # noqa: BLE001 - the meta failure is the one to report
+            raise meta_error from None
+
+
+@contextlib.contextmanager
+def fake_mode(fake: bool):
+    """The device to trace on: "meta", or with ``fake`` "cpu" under a ``FakeTensorMode`` (tensors
+    without storage whose device is real), torch.compile'd code run eagerly (Dynamo would
+    otherwise trace the recording mode: HF's flex attention is compiled).  The mode's dispatch cache
+    is off: it is shared across modes, and an entry from an earlier trace at other shapes made a
+    later replay fail."""
+    if not fake:
+        yield "meta"
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode.cache_enabled = False
+    with torch.compiler.set_stance("force_eager"), mode:
+        yield "cpu"
+
+
+def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str) -> ModelTrace:
+    twin = meta_copy(model, device=device)
     for path, m in twin.named_modules():
         for attr, value in list(vars(m).items()):
             if type(value) is int:
@@ -281,7 +328,7 @@ def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
     for path, m in twin.named_modules():
         handles.append(m.register_forward_pre_hook(pre(path), with_kwargs=True))
         handles.append(m.register_forward_hook(post(path), with_kwargs=True))
-    args, kwargs = _to_meta(inputs[0]), _to_meta(inputs[1])
+    args, kwargs = _to_meta(inputs[0], device), _to_meta(inputs[1], device)
     tracer.tag((args, kwargs), frozenset({INPUT}))
     with torch.no_grad(), tracer:
         output = twin(*args, **kwargs)

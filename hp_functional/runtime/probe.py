@@ -148,19 +148,33 @@ def _vocab(model: nn.Module) -> int:
 def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[str, frozenset[str]] | None) -> str:
     """Shard the probe copy (``shard_fn``: ``shard`` without the probe), run both on one batch and
     compare loss and every gradient; returns why the comparison was skipped ("" when it ran) and
-    raises ``PlanError`` on a mismatch.  Collective: every rank calls it."""
+    raises ``PlanError`` on a mismatch.  Collective: every rank calls it.  Gradients are taken
+    even where ``shard`` is called under ``torch.no_grad()``; where the unsharded model has no
+    backward here (flex attention on the CPU), only the loss is compared."""
+    with torch.enable_grad():
+        return _run_probe(probe, plan, mesh, shard_fn, varying)
+
+
+def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying) -> str:
     model = probe.model
     batch = _batch(model, mesh)
     if batch is None:
         return f"{type(model).__name__} does not start with an embedding: no batch to probe with"
     batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
+    no_backward = None  # why the unsharded model cannot be differentiated here, if it cannot
     try:
         ref_out = model(**batch)
     except Exception as exc:  # noqa: BLE001 - the model itself does not take this batch (a pipeline stage's view)
-        return f"skipped: the model does not take the synthesized batch ({type(exc).__name__}: {str(exc)[:120]})"
+        try:  # or only not with gradients (flex attention on the CPU)
+            with torch.no_grad():
+                ref_out = model(**batch)
+            no_backward = exc
+        except Exception:  # noqa: BLE001
+            return f"skipped: the model does not take the synthesized batch ({type(exc).__name__}: {str(exc)[:120]})"
     apply_fn, params, info = shard_fn(model, plan, mesh, varying)
     try:
-        out = apply_fn(params, **batch)
+        with torch.set_grad_enabled(no_backward is None):
+            out = apply_fn(params, **batch)
     except PlanError as exc:  # a refusal of this batch (raised alike on every rank, before any collective)
         return f"skipped: the plan refuses the probe's batch ({str(exc).splitlines()[0][:160]})"
     except Exception as exc:  # the unsharded copy ran this batch: the plan is what cannot run
@@ -172,14 +186,22 @@ def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[s
         return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
     loss, ref = scalar_loss(out), scalar_loss(ref_out)
     keys = [k for k, v in params.items() if v.requires_grad]
+    try:
+        ref_grads = no_backward is None and dict(zip(keys, torch.autograd.grad(
+            ref, [model.get_parameter(k) for k in keys], allow_unused=True), strict=True))
+    except Exception as exc:  # noqa: BLE001 - the unsharded model has no backward here: the loss alone is compared
+        no_backward = exc
+    if no_backward is not None:
+        _compare(loss.detach(), ref.detach(), {}, {}, probe.names)
+        why = str(no_backward).splitlines()[0][:120] if str(no_backward) else ""
+        return (f"the loss agrees; gradients not compared: the unsharded model has no backward here "
+                f"({type(no_backward).__name__}: {why})")
     grads = dict(zip(keys, torch.autograd.grad(loss, [params[k] for k in keys], allow_unused=True), strict=True))
     grads = {k: torch.zeros_like(params[k]) if g is None else g for k, g in grads.items()}
     full = unshard(grads, info)
     for k, i in info.items():  # every rank fed the same batch through leaves summed over an axis (experts on dp ranks)
         for axis in i.summed:
             full[k] = full[k] / mesh.size(mesh.mesh_dim_names.index(axis))
-    ref_grads = dict(zip(keys, torch.autograd.grad(ref, [model.get_parameter(k) for k in keys], allow_unused=True),
-                         strict=True))
     _compare(loss.detach(), ref.detach(), full, ref_grads, probe.names)
     return ""
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .core.raw_collectives import set_timeout
     from .plan.auto import auto_plan
     from .plan.context import ContextParallel
+    from .plan.context_inputs import ContextInputs
     from .plan.experts import Experts, expert_mesh
     from .plan.experts_calls import ExpertsCall
     from .plan.local import Local
@@ -103,6 +104,7 @@ _LAZY: dict[str, str] = {
     "ShardingPlan": ".plan.plan",
     "auto_plan": ".plan.auto",
     "ContextParallel": ".plan.context",
+    "ContextInputs": ".plan.context_inputs",
     "Experts": ".plan.experts",
     "expert_mesh": ".plan.experts",
     "ExpertsCall": ".plan.experts_calls",
@@ -173,6 +175,7 @@ __all__ = [
     "CheckpointError",
     "Colwise",
     "ContextParallel",
+    "ContextInputs",
     "Experts",
     "ExpertsCall",
     "Explanation",

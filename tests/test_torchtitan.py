@@ -156,6 +156,55 @@ def test_deepseek_v3_with_torchtitans_plans(layout):
     print(f"deepseek {layout}: max |Δgrad| {worst}")
 
 
+def case_context(strategy: str, tp: bool):
+    """torchtitan's Llama 3 ``Transformer(tokens, positions=)`` with context parallelism declared
+    through ``hpf.ContextInputs`` (no HF names): the full batch on every rank, each keeps its
+    zigzag chunk of ``tokens`` and gets the global ``positions``; ``labels=`` gives the mean loss
+    over the whole sequence.  With ``tp``: torchtitan's own ``apply_tp`` plan (sequence parallel)
+    on a (cp, tp) mesh."""
+    from torchtitan.models.llama3.infra.parallelize import apply_tp
+
+    from tests import torchtitan_real as T
+
+    model = T.llama3(max_seq_len=64)  # the shard-time probe's batch is 8 x world size long
+    entries = T.parallelize_plans(apply_tp, model, "tp", False, False)["tp"] if tp else {}
+    m = mesh((2, 2), ("cp", "tp")) if tp else mesh((2,), ("cp",))
+    cp = hpf.ContextInputs(sequence={"tokens": 1}, positions="positions")
+    plan = hpf.ShardingPlan.from_torch(entries)
+    if tp:  # torchtitan's plan gives the attention module a PrepareModuleInput: one style per module
+        with pytest.raises(hpf.PlanError, match="layers.0.attention.*loses to the more specific"):
+            hpf.shard(model, plan.with_entries({**plan.entries, "layers.*.attention": hpf.ContextParallel(strategy)},
+                                               cp_axis="cp", cp_inputs=cp), m)
+    plan = plan.with_entries({**plan.entries, "layers.*.attention.inner_attention": hpf.ContextParallel(strategy)},
+                             cp_axis="cp", cp_inputs=cp)
+    apply_fn, params, info = hpf.shard(model, plan, m)
+    assert apply_fn.runtime.checks["probe"].startswith("exact"), apply_fn.runtime.checks
+    gen = torch.Generator().manual_seed(7)
+    ids, labels = torch.randint(0, VOCAB, (2, 2 * SEQ), generator=gen), torch.randint(0, VOCAB, (2, 2 * SEQ), generator=gen)
+    logits = model(ids)
+    ref = _ce(logits, labels)
+    ref.backward()
+    out, loss = apply_fn(params, ids, labels=labels)
+    worst = {"logits": assert_close(hpf.cp_unshard(out, m, 1), logits.detach(), "logits")}
+    loss.backward()
+    runs = {"backward": ({k: p.grad for k, p in params.items()}, loss),
+            "torch.func": grad_and_value(lambda p: apply_fn(p, ids, labels=labels)[1])(params)}
+    for label, (grads, value) in runs.items():
+        assert_close(value, ref.detach(), f"{label} loss")
+        full = hpf.unshard(grads, info)
+        assert set(full) == {k for k, _ in model.named_parameters()}, "every parameter has a gradient"
+        worst[label] = max(assert_close(full[k], p.grad, f"{label} grad {k}", atol=1e-5 * p.grad.abs().max().item(),
+                                        rtol=1e-4) for k, p in model.named_parameters())
+    return worst
+
+
+@pytest.mark.parametrize("tp", [False, True], ids=["cp2", "cp2_tp2"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_context_parallel_on_torchtitans_llama(strategy, tp):
+    print(f"llama3 {strategy} {'cp 2 x tp 2' if tp else 'cp 2'}: max |diff| "
+          f"{get_pool(4 if tp else 2).run(case_context, strategy, tp)[0]}")
+
+
 def case_bad_input():
     """torchtitan styles with no counterpart, and a head count the tp axis does not divide: a
     PlanError naming the entry or the attribute, before any collective; the model untouched."""

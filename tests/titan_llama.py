@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-DIM, HEADS, KV_HEADS, LAYERS, VOCAB, MAX_SEQ = 32, 4, 4, 2, 64, 16
+DIM, HEADS, KV_HEADS, LAYERS, VOCAB, MAX_SEQ = 32, 4, 4, 2, 64, 32
 
 
 class RMSNorm(nn.Module):
@@ -35,6 +35,14 @@ def rotary(x, freqs):
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
 
 
+class ScaledDotProductAttention(nn.Module):
+    """torchtitan's ``inner_attention`` (``ScaledDotProductAttentionWrapper``): the SDPA call in a
+    module of its own, where a ``ContextParallel`` entry goes beside the attention's TP entry."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self):
         super().__init__()
@@ -44,6 +52,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
         self.wv = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
         self.wo = nn.Linear(HEADS * self.head_dim, DIM, bias=False)
+        self.inner_attention = ScaledDotProductAttention()
 
     def forward(self, x, freqs):
         bs, seqlen, _ = x.shape
@@ -52,7 +61,7 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = rotary(xq, freqs), rotary(xk, freqs)
         xk, xv = xk.repeat_interleave(self.n_rep, 2), xv.repeat_interleave(self.n_rep, 2)
-        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
+        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
@@ -86,10 +95,13 @@ class Transformer(nn.Module):
         angles = torch.outer(torch.arange(MAX_SEQ).float(), 1.0 / 10000 ** (torch.arange(0, DIM // HEADS, 2) / (DIM // HEADS)))
         self.register_buffer("freqs", torch.stack([angles.cos(), angles.sin()]), persistent=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens, positions=None):
+        """``positions`` ([1, seq]): the rotary angles' rows, as torchtitan's (context parallelism
+        hands each rank's chunk its global positions)."""
+        freqs = self.freqs if positions is None else self.freqs[:, positions[0]]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.freqs)
+            h = layer(h, freqs)
         return self.output(self.norm(h))
 
 

@@ -75,8 +75,8 @@ def _init(model: nn.Module, seed: int) -> nn.Module:
 def llama3(seed: int = 0, **overrides) -> nn.Module:
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=VOCAB, multiple_of=16,
-                                max_seq_len=16, **overrides)
+    args = TransformerModelArgs(**{**dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=VOCAB, multiple_of=16,
+                                          max_seq_len=16), **overrides})
     return _init(Transformer(args), seed)
 
 

@@ -97,9 +97,9 @@ def _named(module: nn.Module, args: tuple, kwargs: dict) -> dict:
     return {**{k: v for k, v in bound.items() if k != extra}, **bound.get(extra, {})}
 
 
-def _shifted(labels: Tensor) -> Tensor:
+def _shifted(labels: Tensor, ignore: int = IGNORE) -> Tensor:
     """HF's causal-LM shift over the whole sequence: the label of position ``t`` is token ``t + 1``."""
-    return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+    return F.pad(labels, (0, 1), value=ignore)[..., 1:]
 
 
 @dataclass(frozen=True)

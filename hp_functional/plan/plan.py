@@ -21,6 +21,7 @@ from ..core.cp_layout import check_layout
 from ..core.errors import PlanError
 from ..core.program import Planned
 from .context import ContextParallel, attention_patterns, context_parallel_root
+from .context_inputs import ContextInputs
 from .experts import Experts, hf_ep_entries
 from .hf_styles import HF_STYLES, hf_entries, tp_experts
 from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers, path_matches
@@ -59,12 +60,26 @@ def most_specific(path: str, cands: list[Candidate]) -> tuple[str, Style]:
     return best[0]
 
 
+def _check_context_shadowed(candidates: Mapping[str, list[Candidate]], chosen: Mapping[str, tuple[str, Style]]) -> None:
+    """A ContextParallel entry that loses a module to a more specific entry would leave that
+    module's attention on the local chunk: refused, naming both."""
+    for path, cands in candidates.items():
+        lost = next((c for c in cands if isinstance(c.style, ContextParallel) and c.pattern != chosen[path][0]), None)
+        if lost is not None:
+            raise PlanError(f"{path}: plan entry {lost.pattern!r} (ContextParallel) loses to the more specific entry "
+                            f"{chosen[path][0]!r} ({chosen[path][1]}): a module takes one style, so its attention would "
+                            "see only this rank's chunk; put ContextParallel on the module that calls "
+                            "scaled_dot_product_attention (a child: torchtitan's 'layers.*.attention.inner_attention')")
+
+
 class ShardingPlan:
     """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default).
 
     ``cp_axis``: the mesh axis the sequence is sharded over (context parallelism, ``plan.context``):
     the plan's ``ContextParallel`` entries act on it and a root entry shards the batch in
-    ``cp_layout`` (``"zigzag"`` or ``"contiguous"``).  ``ep_axis``: the mesh axis routed experts
+    ``cp_layout`` (``"zigzag"`` or ``"contiguous"``); that root knows HF's arguments, and
+    ``cp_inputs`` (``ContextInputs``) declares another model's sequence, positions and loss
+    instead (``plan.context_inputs``).  ``ep_axis``: the mesh axis routed experts
     are sharded over (``Experts`` entries, ``plan.experts``).  ``tp_optional``: entries on
     ``tp_axis`` are dropped when the mesh has no such axis (``from_hf`` with ``cp_axis`` or
     ``ep_axis``: CP or EP alone on a mesh without ``tp``)."""
@@ -77,6 +92,7 @@ class ShardingPlan:
         loss_parallel: bool = False,
         cp_axis: str | None = None,
         cp_layout: str = "zigzag",
+        cp_inputs: ContextInputs | None = None,
         ep_axis: str | None = None,
         tp_optional: bool = False,
         special_handlers: Mapping[str, str] | None = None,
@@ -89,6 +105,7 @@ class ShardingPlan:
         self.tp_axis = tp_axis
         self.loss_parallel = loss_parallel
         self.cp_axis, self.cp_layout, self.tp_optional = cp_axis, check_layout(cp_layout), tp_optional
+        self.cp_inputs = cp_inputs
         self.ep_axis = ep_axis
         self.unplanned = dict(unplanned or {})  # HF pattern -> why from_hf left it unplanned (dropped, kept whole)
         self._check_context_entries()
@@ -119,8 +136,9 @@ class ShardingPlan:
     def with_entries(self, entries: Mapping[str, Style | str], **changes) -> ShardingPlan:
         """A new plan of ``entries`` with this plan's settings (``changes`` override them)."""
         settings = dict(tp_axis=self.tp_axis, loss_parallel=self.loss_parallel, cp_axis=self.cp_axis,
-                        cp_layout=self.cp_layout, ep_axis=self.ep_axis, tp_optional=self.tp_optional,
-                        special_handlers=self.special_handlers, handlers=self.handlers, unplanned=self.unplanned)
+                        cp_layout=self.cp_layout, cp_inputs=self.cp_inputs, ep_axis=self.ep_axis,
+                        tp_optional=self.tp_optional, special_handlers=self.special_handlers, handlers=self.handlers,
+                        unplanned=self.unplanned)
         return ShardingPlan(entries, **{**settings, **changes})
 
     def _check_context_entries(self) -> None:
@@ -233,6 +251,7 @@ class ShardingPlan:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
                 raise PlanError(f"plan entry {pattern!r} matches no module; closest paths: {close}")
         chosen = {path: most_specific(path, cands) for path, cands in candidates.items()}
+        _check_context_shadowed(candidates, chosen)
         head = self.loss_head(model) if self.loss_parallel else None
         vocab_axis = None
         if head is not None:
@@ -257,7 +276,8 @@ class ShardingPlan:
         """The root entry the plan adds (module and path filled in by ``resolve``): CP's, which
         also computes the vocab-parallel loss, or loss parallel's alone."""
         if self.cp_axis is not None:
-            style = context_parallel_root(self.cp_axis, self.cp_layout, vocab_axis)
+            root = context_parallel_root if self.cp_inputs is None else self.cp_inputs.root
+            style = root(self.cp_axis, self.cp_layout, vocab_axis)
             return Planned("", None, style, self.cp_axis, "(context_parallel)")
         if vocab_axis is not None:
             return Planned("", None, loss_parallel_root(vocab_axis), vocab_axis, "(loss_parallel)")

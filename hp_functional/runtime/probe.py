@@ -76,7 +76,8 @@ def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | N
     own constants), the plan restated on it, the mesh, the varying uses and the conversions the
     compiled ``program`` gives the parameters (what the dataflow pass decided)."""
     steps = tuple(sorted((k, tuple((s.name, s.axis) for s in v)) for k, v in program.param_steps.items()))
-    settings = (plan.tp_axis, plan.loss_parallel, plan.cp_axis, plan.cp_layout, plan.ep_axis, plan.tp_optional,
+    settings = (plan.tp_axis, plan.loss_parallel, plan.cp_axis, plan.cp_layout, repr(plan.cp_inputs), plan.ep_axis,
+                plan.tp_optional,
                 tuple(sorted(plan.special_handlers.items())), tuple(sorted((k, id(h)) for k, h in plan.handlers.items())))
     return (fingerprint(probe.model), tuple((n, checksum(b)) for n, b in probe.model.named_buffers()),
             tuple(sorted((k, repr(v)) for k, v in plan.entries.items())), settings,
@@ -171,10 +172,12 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying) -> str:
             no_backward = exc
         except Exception:  # noqa: BLE001
             return f"skipped: the model does not take the synthesized batch ({type(exc).__name__}: {str(exc)[:120]})"
+    declared = plan.cp_inputs if plan.cp_axis is not None else None  # a non-HF model's CP root computes the loss
+    labels = {declared.labels: next(iter(batch.values()))} if declared is not None else {}
     apply_fn, params, info = shard_fn(model, plan, mesh, varying)
     try:
         with torch.set_grad_enabled(no_backward is None):
-            out = apply_fn(params, **batch)
+            out = apply_fn(params, **batch, **labels)
     except PlanError as exc:  # a refusal of this batch (raised alike on every rank, before any collective)
         return f"skipped: the plan refuses the probe's batch ({str(exc).splitlines()[0][:160]})"
     except Exception as exc:  # the unsharded copy ran this batch: the plan is what cannot run
@@ -182,9 +185,12 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying) -> str:
                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); a shape the "
                         "plan gives some module is not one its forward accepts (shard(..., verify=False) skips this "
                         "check; docs/guarantees.md#exact-or-refused)") from exc
-    if getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
+    if declared is not None:
+        loss, ref = out[1], declared.reference_loss(ref_out, *labels.values())
+    elif getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
         return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
-    loss, ref = scalar_loss(out), scalar_loss(ref_out)
+    else:
+        loss, ref = scalar_loss(out), scalar_loss(ref_out)
     keys = [k for k, v in params.items() if v.requires_grad]
     try:
         ref_grads = no_backward is None and dict(zip(keys, torch.autograd.grad(

@@ -65,6 +65,16 @@ def cyclic_splits(total: int, n: int, r: int) -> tuple[list[int], list[int]]:
     return [base[(j - r) % n] for j in range(n)], [base[(r - k) % n] for k in range(n)]
 
 
+def raised(fn, *args, **kwargs) -> tuple[str, str] | None:
+    """(exception type name, message) of what ``fn(*args, **kwargs)`` raised, or None: bad-input
+    tests return it from the ranks and check both."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test checks type and message
+        return type(exc).__name__, str(exc)
+    return None
+
+
 def plan_errors(makers) -> dict[str, tuple[str, str]]:
     """``{what: (error type, message)}`` of every ``makers[what]()`` that raises a PlanError."""
     from hp_functional import PlanError

@@ -17,28 +17,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import hp_functional as hpf
 from tests.helpers import assert_close, mesh
 from tests.models import MLP, PLANS, build_llama, make_llama_state, make_mlp_state
+from tests.snapshot import assert_unchanged, snapshot
 
 LR = 1e-2
 
 
 def batch(seed: int, rows: int = 2, seq: int = 8) -> torch.Tensor:
     return torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def snapshot(model: nn.Module) -> dict:
-    return {"params": dict(model.named_parameters()), "state": {k: v.clone() for k, v in model.state_dict().items()},
-            "grad": {k: p.requires_grad for k, p in model.named_parameters()},
-            "modules": {k: (type(v), dict(v._forward_hooks), dict(v._forward_pre_hooks)) for k, v in model.named_modules()}}
-
-
-def assert_untouched(model: nn.Module, before: dict) -> None:
-    after = snapshot(model)
-    assert after["modules"] == before["modules"], "the user's modules changed (class or hooks)"
-    assert after["grad"] == before["grad"], "requires_grad of the user's parameters changed"
-    assert all(after["params"][k] is p for k, p in before["params"].items()), "the user's parameters were replaced"
-    for k, v in before["state"].items():
-        torch.testing.assert_close(after["state"][k], v, atol=0, rtol=0, msg=f"the user's {k} changed")
-    assert all(p.grad is None for p in model.parameters()), "gradients on the user's model"
 
 
 def grads_of(m: nn.Module) -> dict[str, torch.Tensor]:
@@ -117,7 +102,7 @@ def case_module(state):
         hpf.as_module(apply_fn, list(params.values()))
     with pytest.raises(hpf.PlanError, match="'model.embed_tokens.weight' is a DTensor"):
         hpf.as_module(apply_fn, hpf.to_dtensor(params, info))(input_ids=ids)
-    assert_untouched(model, before)
+    assert_unchanged(before, snapshot(model))
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
-from tests.helpers import mesh, world
+from tests.helpers import mesh, raised, world
 from tests.models import MLP, PLANS, build_llama, make_llama_state
 from tests.snapshot import assert_unchanged, snapshot
 
@@ -52,32 +52,23 @@ PLAN_ROWS = {
 LLAMA_ROWS = {"no_match", "conflicting_styles", "tied_conflict"}
 
 
-def _raised(fn, *args, **kwargs):
-    """(exception type name, message) of what ``fn`` raised, or None."""
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the test checks type and message
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def case_plan_row(state, kind: str):
     plan = PLAN_ROWS[kind][0]
     model = build_llama(state, tie_word_embeddings=kind == "tied_conflict") if kind in LLAMA_ROWS else Odd()
     before = snapshot(model)
-    raised = _raised(lambda: hpf.shard(model, plan, mesh()))
+    error = raised(lambda: hpf.shard(model, plan, mesh()))
     assert_unchanged(before, snapshot(model))
-    return raised
+    return error
 
 
 @pytest.mark.parametrize("kind", sorted(PLAN_ROWS))
 def test_bad_plan_raises_on_every_rank(pool, kind):
     results = pool.run(case_plan_row, make_llama_state(tie_word_embeddings=kind == "tied_conflict"), kind)
     _, exc_type, needle, culprit = PLAN_ROWS[kind]
-    for raised in results:
-        assert raised is not None, "no error raised"
-        name, msg = raised
-        assert name == exc_type.__name__ and needle in msg and culprit in msg, raised
+    for error in results:
+        assert error is not None, "no error raised"
+        name, msg = error
+        assert name == exc_type.__name__ and needle in msg and culprit in msg, error
 
 
 # ------------------------------------------------------------------ meshes
@@ -85,13 +76,13 @@ def case_mesh_rows():
     """Wrong world size and duplicate axis names are rejected by torch's own mesh constructor
     (before any group is created); a rank outside the mesh is rejected by shard()."""
     rows = {
-        "too_big": _raised(init_device_mesh, "cpu", (world() + 1,), mesh_dim_names=("tp",)),
-        "duplicate_axes": _raised(init_device_mesh, "cpu", (1, world()), mesh_dim_names=("tp", "tp")),
+        "too_big": raised(init_device_mesh, "cpu", (world() + 1,), mesh_dim_names=("tp",)),
+        "duplicate_axes": raised(init_device_mesh, "cpu", (1, world()), mesh_dim_names=("tp", "tp")),
     }
     half = DeviceMesh("cpu", list(range(world() // 2)), mesh_dim_names=("tp",))  # every rank builds it
     model = MLP()
     before = snapshot(model)
-    rows["rank_outside"] = _raised(hpf.shard, model, hpf.ShardingPlan(PLANS["tp"]), half) if half.get_coordinate() is None \
+    rows["rank_outside"] = raised(hpf.shard, model, hpf.ShardingPlan(PLANS["tp"]), half) if half.get_coordinate() is None \
         else ("outside only", "ranks of the first half are in the mesh")
     assert_unchanged(before, snapshot(model))
     return rows
@@ -119,17 +110,17 @@ def case_call_rows():
     batch_fn, batch_params, _ = hpf.shard(model, hpf.ShardingPlan(batch_plan), m)
     key = next(iter(params))
     rows = {
-        "seq_breaks_plan": _raised(seq_fn, seq_params, torch.randn(2, 4 * world() + 1, 16)),
-        "batch_breaks_plan": _raised(batch_fn, batch_params, torch.randn(world() + 1, 4, 16)),
-        "missing_key": _raised(apply_fn, {k: v for k, v in params.items() if k != key}, torch.randn(2, 8, 16)),
-        "extra_key": _raised(apply_fn, {**params, "bogus.weight": torch.ones(1)}, torch.randn(2, 8, 16)),
-        "wrong_shape": _raised(apply_fn, {**params, "up.weight": torch.ones(3, 16)}, torch.randn(2, 8, 16)),
-        "state_dict": _raised(apply_fn, model.state_dict(), torch.randn(2, 8, 16)),
+        "seq_breaks_plan": raised(seq_fn, seq_params, torch.randn(2, 4 * world() + 1, 16)),
+        "batch_breaks_plan": raised(batch_fn, batch_params, torch.randn(world() + 1, 4, 16)),
+        "missing_key": raised(apply_fn, {k: v for k, v in params.items() if k != key}, torch.randn(2, 8, 16)),
+        "extra_key": raised(apply_fn, {**params, "bogus.weight": torch.ones(1)}, torch.randn(2, 8, 16)),
+        "wrong_shape": raised(apply_fn, {**params, "up.weight": torch.ones(3, 16)}, torch.randn(2, 8, 16)),
+        "state_dict": raised(apply_fn, model.state_dict(), torch.randn(2, 8, 16)),
     }
     # unshard with a shard_info from another mesh: tp over every rank vs a size-1 tp axis
     _, _, other_info = hpf.shard(model, hpf.ShardingPlan(PLANS["tp"]), mesh((world(), 1), ("dp", "tp")))
     _, tp_params, _ = hpf.shard(model, hpf.ShardingPlan(PLANS["tp"]), m)
-    rows["unshard_other_mesh"] = _raised(hpf.unshard, tp_params, other_info)
+    rows["unshard_other_mesh"] = raised(hpf.unshard, tp_params, other_info)
     assert_unchanged(before, snapshot(model))
     return rows
 

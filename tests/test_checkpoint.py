@@ -14,7 +14,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 import hp_functional as hpf
 from hp_functional.runtime import shard as shard_module
 from hp_functional.runtime.checkpoint import Checkpoint
-from tests.helpers import assert_close, mesh
+from tests.helpers import assert_close, mesh, raised
 from tests.models import MLP, build_llama, make_llama_state
 from tests.snapshot import assert_unchanged, snapshot
 
@@ -171,14 +171,6 @@ def test_hf_gradient_checkpointing_enable(pool):
 
 
 # ------------------------------------------------------------------ bad input: before any collective
-def _raised(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test checks type and message
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def case_bad_checkpoint(state):
     model, mlp, m = build_llama(state), MLP(), mesh()
     old_style = MLP()
@@ -192,11 +184,11 @@ def case_bad_checkpoint(state):
     agree, shard_module.agree = shard_module.agree, no_collective
     try:
         rows = {
-            "no_match": _raised(lambda: hpf.shard(model, plan, m, checkpoint=["model.layerz.*"])),
-            "nested": _raised(lambda: hpf.shard(model, plan, m, checkpoint=["model.layers.*", "model.layers.*.mlp"])),
-            "not_hf": _raised(lambda: hpf.shard(mlp, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, checkpoint=True)),
-            "wrong_type": _raised(lambda: hpf.shard(model, plan, m, checkpoint=3)),
-            "hf_unmapped": _raised(lambda: hpf.shard(old_style, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m)),
+            "no_match": raised(lambda: hpf.shard(model, plan, m, checkpoint=["model.layerz.*"])),
+            "nested": raised(lambda: hpf.shard(model, plan, m, checkpoint=["model.layers.*", "model.layers.*.mlp"])),
+            "not_hf": raised(lambda: hpf.shard(mlp, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, checkpoint=True)),
+            "wrong_type": raised(lambda: hpf.shard(model, plan, m, checkpoint=3)),
+            "hf_unmapped": raised(lambda: hpf.shard(old_style, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m)),
         }
     finally:
         shard_module.agree = agree

@@ -204,12 +204,10 @@ def case_pytorch_collectives_fail_under_grad():
     import torch.distributed.nn.functional as dnnf
 
     x = torch.ones(3)
-    try:
+    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
         grad(lambda t: dnnf.all_reduce(t).sum())(x)
-    except Exception as exc:  # noqa: BLE001
-        return type(exc).__name__
-    return None
 
 
 def test_pytorch_own_collective_raises_under_grad(pool):
-    assert all(r is not None for r in pool.run(case_pytorch_collectives_fail_under_grad))
+    """Only the documented refusal counts (any other exception would hide a changed platform)."""
+    pool.run(case_pytorch_collectives_fail_under_grad)

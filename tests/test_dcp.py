@@ -25,7 +25,7 @@ from hp_functional.core.placement import slice_local
 from hp_functional.train.dcp import MARKER, latest, load, save
 from hp_functional.train.optim import state_info
 from tests.conftest import get_pool
-from tests.helpers import build_hf, make_hf_state, mesh
+from tests.helpers import build_hf, make_hf_state, mesh, raised
 from tests.models import MLP, PLANS, build_llama, make_llama_state, make_mlp_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,22 +271,20 @@ def test_killed_rank_leaves_the_previous_checkpoint(crash_run):
 
 
 # ---------------------------------------------------------------- bad input
-def _raised(fn, *args, **kwargs) -> str | None:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the message is what is checked
-        return f"{type(exc).__name__}: {exc}"
-    return None
+def _failure(fn, *args, **kwargs) -> str | None:
+    """``raised`` as one line, "Type: message" (the rows are compared as text)."""
+    r = raised(fn, *args, **kwargs)
+    return None if r is None else f"{r[0]}: {r[1]}"
 
 
 def _bad_rows(params, info, root: str, bad: dict) -> dict:
     q = "model.layers.0.self_attn.q_proj.weight"
-    rows = {kind: _raised(load, path, info) for kind, path in bad.items()}
-    rows["missing"] = _raised(load, f"{root}/ckpt", {**info, "extra.weight": info[q]})
-    rows["shape"] = _raised(load, f"{root}/ckpt", {**info, q: dataclasses.replace(info[q], global_shape=torch.Size([3, 64]))})
-    rows["dtype"] = _raised(load, f"{root}/ckpt", info, params={**params, q: params[q].double()})
-    rows["save_shape"] = _raised(save, f"{root}/bad_save", {**params, q: params[q][:1]}, info)
-    rows["save_keys"] = _raised(save, f"{root}/bad_save", {k: v for k, v in params.items() if k != q}, info)
+    rows = {kind: _failure(load, path, info) for kind, path in bad.items()}
+    rows["missing"] = _failure(load, f"{root}/ckpt", {**info, "extra.weight": info[q]})
+    rows["shape"] = _failure(load, f"{root}/ckpt", {**info, q: dataclasses.replace(info[q], global_shape=torch.Size([3, 64]))})
+    rows["dtype"] = _failure(load, f"{root}/ckpt", info, params={**params, q: params[q].double()})
+    rows["save_shape"] = _failure(save, f"{root}/bad_save", {**params, q: params[q][:1]}, info)
+    rows["save_keys"] = _failure(save, f"{root}/bad_save", {k: v for k, v in params.items() if k != q}, info)
     rows["on_disk"] = [n for n in os.listdir(root) if n.startswith("bad_save")]
     return rows
 

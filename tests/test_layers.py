@@ -122,3 +122,45 @@ def test_import_does_not_load_rich_or_tqdm():
             "print(sorted(m for m in new if m.split('.')[0] in ('rich', 'tqdm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", out
+
+
+# torch.distributed's communication functions (process-group setup and queries are not communication)
+COMMUNICATION = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_to_all",
+    "all_to_all_single", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv", "barrier", "monitored_barrier", "new_group", "new_subgroups", "send_object_list",
+    "recv_object_list",
+}
+
+
+def communication_calls(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    """``file:line call`` for every call of torch.distributed communication (``dist.<fn>``,
+    ``torch.distributed.<fn>``) or of a ``_c10d_functional`` op (``_funcol.<op>``) in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        owner, name = ast.unparse(node.func.value), node.func.attr
+        if (owner in ("dist", "torch.distributed") and name in COMMUNICATION) or "_c10d_functional" in owner \
+                or owner == "_funcol":
+            found.append(f"{path.relative_to(root)}:{node.lineno} {owner}.{name}")
+    return found
+
+
+def test_communication_lives_in_core():
+    """Every collective, point-to-point transfer and process group is issued in ``core/``
+    (``core.collectives``, ``core.raw_collectives``, ``core.host_comm``), where timeouts, backends
+    and errors are decided once; the rest of the package calls those."""
+    outside = [c for name, path in _modules().items() if _layer(name) != 0 for c in communication_calls(path)]
+    assert not outside, "communication outside core/ (call core.host_comm or core.raw_collectives):\n" + "\n".join(outside)
+
+
+def test_the_communication_check_sees_direct_calls(tmp_path):
+    code = ("import torch.distributed as dist\nimport torch\n_funcol = torch.ops._c10d_functional\n"
+            "def f(x, g):\n    dist.all_reduce(x)\n    torch.distributed.send(x, 1)\n    _funcol.all_reduce(x, 'sum', g)\n"
+            "    torch.ops._c10d_functional.wait_tensor(x)\n    dist.get_rank()\n")
+    (tmp_path / "m.py").write_text(code)
+    calls = communication_calls(tmp_path / "m.py", tmp_path)
+    assert [c.split(" ")[1] for c in calls] == ["dist.all_reduce", "torch.distributed.send", "_funcol.all_reduce",
+                                                "torch.ops._c10d_functional.wait_tensor"]

@@ -26,6 +26,7 @@ def train(steps: int = 8, lr: float = 0.2, device: str = "cpu") -> list[tuple[fl
     from tqdm import tqdm
 
     from ..core.gather import unshard
+    from ..core.host_comm import broadcast_
     from ..plan.plan import ShardingPlan
     from ..runtime.shard import shard
 
@@ -33,7 +34,7 @@ def train(steps: int = 8, lr: float = 0.2, device: str = "cpu") -> list[tuple[fl
     model = tiny_llama().to(device)
     with torch.no_grad():  # the same weights on every rank
         for p in model.parameters():
-            dist.broadcast(p, src=0)
+            broadcast_(p, src=0)
     plan = ShardingPlan.from_hf(model)
     apply_fn, params, shard_info = shard(model, plan, mesh)
     params = optree.tree_map(lambda p: p.detach(), params)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core.errors import PlanMismatchError
+from ..core.host_comm import gather_flat, gather_objects, mesh_groups
 from ..core.program import Program
 from ..core.raw_collectives import mesh_device
 
@@ -110,40 +111,22 @@ def _digest(items: dict[str, str]) -> int:
 
 
 def _gather(value, mesh, timeout: timedelta | None):
-    """All-gather a small int64 tensor (or, with ``value`` a list, Python objects) over the mesh.
-
-    One collective over the default group when the mesh spans the world, else one per mesh dim
-    (each stage gathers what the previous one collected).  Returns (values, ranks) in one order."""
-    world = dist.get_world_size()
-    device = mesh_device(mesh)
-    if mesh.size() == world:
-        groups, order = [None], list(range(world))
-    else:
-        groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-        order = mesh.mesh.permute(*reversed(range(mesh.ndim))).flatten().tolist()
+    """All-gather a small int64 tensor (or, with ``value`` a list, Python objects) over the mesh
+    (``core.host_comm``'s staged gather).  Returns (values, ranks) in one order."""
+    order = mesh_groups(mesh)[1]
     if isinstance(value, list):  # the slow path, only after a mismatch: full descriptions
-        for group in groups:
-            out = [None] * dist.get_world_size(group)
-            dist.all_gather_object(out, value, group=group)
-            value = [v for chunk in out for v in chunk]
-        return value, order
-    x = value.to(device)
-    for group in groups:
-        out = x.new_empty((dist.get_world_size(group) * x.numel(),))
-        work = dist.all_gather_single(out, x, group=group, async_op=True)
+        return [v for chunk in gather_objects(value, mesh) for v in chunk], order
+    try:
+        rows = gather_flat(value.to(mesh_device(mesh)), mesh, timeout)
+    except RuntimeError as exc:
         if timeout is None:
-            work.wait()
-        else:
-            try:
-                work.wait(timeout=timeout)
-            except RuntimeError as exc:
-                raise PlanMismatchError(
-                    f"shard(): not every rank of the mesh reached the plan agreement within {timeout.total_seconds():g}s "
-                    "(another rank probably failed before it: see that rank's error); the process group may be "
-                    "unusable now"
-                ) from exc
-        x = out
-    return x.view(-1, len(COMPONENTS) + 1).cpu(), order
+            raise
+        raise PlanMismatchError(
+            f"shard(): not every rank of the mesh reached the plan agreement within {timeout.total_seconds():g}s "
+            "(another rank probably failed before it: see that rank's error); the process group may be "
+            "unusable now"
+        ) from exc
+    return rows.view(-1, len(COMPONENTS) + 1).cpu(), order
 
 
 def agree(program: Program, timeout: timedelta | None = timedelta(minutes=5),

@@ -14,39 +14,13 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import Replicate
 
 from .errors import PlanError, ShapeError
+from .host_comm import gather_flat, gather_objects
 from .placement import Box, ShardInfo, boxes, fmt_placements
 from .raw_collectives import mesh_device
-
-
-def _mesh_groups(mesh):
-    """The process groups to gather over, and the global rank order the gathered rows come in."""
-    if mesh.size() == dist.get_world_size():
-        return [None], list(range(dist.get_world_size()))
-    return [mesh.get_group(d) for d in range(mesh.ndim)], mesh.mesh.permute(*reversed(range(mesh.ndim))).flatten().tolist()
-
-
-def _gather_objects(obj, mesh) -> list:
-    """Every mesh rank's ``obj``, in ``_mesh_groups`` order (one all_gather_object per mesh dim)."""
-    value = [obj]
-    for group in _mesh_groups(mesh)[0]:
-        out = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, value, group=group)
-        value = [v for chunk in out for v in chunk]
-    return value
-
-
-def _gather_flat(x: Tensor, mesh) -> Tensor:
-    """[world, n]: every mesh rank's flat ``x`` (equal sizes), one all-gather per mesh dim."""
-    for group in _mesh_groups(mesh)[0]:
-        out = x.new_empty((dist.get_world_size(group) * x.numel(),))
-        dist.all_gather_single(out, x.contiguous(), group=group)
-        x = out
-    return x.view(mesh.size(), -1)
 
 
 def check_gatherable(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], what: str) -> None:
@@ -77,7 +51,7 @@ def _gather_bucket(keys: Sequence[str], params: Mapping[str, Tensor], shard_info
     numels = [sum(math.prod(r[k][0]) for k in keys) for _, r in layouts]
     mine = torch.cat([params[k].detach().reshape(-1) for k in keys]) if keys else torch.empty(0)
     flat = torch.cat([mine, mine.new_zeros(max(numels) - mine.numel())]).to(mesh_device(mesh))
-    rows = _gather_flat(flat, mesh)
+    rows = gather_flat(flat, mesh)
     out = {k: rows.new_empty(shard_info[k].global_shape) for k in keys}
     me = tuple(mesh.get_coordinate())
     for row, (coord, layout) in zip(rows, layouts, strict=True):
@@ -125,14 +99,14 @@ def iter_full(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
         return
     mesh = next(iter(shard_info[k] for k in params)).mesh
     coord = tuple(mesh.get_coordinate())
-    layouts = _gather_objects((coord, {k: (tuple(shard_info[k].local_shape), boxes(shard_info[k])) for k in params}), mesh)
+    layouts = gather_objects((coord, {k: (tuple(shard_info[k].local_shape), boxes(shard_info[k])) for k in params}), mesh)
     for keys in buckets:
         yield _gather_bucket(keys, params, shard_info, layouts)
 
 
 def mesh_barrier(mesh) -> None:
     """Wait for every rank of ``mesh`` (an object gather: works on any mesh and backend)."""
-    _gather_objects(None, mesh)
+    gather_objects(None, mesh)
 
 
 def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, Tensor]:

@@ -119,6 +119,17 @@ def raw_all_reduce(x: Tensor, g: Group) -> Tensor:
     return wait(_funcol.all_reduce(x.contiguous(), "sum", g.group_name), "all_reduce", g)
 
 
+def start_all_reduce(x: Tensor, g: Group) -> Tensor:
+    """A sum over ``g`` issued without waiting: ``wait`` the result later, so that several
+    buckets in flight can overlap (``reduce_gradients``)."""
+    return _funcol.all_reduce(x.contiguous(), "sum", g.group_name)
+
+
+def all_gather_rows(x: Tensor, g: Group, where: str = "") -> Tensor:
+    """Every rank's 1-D ``x`` concatenated in rank order (checks that gather a few numbers)."""
+    return wait(_funcol.all_gather_into_tensor(x.contiguous(), g.size, g.group_name), "all_gather", g, where)
+
+
 def raw_all_gather(x: Tensor, dim: int, g: Group) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``; contiguous, as a module's ``view`` of its input
     may need (HF ``Conv1D``)."""

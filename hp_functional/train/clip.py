@@ -34,10 +34,9 @@ from torch.utils._foreach_utils import _device_has_foreach_support
 from ..compile.agree import digest
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, ShapeError
+from ..core.host_comm import all_gather_objects
 from ..core.placement import GroupedShard, ShardInfo, fmt_placements, splits
-from ..core.raw_collectives import mesh_device, wait
-
-_funcol = torch.ops._c10d_functional
+from ..core.raw_collectives import all_gather_rows, mesh_device
 
 
 def is_shard(p: Placement) -> bool:
@@ -145,7 +144,7 @@ def gather_rows(x: Tensor, groups: list[AxisGroup], where: str) -> Tensor:
     """[ranks, n]: every rank's 1-D ``x``, in ``_mesh_order`` (the same order on every rank)."""
     n = x.numel()
     for g in groups:
-        x = wait(_funcol.all_gather_into_tensor(x.contiguous(), g.size, g.group_name), "all_gather", g, where)
+        x = all_gather_rows(x, g, where)
     return x.view(-1, n)
 
 
@@ -178,8 +177,7 @@ def agree_structure(rows: Tensor, error: Exception | None, grads: Mapping, shard
     mine = _structure(grads, shard_info)
     everyone = [mine]
     for g in groups:  # the slow path, only after a mismatch (every rank takes it)
-        out = [None] * g.size
-        dist.all_gather_object(out, everyone, group=dist.distributed_c10d._resolve_process_group(g.group_name))
+        out = all_gather_objects(everyone, dist.distributed_c10d._resolve_process_group(g.group_name))
         everyone = [v for chunk in out for v in chunk]
     keys = list(shard_info)
     for i in range(max(len(s) for s in everyone)):

@@ -29,10 +29,8 @@ from ..core.buckets import plan_buckets as buckets_by_rule
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import ShardInfo
-from ..core.raw_collectives import mesh_device, wait
+from ..core.raw_collectives import mesh_device, start_all_reduce, wait
 from .clip import agree_structure, check_grads, gather_rows, is_shard, structure_words
-
-_funcol = torch.ops._c10d_functional
 
 OPS = ("mean", "sum")
 
@@ -88,7 +86,7 @@ def reduce_gradients(
     for bucket in plan_buckets(present, bucket_bytes):  # issue every bucket, then wait: lets the backend overlap them
         flat = [present[k].reshape(-1) for k in bucket]
         buf = flat[0].contiguous() if len(flat) == 1 else torch.cat(flat)
-        pending.append((bucket, _funcol.all_reduce(buf, "sum", group.group_name)))
+        pending.append((bucket, start_all_reduce(buf, group)))
     for bucket, work in pending:
         total = wait(work, "all_reduce", group, "reduce_gradients")
         if op == "mean":

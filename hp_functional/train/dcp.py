@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..core.errors import CheckpointError, PlanError, ShapeError
+from ..core.host_comm import broadcast_objects, new_group
 from ..core.placement import Box, ShardInfo, boxes
 from ..core.raw_collectives import mesh_device
 from . import ckpt_extra
@@ -202,7 +203,7 @@ def _async_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     interleave with the training's on the default group (a hazard for any backend)."""
     key = (id(dist.group.WORLD), ranks)
     if key not in _async_groups:
-        _async_groups[key] = dist.new_group(list(ranks), backend="gloo")
+        _async_groups[key] = new_group(ranks, backend="gloo")
     return _async_groups[key]
 
 
@@ -214,7 +215,7 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
             fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank, so none waits forever
             status[0] = f"{what}: {type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(status, src=0)
+    broadcast_objects(status, src=0)
     if status[0] is not None:
         raise CheckpointError(status[0])
 

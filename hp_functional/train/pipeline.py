@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import PlanError
+from ..core.host_comm import all_reduce_, new_group
 from ..core.placement import ShardInfo
 from ..plan.plan import ShardingPlan
 from ..plan.styles import path_matches
@@ -168,7 +169,7 @@ def _tie(model: nn.Module, stages: list[Stage], embedding_group: bool) -> list[S
     return out
 
 
-class StageExit(Exception):  # noqa: N818 - control flow, not an error
+class StageExit(Exception):  # control flow, not an error
     """Raised after a non-last stage's last layer: its output is the stage's (``_stage_forward``)."""
 
     def __init__(self, output: Tensor):
@@ -346,7 +347,7 @@ def pipeline_ranks(mesh: DeviceMesh, pp_axis: str = "pp") -> tuple[int, ...]:
 def _end_groups(lines: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """One group per pipeline of its first and last stage's ranks, made on every rank in the same
     order (``new_group`` is a collective over the default group, and its count names groups)."""
-    return {line: dist.new_group([line[0], line[-1]]) for line in lines}
+    return {line: new_group([line[0], line[-1]]) for line in lines}
 
 
 def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
@@ -367,7 +368,7 @@ def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
     if not keys:
         return out
     flat = torch.cat([grads[k].reshape(-1) for k in keys])
-    dist.all_reduce(flat, group=group)
+    all_reduce_(flat, group)
     for k, piece in zip(keys, flat.split([grads[k].numel() for k in keys]), strict=True):
         out[k] = piece.view(grads[k].shape)
     return out

@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import PlanError
+from ..core.host_comm import recv, send
 from .pipeline import Stage, pipeline_ranks
 
 
@@ -35,7 +35,7 @@ class _Send(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, peer: int, group) -> Tensor:
-        dist.send(x.detach().contiguous(), dst=peer, group=group)
+        send(x.detach(), peer, group)
         return x.new_zeros(())
 
     @staticmethod
@@ -46,7 +46,7 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         dx = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
-        dist.recv(dx, src=ctx.peer, group=ctx.group)
+        recv(dx, ctx.peer, ctx.group)
         return dx, None, None
 
 
@@ -58,7 +58,7 @@ class _Recv(torch.autograd.Function):
     @staticmethod
     def forward(anchor: Tensor, shape: tuple[int, ...], dtype: torch.dtype, peer: int, group) -> Tensor:
         x = torch.empty(shape, dtype=dtype, device=anchor.device)
-        dist.recv(x, src=peer, group=group)
+        recv(x, peer, group)
         return x
 
     @staticmethod
@@ -68,7 +68,7 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx):
-        dist.send(dx.contiguous(), dst=ctx.peer, group=ctx.group)
+        send(dx, ctx.peer, ctx.group)
         return torch.zeros(ctx.anchor[0], dtype=ctx.anchor[1], device=dx.device), None, None, None, None
 
 

@@ -23,7 +23,7 @@ BIN   := $(VENV)/bin
 KEY   := $(shell (cat "$(ROOT)/pyproject.toml"; echo "$(TORCH) $(EXTRAS)") | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.hpf-setup-$(KEY)
 
-.PHONY: demo test setup clean-setup
+.PHONY: demo test test-fast setup clean-setup
 
 demo: $(STAMP)
 	cd "$(ROOT)" && "$(BIN)/hp-functional" demo
@@ -32,6 +32,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	cd "$(ROOT)" && "$(BIN)/python" -m pytest tests $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+# the fast subset (under 2 minutes on 2 cores): every test not marked slow (pyproject.toml's markers)
+test-fast: $(STAMP)
+	cd "$(ROOT)" && "$(BIN)/python" -m pytest tests -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests" >&2; fi; exit $$rc
 
 setup: $(STAMP)
 

@@ -10,7 +10,8 @@ The package is layered (each imports only from those before it): ``core`` → ``
 The public names are imported lazily (PEP 562): ``import hp_functional`` imports neither torch
 nor anything else until a name is first used, so the ``hp-functional`` command line (whose
 module lives under this package) starts fast.  ``_LAZY`` is the one place that says which
-submodule defines each name; the ``TYPE_CHECKING`` block repeats it for static tools.
+submodule defines each name, and ``__all__`` is derived from it; the ``TYPE_CHECKING`` block
+repeats it for static tools (``tests/test_cli.py`` checks that the two agree).
 """
 
 from __future__ import annotations
@@ -18,69 +19,147 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .compile.build import build_program, lint
-    from .compile.lint import Finding
-    from .core import collectives
-    from .core.cp_layout import cp_positions, cp_shard, cp_unshard
+if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP 484)
+    from .compile.build import build_program as build_program
+    from .compile.build import lint as lint
+    from .compile.lint import Finding as Finding
+    from .core import collectives as collectives
+    from .core.cp_layout import cp_positions as cp_positions
+    from .core.cp_layout import cp_shard as cp_shard
+    from .core.cp_layout import cp_unshard as cp_unshard
     from .core.errors import (
-        CheckpointError,
-        CollectiveError,
-        InputMismatchError,
-        PlanError,
-        PlanMismatchError,
-        PlanWarning,
-        ReentrancyError,
-        ReplicationError,
-        ShapeError,
+        CheckpointError as CheckpointError,
     )
-    from .core.gather import unshard
-    from .core.placement import ShardInfo, slice_local, to_dtensor
-    from .core.program import Program
-    from .core.raw_collectives import set_timeout
-    from .plan.auto import auto_plan
-    from .plan.context import ContextParallel
-    from .plan.context_inputs import ContextInputs
-    from .plan.experts import Experts, expert_mesh
-    from .plan.experts_calls import ExpertsCall
-    from .plan.local import Local
-    from .plan.plan import ShardingPlan
-    from .plan.recipes import llama_sp_plan, megatron_plan
+    from .core.errors import (
+        CollectiveError as CollectiveError,
+    )
+    from .core.errors import (
+        InputMismatchError as InputMismatchError,
+    )
+    from .core.errors import (
+        PlanError as PlanError,
+    )
+    from .core.errors import (
+        PlanMismatchError as PlanMismatchError,
+    )
+    from .core.errors import (
+        PlanWarning as PlanWarning,
+    )
+    from .core.errors import (
+        ReentrancyError as ReentrancyError,
+    )
+    from .core.errors import (
+        ReplicationError as ReplicationError,
+    )
+    from .core.errors import (
+        ShapeError as ShapeError,
+    )
+    from .core.gather import unshard as unshard
+    from .core.placement import ShardInfo as ShardInfo
+    from .core.placement import slice_local as slice_local
+    from .core.placement import to_dtensor as to_dtensor
+    from .core.program import Program as Program
+    from .core.raw_collectives import set_timeout as set_timeout
+    from .plan.auto import auto_plan as auto_plan
+    from .plan.context import ContextParallel as ContextParallel
+    from .plan.context_inputs import ContextInputs as ContextInputs
+    from .plan.experts import Experts as Experts
+    from .plan.experts import expert_mesh as expert_mesh
+    from .plan.experts_calls import ExpertsCall as ExpertsCall
+    from .plan.local import Local as Local
+    from .plan.plan import ShardingPlan as ShardingPlan
+    from .plan.recipes import llama_sp_plan as llama_sp_plan
+    from .plan.recipes import megatron_plan as megatron_plan
     from .plan.styles import (
-        Colwise,
-        Heads,
-        ModuleSpec,
-        NoParallel,
-        ParamRule,
-        PrepareInput,
-        PrepareOutput,
-        Rowwise,
-        SequenceParallel,
-        Style,
-        default_handlers,
+        Colwise as Colwise,
     )
-    from .plan.vocab import VocabEmbedding, vocab_parallel_cross_entropy
-    from .runtime.checkpoint import Checkpoint
-    from .runtime.meta_init import init_weights
-    from .runtime.pretrained import from_pretrained
-    from .runtime.shard import shard
-    from .runtime.state import buffers
-    from .tools.explain import Explanation, Memory, Schedule, explain
-    from .tools.explain_stage import StageExplanation, explain_stage
-    from .tools.record import ScheduleRow
-    from .tools.simulate import simulate
-    from .tools.validate import validate
-    from .tools.validate_dtensor import validate_placements
-    from .tools.validation_report import PlacementMismatchError, ValidationError, ValidationReport
-    from .train import optim
-    from .train.clip import clip_grad_norm
-    from .train.data_parallel import reduce_gradients
-    from .train.dcp import Loaded, SaveHandle, latest, load, save
-    from .train.export import export_hf
-    from .train.fsdp import fsdp
-    from .train.module import as_module
-    from .train.pipeline import Stage, pipeline_split, shard_stage, stage_module, sum_tied
-    from .train.pipeline_fn import gpipe
+    from .plan.styles import (
+        Heads as Heads,
+    )
+    from .plan.styles import (
+        ModuleSpec as ModuleSpec,
+    )
+    from .plan.styles import (
+        NoParallel as NoParallel,
+    )
+    from .plan.styles import (
+        ParamRule as ParamRule,
+    )
+    from .plan.styles import (
+        PrepareInput as PrepareInput,
+    )
+    from .plan.styles import (
+        PrepareOutput as PrepareOutput,
+    )
+    from .plan.styles import (
+        Rowwise as Rowwise,
+    )
+    from .plan.styles import (
+        SequenceParallel as SequenceParallel,
+    )
+    from .plan.styles import (
+        Style as Style,
+    )
+    from .plan.styles import (
+        default_handlers as default_handlers,
+    )
+    from .plan.vocab import (
+        VocabEmbedding as VocabEmbedding,
+    )
+    from .plan.vocab import (
+        vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
+    )
+    from .runtime.checkpoint import Checkpoint as Checkpoint
+    from .runtime.meta_init import init_weights as init_weights
+    from .runtime.pretrained import from_pretrained as from_pretrained
+    from .runtime.shard import shard as shard
+    from .runtime.state import buffers as buffers
+    from .tools.explain import Explanation as Explanation
+    from .tools.explain import Memory as Memory
+    from .tools.explain import Schedule as Schedule
+    from .tools.explain import explain as explain
+    from .tools.explain_stage import StageExplanation as StageExplanation
+    from .tools.explain_stage import explain_stage as explain_stage
+    from .tools.record import ScheduleRow as ScheduleRow
+    from .tools.simulate import simulate as simulate
+    from .tools.validate import validate as validate
+    from .tools.validate_dtensor import validate_placements as validate_placements
+    from .tools.validation_report import (
+        PlacementMismatchError as PlacementMismatchError,
+    )
+    from .tools.validation_report import (
+        ValidationError as ValidationError,
+    )
+    from .tools.validation_report import (
+        ValidationReport as ValidationReport,
+    )
+    from .train import optim as optim
+    from .train.clip import clip_grad_norm as clip_grad_norm
+    from .train.data_parallel import reduce_gradients as reduce_gradients
+    from .train.dcp import Loaded as Loaded
+    from .train.dcp import SaveHandle as SaveHandle
+    from .train.dcp import latest as latest
+    from .train.dcp import load as load
+    from .train.dcp import save as save
+    from .train.export import export_hf as export_hf
+    from .train.fsdp import fsdp as fsdp
+    from .train.module import as_module as as_module
+    from .train.pipeline import (
+        Stage as Stage,
+    )
+    from .train.pipeline import (
+        pipeline_split as pipeline_split,
+    )
+    from .train.pipeline import (
+        shard_stage as shard_stage,
+    )
+    from .train.pipeline import (
+        stage_module as stage_module,
+    )
+    from .train.pipeline import (
+        sum_tied as sum_tied,
+    )
+    from .train.pipeline_fn import gpipe as gpipe
 
 #: public name -> the submodule (relative to this package) that defines it.
 _LAZY: dict[str, str] = {
@@ -166,88 +245,7 @@ _LAZY: dict[str, str] = {
 #: public names that are submodules themselves.
 _SUBMODULES: dict[str, str] = {"collectives": ".core.collectives", "optim": ".train.optim"}
 
-__all__ = [
-    "CollectiveError",
-    "InputMismatchError",
-    "ReentrancyError",
-    "set_timeout",
-    "Checkpoint",
-    "CheckpointError",
-    "Colwise",
-    "ContextParallel",
-    "ContextInputs",
-    "Experts",
-    "ExpertsCall",
-    "Explanation",
-    "Finding",
-    "Heads",
-    "Loaded",
-    "Local",
-    "Memory",
-    "ModuleSpec",
-    "NoParallel",
-    "ParamRule",
-    "PlacementMismatchError",
-    "PlanError",
-    "PlanMismatchError",
-    "PlanWarning",
-    "PrepareInput",
-    "PrepareOutput",
-    "Program",
-    "ReplicationError",
-    "Rowwise",
-    "SaveHandle",
-    "Schedule",
-    "ScheduleRow",
-    "SequenceParallel",
-    "ShapeError",
-    "ShardInfo",
-    "ShardingPlan",
-    "Stage",
-    "StageExplanation",
-    "Style",
-    "ValidationError",
-    "ValidationReport",
-    "VocabEmbedding",
-    "as_module",
-    "auto_plan",
-    "buffers",
-    "build_program",
-    "clip_grad_norm",
-    "collectives",
-    "cp_positions",
-    "cp_shard",
-    "cp_unshard",
-    "default_handlers",
-    "expert_mesh",
-    "explain",
-    "explain_stage",
-    "export_hf",
-    "from_pretrained",
-    "fsdp",
-    "gpipe",
-    "init_weights",
-    "latest",
-    "lint",
-    "llama_sp_plan",
-    "load",
-    "megatron_plan",
-    "optim",
-    "pipeline_split",
-    "reduce_gradients",
-    "save",
-    "shard",
-    "shard_stage",
-    "simulate",
-    "slice_local",
-    "stage_module",
-    "sum_tied",
-    "to_dtensor",
-    "unshard",
-    "validate",
-    "validate_placements",
-    "vocab_parallel_cross_entropy",
-]
+__all__ = sorted([*_LAZY, *_SUBMODULES])  # derived: _LAZY is the one export table
 
 
 def __getattr__(name: str):

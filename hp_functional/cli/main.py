@@ -73,7 +73,7 @@ def _plan_source(spec: str):
         if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
             raise UsageError(f"--plan {spec!r}: no module named {exc.name!r}") from None
         raise UsageError(f"--plan {spec!r}: importing {module!r} failed: {exc}") from None
-    except Exception as exc:  # the user's module raised while importing
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
         raise UsageError(f"--plan {spec!r}: importing {module!r} failed: {type(exc).__name__}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -131,7 +131,7 @@ def _call_plan_function(spec: str, fn, model):
         return fn(model) if required == 1 else fn()
     except PlanError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the user's plan function raised: a usage error naming it
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         raise UsageError(f"--plan {spec!r}: {call} raised {type(exc).__name__}: {_one_line(exc)} "
                          f"({frame.filename}:{frame.lineno})") from None

@@ -36,7 +36,7 @@ class Reduced:
         return name
 
 
-def block_kind(block: nn.Module, marks: Mapping[str, str] = {}) -> tuple:  # noqa: B006 - read only
+def block_kind(block: nn.Module, marks: Mapping[str, str] = {}) -> tuple:  # read only
     """What makes two blocks of a stack compute differently: their module structure (classes,
     parameter shapes), the layer-type attributes hybrid models branch on, and how the plan treats
     them (``marks``: path relative to the block → the style or placement the plan gives it)."""

@@ -1,7 +1,10 @@
 """Placements per mesh axis, full → local slicing, ``ShardInfo``, and gathering back.
 
-A parameter is *stored* as ``Shard(d)`` or ``Replicate()`` on each mesh dim (``Partial`` is a
-use-site placement only, see ``core.lowering``).  Slicing follows DTensor's convention: mesh dims
+A parameter is *stored* as ``Shard(d)`` or ``Replicate()`` on each mesh dim, or as one of the
+stored-only placements defined here (``GroupedShard``: KV heads over more ranks than heads;
+``StackedShard``: stacked experts; ``RowSplit``: ``hpf.fsdp``'s flat rows; torch's
+``_StridedShard`` when read from DTensor); ``Partial`` is a use-site placement only (see
+``core.lowering``).  Slicing follows DTensor's convention: mesh dims
 are applied in order, each ``Shard(d)`` narrowing the current chunk further, so
 ``to_dtensor`` can wrap our local shards without a copy.
 """

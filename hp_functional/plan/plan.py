@@ -254,8 +254,8 @@ class ShardingPlan:
         _check_context_shadowed(candidates, chosen)
         head = self.loss_head(model) if self.loss_parallel else None
         vocab_axis = None
-        if head is not None:
-            vocab_axis = self._axis(self.entries[next(p for p in self.entries if path_matches(p, head))], names)
+        if head is not None and head in chosen:  # the entry that wins the head, as for every module
+            vocab_axis = self._axis(chosen[head][1], names)
         out = []
         root = self._root(vocab_axis)
         if root is not None:  # the loss (and, under CP, the batch's sharding) in a Local entry on the root
@@ -315,8 +315,8 @@ class ShardingPlan:
         path = next((n for n, m in model.named_modules() if head is not None and m is head), None)
         if path is None:
             raise PlanError(f"loss_parallel: {type(model).__name__} has no output head (get_output_embeddings())")
-        matched = [p for p, s in self.entries.items() if path_matches(p, path)]
-        if not matched or not isinstance(self.entries[matched[0]], Colwise):
+        cands = self.candidates(model).get(path)
+        if not cands or not isinstance(most_specific(path, cands)[1], Colwise):  # the entry resolve() applies
             raise PlanError(f"loss_parallel: the output head {path!r} must be planned Colwise (vocab-sharded)")
         return path
 

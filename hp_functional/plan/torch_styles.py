@@ -151,7 +151,7 @@ class TorchPrepareInput(PrepareInput):
 
 def _placement(p: Any, where: str, what: str, *, partial: bool = True) -> Placement:
     """``p`` when it is one of the placements the lowering table speaks, else a PlanError."""
-    if type(p) in (Replicate, Shard):  # exact types: _StridedShard is a Shard subclass
+    if type(p) in (Replicate, Shard):  # exact types: no subclass (or _StridedShard) passes as a plain Shard
         return p
     if partial and type(p) is Partial and p.reduce_op == "sum":
         return Partial()

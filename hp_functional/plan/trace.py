@@ -268,7 +268,7 @@ def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
     and devices, no storage, nothing computed); the meta error is raised if that fails too."""
     try:
         return _trace(model, inputs, "meta")
-    except Exception as meta_error:
+    except Exception as meta_error:  # noqa: BLE001 - retried on fake tensors, re-raised if that fails too
         try:
             with fake_mode(True) as device:
                 return _trace(model, inputs, device)

@@ -88,7 +88,7 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
     for file in found:
         try:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                for name in f.keys():  # safe_open is not a mapping
                     sl = f.get_slice(name)
                     files[name], shapes[name], dtypes[name] = file, tuple(sl.get_shape()), _DTYPES[sl.get_dtype()]
         except (SafetensorError, OSError) as exc:

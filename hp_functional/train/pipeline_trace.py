@@ -290,7 +290,7 @@ def trace_root(model: nn.Module, points: Sequence[str], layers_path: str) -> Roo
             break
         except PlanError:
             raise
-        except Exception as exc:  # noqa: BLE001 - reported below, or retried with the layers stubbed
+        except Exception as exc:  # reported below, or retried with the layers stubbed
             if not stub and root.stack and root.stack[0] in layers:
                 continue
             raise PlanError(f"pipeline_split: could not trace {name}'s forward on fake tensors to check where its "

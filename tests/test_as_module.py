@@ -106,6 +106,7 @@ def case_module(state):
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.slow
 def test_as_module_shares_storage_and_runs_apply_fn(pool):
     pool.run(case_module, make_llama_state())
 
@@ -149,6 +150,7 @@ def case_compile(state):
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.slow
 def test_compiled_as_module_is_one_graph_equal_to_eager(pool):
     pool.run(case_compile, make_mlp_state())
 
@@ -253,5 +255,6 @@ def case_fully_shard(state, steps):
 
 
 @pytest.mark.parametrize("pool", [4], indirect=True)
+@pytest.mark.slow
 def test_fully_shard_over_as_module_trains_like_unsharded(pool):
     pool.run(case_fully_shard, make_llama_state(), 5)

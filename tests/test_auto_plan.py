@@ -154,6 +154,7 @@ def case_matches_unsharded(kind: str, state, sequence_parallel: bool, loss_paral
 @pytest.mark.parametrize("kind,sequence_parallel,loss_parallel", [
     ("custom", False, False), ("custom", True, False), ("gpt2", False, False), ("gpt2", True, False), ("gpt2", False, True),
     ("llama", False, False), ("llama", True, False), ("llama", True, True)])
+@pytest.mark.slow
 def test_auto_plan_matches_unsharded(pool, kind, sequence_parallel, loss_parallel):
     diffs, placements, text = pool.run(case_matches_unsharded, kind, make_state(kind), sequence_parallel,
                                        loss_parallel)[0]
@@ -189,6 +190,7 @@ def case_flex_attention(state):
     return {"loss": assert_close(out.loss, ref.loss, "loss"), "logits": assert_close(out.logits, ref.logits, "logits")}
 
 
+@pytest.mark.slow
 def test_auto_plan_traces_flex_attention_on_fake_tensors(pool):
     print(f"flex attention world {pool.world}: max |diff| {pool.run(case_flex_attention, make_state('llama'))[0]}")
 
@@ -211,6 +213,7 @@ def case_agrees_with_from_hf(family: str, cfg):
 
 
 @pytest.mark.parametrize("family,cfg", [(f, {}) for f in TINY] + [("gemma", {"tie_word_embeddings": True})])
+@pytest.mark.slow
 def test_auto_plan_agrees_with_from_hf(pool, family, cfg):
     """Same placements, global and local shapes for every parameter.  The one difference:
     Phi-3's fused ``gate_up_proj``, which HF gathers (``colwise_gather_output``) and auto_plan

@@ -84,6 +84,7 @@ def case_exact(kind: str, state):
 
 
 @pytest.mark.parametrize("kind", ["opt", "gpt_bigcode", "biogpt"])
+@pytest.mark.slow
 def test_auto_plan_is_exact(pool, kind):
     diffs, text, share = pool.run(case_exact, kind, make_state(kind))[0]
     print(f"{kind} world {pool.world}: max |diff| {diffs}, a rank holds {share:.0%} of the parameters")

@@ -104,6 +104,7 @@ def case_llama_checkpoint(state, plan_kind: str):
 
 
 @pytest.mark.parametrize("plan_kind", ["hf", "sp"])
+@pytest.mark.slow
 def test_llama_checkpoint_matches_unsharded_and_plain(pool, plan_kind):
     plain_saved, ck_saved = pool.run(case_llama_checkpoint, make_llama_state(), plan_kind)[0]
     print(f"world {pool.world} {plan_kind}: saved {plain_saved} B plain, {ck_saved} B checkpointed "
@@ -134,6 +135,7 @@ def case_dropout(state):
     return True
 
 
+@pytest.mark.slow
 def test_dropout_masks_are_replayed(pool):
     pool.run(case_dropout, make_llama_state())
 
@@ -166,6 +168,7 @@ def case_hf_gradient_checkpointing(state):
     return True
 
 
+@pytest.mark.slow
 def test_hf_gradient_checkpointing_enable(pool):
     pool.run(case_hf_gradient_checkpointing, make_llama_state())
 

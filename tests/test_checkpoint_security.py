@@ -254,6 +254,7 @@ def hf_folder(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_a_corrupt_exported_tensor_is_named_on_every_rank(hf_folder, tmp_path):
     from safetensors import safe_open
 

@@ -82,6 +82,7 @@ def test_cli_module_imports_no_torch():
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_import_hp_functional_adds_nothing_heavy_beyond_torch():
     """``import hp_functional`` is lazy: after ``import torch`` (which imports tqdm through torch.hub
     on its own) it imports no rich, tqdm or transformers module that torch did not."""
@@ -114,6 +115,7 @@ def test_lazy_package_exports_every_name():
 
 
 # ---------------------------------------------------------------- plan
+@pytest.mark.slow
 def test_plan_subprocess_prints_placements_schedule_and_memory():
     seq = 16
     res = _run("plan", "llama", "--tp", "2", "--seq", str(seq))
@@ -136,6 +138,7 @@ def test_plan_subprocess_prints_placements_schedule_and_memory():
     assert _row(out, "replicated", f"{replicated / 1024:.2f} KiB")
 
 
+@pytest.mark.slow
 def test_plan_with_the_packaged_sp_plan_from_the_console_script():
     res = _run("plan", "llama", "--tp", "2", "--plan", "hp_functional:llama_sp_plan", "--brief", "--seq", "16")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -144,6 +147,7 @@ def test_plan_with_the_packaged_sp_plan_from_the_console_script():
     assert _row(res.stdout, "fwd", "reduce_scatter", "tp", str(2 * C.num_hidden_layers))
 
 
+@pytest.mark.slow
 def test_brief_merges_layers_states_the_step_and_the_dp_reduction_left_out(tmp_path):
     """An 8B Llama: 291 parameters, printed as one row per layer-index pattern."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
@@ -175,6 +179,7 @@ def test_plan_from_config_json_on_a_2d_mesh(tmp_path, capsys):
     assert "gradient reduction over dp=2" in " ".join(out.split())
 
 
+@pytest.mark.slow
 def test_plan_with_the_megatron_recipe_and_lint_errors(capsys):
     assert main(["plan", "llama", "--tp", "2", "--plan", "hp_functional:megatron_plan", "--brief", "--seq", "16"]) == 0
     out = capsys.readouterr().out
@@ -205,6 +210,7 @@ def test_collapsed_params_keeps_differently_placed_layers_apart():
 
 
 # ---------------------------------------------------------------- errors: one line, no traceback
+@pytest.mark.slow
 def test_bad_plan_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "myplans.py").write_text("answer = 42\n")
     line = _clean_error(_run("plan", "llama", "--plan", "no_such_module_xyz:plan"), 2)
@@ -217,6 +223,7 @@ def test_bad_plan_is_one_line_and_exit_2(tmp_path):
     assert "expected module:name" in line
 
 
+@pytest.mark.slow
 def test_unknown_model_and_dtype_are_one_line():
     assert "neither a built-in tiny model" in _clean_error(_run("plan", "gpt-9", "--tp", "2"), 2)
     assert "not a torch dtype" in _clean_error(_run("plan", "llama", "--dtype", "float33"), 2)
@@ -256,6 +263,7 @@ def test_a_plan_error_under_the_fake_process_group_is_one_line(monkeypatch, caps
     assert sys.excepthook is hook
 
 
+@pytest.mark.slow
 def test_an_unexpected_error_after_simulate_has_no_rank_prefix():
     code = ("import sys, hp_functional.tools.tables as t\n"
             "def broken(*a, **k):\n    raise RuntimeError('table broke')\n"
@@ -267,6 +275,7 @@ def test_an_unexpected_error_after_simulate_has_no_rank_prefix():
 
 
 # ---------------------------------------------------------------- multi-rank: check and demo
+@pytest.mark.slow
 def test_check_subprocess_validates_on_gloo_ranks():
     res = _run("check", "llama", "--tp", "2", timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
@@ -275,6 +284,7 @@ def test_check_subprocess_validates_on_gloo_ranks():
     assert "FutureWarning" not in res.stderr, res.stderr  # all_gather_into_tensor's deprecation is gone
 
 
+@pytest.mark.slow
 def test_check_reports_a_plan_error_from_the_ranks_as_one_line(tmp_path):
     (tmp_path / "myplans.py").write_text("def nomatch():\n    return {'model.nothing.*': 'colwise'}\n")
     res = _run("check", "llama", "--tp", "2", "--plan", "myplans:nomatch", cwd=tmp_path, timeout=300)
@@ -283,6 +293,7 @@ def test_check_reports_a_plan_error_from_the_ranks_as_one_line(tmp_path):
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_demo_console_script_trains_and_prints_no_future_warning():
     res = _run("demo", "--steps", "3", timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
@@ -290,6 +301,7 @@ def test_demo_console_script_trains_and_prints_no_future_warning():
     assert "FutureWarning" not in res.stderr and "DeprecationWarning" not in res.stderr, res.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_demo_under_torchrun_through_python_m():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "hp_functional.cli", "demo", "--steps", "2"]

@@ -142,6 +142,7 @@ def case_collectives(dim: int):
 
 
 @pytest.mark.parametrize("dim", [1, -1])
+@pytest.mark.slow
 def test_collectives_match_math(pool, dim):
     results = pool.run(case_collectives, dim)
     assert all(set(C.COLLECTIVES) <= set(r) for r in results)

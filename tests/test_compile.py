@@ -68,6 +68,7 @@ def case_compile(state, plan_kind: str):
 
 
 @pytest.mark.parametrize("plan_kind", ["sp", "loss_parallel"])  # between them every lowered collective kind
+@pytest.mark.slow
 def test_compiled_apply_fn_matches_eager_and_unsharded(pool, plan_kind):
     for result in pool.run(case_compile, make_llama_state(), plan_kind):
         assert result == {"graphs": 1, "breaks": 0}, result

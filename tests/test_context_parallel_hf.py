@@ -159,6 +159,7 @@ def case_explain(strategy: str, shape: tuple, names: tuple):
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.slow
 def test_explain_shows_ring_steps(strategy):
     layers = 2
     for shape, names in (((2,), ("cp",)), ((4,), ("cp",)), ((2, 2), ("cp", "tp"))):

@@ -136,6 +136,7 @@ def case_resume(state, root: str, refs):
         _assert_equal(_full(p, s, info), refs[i], f"step {i + 2} after resuming")
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(saved):
     root, refs = saved
     get_pool(2).run(case_resume, make_llama_state(), root, refs)
@@ -163,6 +164,7 @@ def case_reshard(state, root: str, refs):
     return worst
 
 
+@pytest.mark.slow
 def test_loads_at_other_layouts(saved):
     root, refs = saved
     worst = get_pool(4).run(case_reshard, make_llama_state(), root, refs[:2])[0]
@@ -242,6 +244,7 @@ def case_packed(state, root: str):
             save(f"{root}/fsdp", out.params, info, opt_state=out.opt_state)
 
 
+@pytest.mark.slow
 def test_packed_and_row_split_layouts(tmp_path):
     get_pool(2).run(case_packed, make_hf_state("phi3"), str(tmp_path))
 
@@ -261,6 +264,7 @@ def _mlp():
     return model
 
 
+@pytest.mark.slow
 def test_killed_rank_leaves_the_previous_checkpoint(crash_run):
     proc, root, log = crash_run
     assert proc.wait(timeout=120) != 0, log.read_text()

@@ -53,6 +53,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_readme_example_runs_under_torchrun(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(readme_example())
@@ -74,6 +75,7 @@ def test_there_are_runnable_blocks():
 
 
 @pytest.mark.parametrize("path,line,code", RUNNABLE, ids=[f"{p.name}:{line}" for p, line, _ in RUNNABLE])
+@pytest.mark.slow
 def test_runnable_block(tmp_path, path, line, code):
     script = tmp_path / "block.py"
     script.write_text(code)

@@ -86,6 +86,7 @@ def case_family_tp(family: str):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_replicated_parameters_in_sharded_regions(pool, family):
     out = pool.run(case_family_tp, family)[0]
     print(family, pool.world, out)
@@ -108,6 +109,7 @@ def case_cp_gradient(family: str):
     return diffs
 
 
+@pytest.mark.slow
 def test_context_parallel_gradient_is_the_gradient(pool):
     out = pool.run(case_cp_gradient, "glm4")[0]
     print(f"glm4 cp {pool.world}: {out}")
@@ -228,6 +230,7 @@ def case_fsdp_folds_cp(family: str, axis):
 
 
 @pytest.mark.parametrize("axis", [("dp", "cp"), "dp"], ids=["dp_shard_cp", "dp"])
+@pytest.mark.slow
 def test_fsdp_folds_the_context_parallel_sum(axis):
     out = get_pool(4).run(case_fsdp_folds_cp, "glm4", axis)[0]
     print(f"glm4 dp 2 x cp 2, fsdp over {axis}: {out}")

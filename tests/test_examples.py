@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_fsdp_tp_training_example_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(ROOT / "examples" / "train_fsdp_tp.py"), "--tp", "2", "--steps", "4"]
@@ -17,11 +20,10 @@ def test_fsdp_tp_training_example_under_torchrun():
     assert "FutureWarning" not in run.stderr, run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_torchtitan_llama_example_under_torchrun():
     """torchtitan's own Llama 3 with its own apply_tp plan, FSDP x TP, vs the unsharded model (the titan extra)."""
     import importlib.util
-
-    import pytest
 
     if importlib.util.find_spec("torchtitan") is None:
         pytest.skip("torchtitan is not installed: pip install -e '.[titan]' (docs/torchtitan.md)")

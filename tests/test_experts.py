@@ -106,12 +106,14 @@ def case_model(family: str, state, shape: tuple, names: tuple, root: str | None 
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.slow
 def test_moe_models_ep(pool, family):
     diffs = pool.run(case_model, family, make_moe_state(family), (pool.world,), ("ep",))
     print(f"{family} ep {pool.world}: {diffs[0]}")
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.slow
 def test_moe_models_ep_times_tp(family, tmp_path):
     """TP inside the experts too; a checkpoint saved at ep 2 x tp 2 loads at ep 4 exactly."""
     diffs = get_pool(4).run(case_model, family, make_moe_state(family), (2, 2), ("ep", "tp"), str(tmp_path))
@@ -319,6 +321,7 @@ def case_ep_shares_dp(state):
     return worst, errors
 
 
+@pytest.mark.slow
 def test_ep_shares_ranks_with_dp():
     results = get_pool(4).run(case_ep_shares_dp, make_moe_state("mixtral"))
     assert_errors([r[1] for r in results], {"shared tokens": "experts.gate_up_proj", "tokens": "tokens must be one of",

@@ -11,6 +11,7 @@ top_k_weights)`` alone: every token to the first rank's experts (the others rece
 and random top-2 routing, outputs and every gradient under ``.backward()`` and
 ``torch.func.grad``.  Bad input raises on every rank before any collective."""
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -165,6 +166,7 @@ def case_switch(state):
     return diffs
 
 
+@pytest.mark.slow
 def test_switch_transformers_ep(pool):
     print(f"switch ep {pool.world}: {pool.run(case_switch, switch_state())[0]}")
 
@@ -212,6 +214,7 @@ def case_switch_dp_ep(state, root):
     return worst, errors
 
 
+@pytest.mark.slow
 def test_switch_dp_times_ep_fsdp_and_checkpoint(tmp_path):
     results = get_pool(4).run(case_switch_dp_ep, switch_state(), str(tmp_path))
     assert_errors([r[1] for r in results], {

@@ -59,6 +59,7 @@ def param_bytes(n: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_schedule_totals_match_closed_form(world, sp):
     """On the fake process group (one process): any world size, nothing allocated."""
     totals, rows, memory, text = simulate(lambda m: case_explain(sp, m), world_size=world)
@@ -98,6 +99,7 @@ def test_megatron_regions(world, partial_exit):
     assert simulate(run, world_size=world) == expected
 
 
+@pytest.mark.slow
 def test_dtype_loss_parallel_and_plain_modules():
     """In one process (fake process group): bf16 halves every byte count; loss-parallel
     collectives are listed under the root module (their Local entry); a non-HF module with positional inputs."""
@@ -137,6 +139,7 @@ def test_schedule_error_is_reported_not_raised():
     assert e.schedule is None and "could not run" in e.schedule_error and e.memory.sharded > 0
 
 
+@pytest.mark.slow
 def test_real_gloo_ranks_measure_the_same_schedule():
     """On 2 freshly spawned gloo ranks (shard() agrees across them for real): the same totals."""
     from hp_functional.cli.launch import run_ranks

@@ -125,6 +125,7 @@ def case_train(state, world: int, kind: str, func: bool):
 @pytest.mark.parametrize("func", [False, True], ids=["backward+accumulation", "torch.func.grad+hpf.optim"])
 @pytest.mark.parametrize("pool,kind", [(4, "fsdp"), (4, "dp"), (2, "fsdp")], indirect=["pool"],
                          ids=["ws4-fsdp", "ws4-dp", "ws2-fsdp"])
+@pytest.mark.slow
 def test_trains_like_the_unsharded_model(pool, kind, func):
     """FSDP x TP and DP x TP at 4 ranks (dp 2 x tp 2), FSDP alone at 2 ranks (DP alone is
     ``tests/test_clip_dp.py``'s one-step case)."""
@@ -230,6 +231,7 @@ def case_schedule(state, world: int, reshard: bool, checkpoint: bool):
 
 @pytest.mark.parametrize("reshard,checkpoint", [(True, False), (False, False), (True, True), (False, True)],
                          ids=["reshard", "keep", "reshard+checkpoint", "keep+checkpoint"])
+@pytest.mark.slow
 def test_fsdp_collectives_closed_form_and_peak_memory(pool, reshard, checkpoint):
     r = pool.run(case_schedule, make_llama_state(), pool.world, reshard, checkpoint)[0]
     print(f"world {pool.world} reshard={reshard} checkpoint={checkpoint}: peak parameter bytes {r['peak']} "
@@ -308,6 +310,7 @@ def case_compile(state, world: int, cfg: dict):
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.slow
 def test_fsdp_compiles_to_one_graph(pool):
     cfg = {"num_hidden_layers": 1}  # one block traces what two do, in half the time
     pool.run(case_compile, make_llama_state(**cfg), pool.world, cfg)
@@ -347,6 +350,7 @@ def case_bad_input(state):
     return messages
 
 
+@pytest.mark.slow
 def test_fsdp_bad_input_raises_before_any_collective(pool):
     messages = pool.run(case_bad_input, make_llama_state())[0]
     assert "'data' is not in the mesh" in messages["axis"]

@@ -104,6 +104,7 @@ def case_family(family: str, shape: tuple | None = None, names: tuple = ("tp",),
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_family_matches_unsharded(pool, family):
     diffs, explained = pool.run(case_family, family)[0]
     print(f"{family} tp {pool.world}: {diffs}")
@@ -111,6 +112,7 @@ def test_family_matches_unsharded(pool, family):
         assert "not planned: model.layers.*.mlp.gate_proj" in explained and "matches no module" in explained
 
 
+@pytest.mark.slow
 def test_deepseek_v3_expert_parallel():
     """MLA with the routed experts over ep: ep 2, and ep 2 × tp 2 (TP inside experts and attention)."""
     diffs = get_pool(2).run(case_family, "deepseek_v3", (2,), ("ep",), {"ep_axis": "ep"})[0]

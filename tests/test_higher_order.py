@@ -106,6 +106,7 @@ def case_vjp_of_vjp():
     return report
 
 
+@pytest.mark.slow
 def test_vjp_of_vjp_is_the_collective(pool):
     assert all(len(r) == len(C.COLLECTIVES) for r in pool.run(case_vjp_of_vjp))
 
@@ -221,6 +222,7 @@ def case_compositions():
     return report
 
 
+@pytest.mark.slow
 def test_compositions_every_order(pool):
     assert all(len(r) == len(COMPOSITIONS) for r in pool.run(case_compositions))
 
@@ -433,10 +435,12 @@ def case_llama_penalty(state, plan_kind: str, kv_heads: int | None = None):
 
 
 @pytest.mark.parametrize("plan_kind", ["hf", "sp", "hf_loss_parallel", "regions_partial_exit"])
+@pytest.mark.slow
 def test_llama_gradient_penalty(pool, plan_kind):
     pool.run(case_llama_penalty, make_llama_state(**LLAMA), plan_kind)
 
 
+@pytest.mark.slow
 def test_llama_gradient_penalty_kv_heads_replicated(pool):
     """Fewer KV heads than ranks (KV-head replication): exact at second order too."""
     kv = pool.world // 2
@@ -488,6 +492,7 @@ def case_compile_limits():
     return messages
 
 
+@pytest.mark.slow
 def test_compile_limits():
     """torch's, not ours: world size does not matter, so the 2-rank pool only."""
     assert get_pool(2).run(case_compile_limits) == [[DONATED, DOUBLE]] * 2

@@ -70,6 +70,7 @@ def case_llama(state, kv: int, plan_kind: str, root: str | None):
 
 
 @pytest.mark.parametrize("plan_kind", ["hf", "sp"])
+@pytest.mark.slow
 def test_llama_fewer_kv_heads_than_tp(pool, plan_kind, tmp_path_factory):
     kv = _kv(pool.world)
     root = str(tmp_path_factory.mktemp("kv")) if plan_kind == "hf" else None
@@ -89,6 +90,7 @@ def case_load_tp2(state, kv: int, root: str):
             assert torch.equal(out.params[k], slice_local(p.detach(), info[k])), k
 
 
+@pytest.mark.slow
 def test_single_kv_head_at_tp4():
     """1 KV head over 4 ranks: every rank holds it; its gradient is summed over all four."""
     print(get_pool(4).run(case_llama, make_hf_state("llama", num_key_value_heads=1), 1, "hf", None)[0])
@@ -126,6 +128,7 @@ def case_explain(kv: int):
     return str(e), e.schedule.count(op="all_reduce", direction="bwd"), e.memory.per_rank
 
 
+@pytest.mark.slow
 def test_explain_shows_memory_and_extra_reduction():
     pool = get_pool(4)
     text, reduces, per_rank = pool.run(case_explain, 2)[0]

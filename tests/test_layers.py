@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "hp_functional"
 LAYERS = ("core", "plan", "compile", "runtime", "train", "tools", "cli")
 
@@ -114,6 +116,7 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
     assert _imports("hp_functional.plan.b", mods["hp_functional.plan.b"], set(mods)) == {"hp_functional.core.a"}
 
 
+@pytest.mark.slow
 def test_import_does_not_load_rich_or_tqdm():
     """``import hp_functional`` adds neither rich (CLI tables) nor tqdm (the demo) to what
     ``import torch`` loads (torch.hub imports tqdm by itself when it is installed)."""

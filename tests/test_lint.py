@@ -34,6 +34,7 @@ def correct_plans():
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_correct_plans_have_no_findings_and_shard_does_not_warn(world):
     def run(m):
         found = {}

@@ -62,6 +62,7 @@ def case_llama(state, plan_kind: str, mesh_shape, cfg, family: str = "llama"):
 
 
 @pytest.mark.parametrize("plan_kind", ["hf", "sp", "regions", "regions_partial_exit", "layer_regions"])
+@pytest.mark.slow
 def test_llama_matches_unsharded(pool, plan_kind):
     placements = pool.run(case_llama, make_llama_state(), plan_kind, (pool.world,), {})[0]
     assert placements["model.embed_tokens.weight"] == "(Shard(dim=0),)"
@@ -80,6 +81,7 @@ def test_llama_tied_embeddings(pool):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.slow
 def test_hf_families_from_hf_plan(pool, family):
     """Qwen3: per-head q_norm/k_norm as replicated_with_grad_allreduce; Phi3: fused qkv/gate_up
     projections as colwise_gather_output + rowwise_split_input."""
@@ -111,6 +113,7 @@ def test_explain_lists_the_lowered_collectives(pool):
     "family,cfg",
     [("qwen2", {}), ("mistral", {}), ("gemma", {"tie_word_embeddings": True})],  # gemma: tied, scaled embedding
 )
+@pytest.mark.slow
 def test_more_hf_families(pool, family, cfg):
     pool.run(case_llama, make_hf_state(family, **cfg), "hf", (pool.world,), cfg, family)
 
@@ -142,6 +145,7 @@ def case_training(state, steps: int):
     return max(deltas), deltas
 
 
+@pytest.mark.slow
 def test_training_curve_matches_unsharded(pool):
     worst, deltas = pool.run(case_training, make_llama_state(), 20)[0]
     print(f"world {pool.world}: max |Δloss| over 20 AdamW steps = {worst:.2e}")

@@ -30,6 +30,7 @@ def case_example():
     return {how: example.compare(mesh(), reduce_inside=how == "inside") for how in ("declared", "inside")}
 
 
+@pytest.mark.slow
 def test_hand_written_attention_example_matches_unsharded(pool):
     for worst in pool.run(case_example):
         assert worst["declared"] <= 1e-5 and worst["inside"] <= 1e-5, worst

@@ -21,6 +21,7 @@ def case_family(model_type: str):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_family_matches_unsharded(pool, family):
     row = combine(pool.run(case_family, family))
     assert row["outcome"] in FAMILIES[family], row

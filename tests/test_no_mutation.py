@@ -1,5 +1,6 @@
 """shard() and any number of apply_fn calls leave the user's model exactly as it was."""
 
+import pytest
 import torch
 from torch.func import grad
 
@@ -33,5 +34,6 @@ def case_no_mutation(state):
     return True
 
 
+@pytest.mark.slow
 def test_shard_and_apply_mutate_nothing(pool):
     pool.run(case_no_mutation, make_llama_state())

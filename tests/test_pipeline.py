@@ -117,6 +117,7 @@ def case_pipeline(state, tied: bool, other: str, weights: str | None, train: boo
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("other", ["tp", "dp"])
+@pytest.mark.slow
 def test_two_stages(other, tied, tmp_path):
     """2 stages × tp 2 (TP plan) and 2 stages × dp 2 (FSDP), GPipe and 1F1B; then 10 AdamW steps
     (tied on tp, untied on dp: both tie options and both compositions train)."""
@@ -171,6 +172,7 @@ def case_explain(state):
     return ex.step, one, stage.index
 
 
+@pytest.mark.slow
 def test_explain_stage_counts_p2p_and_collectives():
     """Per step: every micro-batch's activation sent forward and its gradient back (2 × 8 × 64
     fp32 = 4 KiB each), and the stage's TP collectives once per micro-batch."""
@@ -229,6 +231,7 @@ def case_family(family: str, state):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma"])
+@pytest.mark.slow
 def test_other_families(family):
     """Qwen2 and Gemma (embedding scale in its embedding module, as HF's pp_plan contract has it)."""
     print(get_pool(2).run(case_family, family, make_hf_state(family, num_hidden_layers=LAYERS)))

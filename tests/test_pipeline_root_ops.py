@@ -100,6 +100,7 @@ def dist_world() -> int:
 @pytest.mark.parametrize("family,other,world", [("cohere", "tp", 4), ("granite", "dp", 4),
                                                 ("cohere", "dp", 2), ("granite", "dp", 2)],
                          ids=["cohere-pp2xtp2", "granite-pp2xdp2", "cohere-pp2", "granite-pp2"])
+@pytest.mark.slow
 def test_root_ops_run_where_they_belong(family, other, world):
     state = make_state(family)
     results = get_pool(world).run(case_stages, family, other, state)

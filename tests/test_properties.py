@@ -15,6 +15,7 @@ import os
 import pickle
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
@@ -321,6 +322,7 @@ def _run(pool, fn, case: Case, *args) -> list:
 
 @_settings(EXAMPLES)
 @given(data=st.data())
+@pytest.mark.slow
 def test_valid_plans_match_unsharded(pool, data):
     case = data.draw(valid_cases(pool.world), label="case")
     event(f"mesh {case.mesh_shape} on {case.axis!r}, {'styles name the axis' if case.meta['explicit'] else 'tp_axis'}")
@@ -332,6 +334,7 @@ def test_valid_plans_match_unsharded(pool, data):
 
 @_settings(2 * EXAMPLES)  # cheap: shard() raises before any communication
 @given(data=st.data())
+@pytest.mark.slow
 def test_invalid_plans_raise_naming_the_culprit(pool, data):
     case, exc, needles, fault = data.draw(invalid_cases(pool.world), label="invalid case")
     event(f"fault {fault} -> {exc}")

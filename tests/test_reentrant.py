@@ -4,6 +4,7 @@ a ReentrancyError at once from any other thread on a multi-rank mesh — never a
 import functools
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -61,6 +62,7 @@ def case_threads(state, one_rank: bool):
     return sorted(results), wrong, errors
 
 
+@pytest.mark.slow
 def test_one_rank_threads_are_exact():
     """A one-rank mesh (as at world size 1; here each rank of the pool has its own): every call
     from every thread equals the serial result."""
@@ -69,6 +71,7 @@ def test_one_rank_threads_are_exact():
         assert done == list(range(THREADS * CALLS))
 
 
+@pytest.mark.slow
 def test_multi_rank_other_threads_are_refused():
     """World size 2 (tp 2): no other thread may call (its collectives could pair with another
     thread's on the other rank), so every call raises ReentrancyError at once, on both ranks."""

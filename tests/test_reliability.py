@@ -172,6 +172,7 @@ def case_one_rank_fails_inside_shard(state):
     hpf.shard(model, plan, mesh(), agree_timeout=3.0)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_makes_the_others_fail_within_the_timeout():
     hang_pool = RankPool(2, pg_timeout=5.0)  # its own pool: a timed-out gloo group is not reusable
     try:
@@ -247,6 +248,7 @@ def case_determinism(llama_state, mlp_state):
     assert torch.equal(outs[0], outs[1]), "sharded-region dropout is not reproducible"
 
 
+@pytest.mark.slow
 def test_determinism_and_dropout_rule(pool):
     torch.manual_seed(0)
     pool.run(case_determinism, make_llama_state(), DropoutMLP().state_dict())
@@ -294,6 +296,7 @@ def case_repeated_use(state):
     assert_unchanged(before, snapshot(model))
 
 
+@pytest.mark.slow
 def test_repeated_shard_and_side_by_side_apply_fns(pool):
     pool.run(case_repeated_use, make_llama_state())
 

@@ -7,6 +7,7 @@ import os
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -171,6 +172,7 @@ def case_cached_versus_new(state, seconds: float):
     return _error(apply_fn, params, input_ids=odd, labels=odd), time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_a_stuck_or_out_of_step_rank_makes_the_others_raise_within_the_timeout():
     pool = get_pool(2)
     (error, elapsed), (_, slept) = pool.run(case_stuck_rank, make_llama_state(), 2.0, timeout=60)

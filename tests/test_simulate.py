@@ -28,6 +28,7 @@ def on_meta(config: LlamaConfig) -> LlamaForCausalLM:
         return LlamaForCausalLM(config)
 
 
+@pytest.mark.slow
 def test_7b_at_world_64_memory_matches_closed_form():
     c = llama_7b()
     model = on_meta(c)
@@ -51,6 +52,7 @@ def test_7b_at_world_64_memory_matches_closed_form():
     assert all(loc * 64 == glob for loc, glob, s in per_param.values() if s)
 
 
+@pytest.mark.slow
 def test_7b_real_heads_rejected_at_64_and_sharded_at_32():
     model = on_meta(llama_7b(num_attention_heads=32, num_key_value_heads=32))  # head_dim 128
 

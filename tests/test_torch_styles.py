@@ -120,6 +120,7 @@ def case_torch_plan(state, kind: str):
     return out
 
 
+@pytest.mark.slow
 def test_torchtitan_llama_plan_matches_unsharded_and_llama_sp_plan(pool):
     out = pool.run(case_torch_plan, make_llama_state(), "torchtitan")
     for r in out:
@@ -259,6 +260,7 @@ def case_titan(state, loss_parallel: bool):
 
 
 @pytest.mark.parametrize("loss_parallel", [False, True], ids=["gathered_head", "loss_parallel"])
+@pytest.mark.slow
 def test_torchtitan_model_and_plan_match_unsharded_and_parallelize_module(pool, loss_parallel):
     from tests.titan_llama import make_titan_state
 

@@ -25,7 +25,7 @@ from tests.conftest import get_pool
 from tests.helpers import assert_close, mesh
 from tests.torchtitan_real import HAVE_TITAN, SEQ, VOCAB, WHY
 
-pytestmark = pytest.mark.skipif(not HAVE_TITAN, reason=WHY)
+pytestmark = [pytest.mark.skipif(not HAVE_TITAN, reason=WHY), pytest.mark.slow]
 
 
 def _ce(logits, ids):

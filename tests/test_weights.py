@@ -67,6 +67,7 @@ def _matches_full(folder: str, family: str, state) -> float:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_from_pretrained_matches_the_full_model(pool, saved, family):
     state, folders = saved[family]
     for layout, folder in folders.items():
@@ -148,6 +149,7 @@ def _peak_load(folder: str) -> dict:
 
 
 @pytest.mark.parametrize("pool", [4], indirect=True)
+@pytest.mark.slow
 def test_peak_memory_of_a_load_is_the_local_shards_plus_one_slice(pool, tmp_path):
     from hp_functional.tools.models import build_model, tiny_config
 

@@ -114,11 +114,15 @@ def test_family_matches_unsharded(pool, family):
 
 @pytest.mark.slow
 def test_deepseek_v3_expert_parallel():
-    """MLA with the routed experts over ep: ep 2, and ep 2 × tp 2 (TP inside experts and attention)."""
+    """MLA with the routed experts over ep: ep 2, ep 2 × tp 2 (TP inside experts and attention), and
+    ep 2 × cp 2 (MLA's values have another head dim than its queries and keys: the CP kernels
+    carry K | V as one block)."""
     diffs = get_pool(2).run(case_family, "deepseek_v3", (2,), ("ep",), {"ep_axis": "ep"})[0]
     print(f"deepseek_v3 ep 2: {diffs[0]}")
     diffs = get_pool(4).run(case_family, "deepseek_v3", (2, 2), ("ep", "tp"), {"ep_axis": "ep"})[0]
     print(f"deepseek_v3 ep 2 x tp 2: {diffs[0]}")
+    diffs = get_pool(4).run(case_family, "deepseek_v3", (2, 2), ("ep", "cp"), {"ep_axis": "ep", "cp_axis": "cp"})[0]
+    print(f"deepseek_v3 ep 2 x cp 2: {diffs[0]}")
 
 
 class _ScaledHead(nn.Linear):

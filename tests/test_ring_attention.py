@@ -23,18 +23,18 @@ def _group():
     return AxisGroup.from_mesh(mesh((world(),), ("cp",)), "cp")
 
 
-def _qkv(heads: int, kv_heads: int, seq: int, dtype=torch.float64):
+def _qkv(heads: int, kv_heads: int, seq: int, dtype=torch.float64, v_dim: int = 8):
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, heads, seq, 8, generator=gen, dtype=dtype)
     k = torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=dtype)
-    v = torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=dtype)
-    dout = torch.randn(2, heads, seq, 8, generator=gen, dtype=dtype)
+    v = torch.randn(2, kv_heads, seq, v_dim, generator=gen, dtype=dtype)
+    dout = torch.randn(2, heads, seq, v_dim, generator=gen, dtype=dtype)
     return q, k, v, dout
 
 
-def case_kernel(strategy: str, layout: str, causal: bool, kv_heads: int):
+def case_kernel(strategy: str, layout: str, causal: bool, kv_heads: int, v_dim: int = 8):
     g = _group()
-    q, k, v, dout = _qkv(4, kv_heads, 8 * g.size)
+    q, k, v, dout = _qkv(4, kv_heads, 8 * g.size, v_dim=v_dim)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=kv_heads != 4)
     ref.backward(dout)
@@ -56,8 +56,9 @@ def case_kernel(strategy: str, layout: str, causal: bool, kv_heads: int):
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
 def test_kernels_match_sdpa(pool, strategy, layout, causal):
-    for kv_heads in (4, 2):  # MHA and GQA
-        print(strategy, layout, causal, kv_heads, max(pool.run(case_kernel, strategy, layout, causal, kv_heads)))
+    for kv_heads, v_dim in ((4, 8), (2, 8), (2, 4)):  # MHA, GQA, and values of another head dim (MLA)
+        print(strategy, layout, causal, kv_heads, v_dim,
+              max(pool.run(case_kernel, strategy, layout, causal, kv_heads, v_dim)))
 
 
 class _SdpaAttention(torch.nn.Module):

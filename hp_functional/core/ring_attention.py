@@ -2,7 +2,8 @@
 
 Every rank holds queries, keys and values for its positions (``core.cp_layout``) as
 ``[batch, heads, local_seq, head_dim]``; keys/values may have fewer heads (GQA: each serves
-``heads // kv_heads`` consecutive query heads).  The mask is over *global* positions: causal
+``heads // kv_heads`` consecutive query heads), and values another head dim than queries and
+keys (DeepSeek's MLA); K and V travel as one tensor, concatenated along the head dim.  The mask is over *global* positions: causal
 (query position ≥ key position) or none.
 
 * ``ring_attention`` — the K/V block of every rank visits every rank around the ring: ``cp``
@@ -102,14 +103,14 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, group: AxisGroup, layout: str, causal: bool, scale: float):
         ring, groups, dtype = _Ring(q, group, layout, causal), q.shape[1] // k.shape[1], _compute_dtype(q)
-        qc = q.to(dtype)
-        held = torch.stack([k, v])
+        qc, d = q.to(dtype), k.shape[-1]
+        held = torch.cat([k, v], -1)  # one block in flight: K | V along the head dim
         out = lse = None
         for step in range(group.size):
             wait = start_ppermute(held, C.ring(group.size), group) if step < group.size - 1 else None
             skip, mask = ring.block(step)
             if not skip:
-                kb, vb = _expand(held[0].to(dtype), groups), _expand(held[1].to(dtype), groups)
+                kb, vb = _expand(held[..., :d].to(dtype), groups), _expand(held[..., d:].to(dtype), groups)
                 s = _scores(qc, kb, scale, mask)
                 lse_b = torch.logsumexp(s, -1)
                 out_b = torch.exp(s - lse_b[..., None]) @ vb
@@ -142,27 +143,28 @@ class RingAttention(torch.autograd.Function):
         qc, do = q.to(dtype), dout.to(dtype)
         delta = (do * out.to(dtype)).sum(-1, keepdim=True)
         dq = torch.zeros_like(qc)
-        held = torch.stack([k.to(dtype), v.to(dtype), torch.zeros_like(k, dtype=dtype), torch.zeros_like(v, dtype=dtype)])
+        d, kv = k.shape[-1], k.shape[-1] + v.shape[-1]  # held: K | V | dK | dV along the head dim
+        held = torch.cat([k.to(dtype), v.to(dtype), torch.zeros_like(k, dtype=dtype), torch.zeros_like(v, dtype=dtype)], -1)
         for step in range(g.size):
             skip, mask = ring.block(step)
             if not skip:
-                kb, vb = _expand(held[0], groups), _expand(held[1], groups)
+                kb, vb = _expand(held[..., :d], groups), _expand(held[..., d:kv], groups)
                 p = torch.exp(_scores(qc, kb, scale, mask) - lse[..., None])
                 ds = p * (do @ vb.transpose(-1, -2) - delta)
                 dq = dq + (ds @ kb) * scale
-                grads = torch.stack([_fold(ds.transpose(-1, -2) @ qc, groups) * scale,
-                                     _fold(p.transpose(-1, -2) @ do, groups)])
-                held = torch.cat([held[:2], held[2:] + grads])
+                grads = torch.cat([_fold(ds.transpose(-1, -2) @ qc, groups) * scale,
+                                   _fold(p.transpose(-1, -2) @ do, groups)], -1)
+                held = torch.cat([held[..., :kv], held[..., kv:] + grads], -1)
             # the block moves on with its gradients; after the last step only the gradients travel (home)
-            held = C.ppermute(held if step < g.size - 1 else held[2:], C.ring(g.size), g)
-        return dq.to(q.dtype), held[0].to(k.dtype), held[1].to(v.dtype), None, None, None, None
+            held = C.ppermute(held if step < g.size - 1 else held[..., kv:].contiguous(), C.ring(g.size), g)
+        return dq.to(q.dtype), held[..., :d].to(k.dtype), held[..., d:].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: AxisGroup, *, layout: str = "zigzag",
                    causal: bool = True, scale: float | None = None) -> Tensor:
     """Attention of this rank's queries to every rank's keys/values, K/V blocks passed around
-    the ring (see the module docstring).  ``q``: ``[B, H, S_local, D]``; ``k``, ``v``:
-    ``[B, H_kv, S_local, D]``, ``H % H_kv == 0``; positions from ``layout``."""
+    the ring (see the module docstring).  ``q``, ``k``: ``[B, H, S_local, D]``, ``[B, H_kv, S_local, D]``,
+    ``H % H_kv == 0``; ``v``: ``[B, H_kv, S_local, D_v]``; positions from ``layout``."""
     _check_heads(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return RingAttention.apply(q, k, v, group, layout, causal, scale)[0]
@@ -175,21 +177,23 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: AxisGroup, *, la
     differentiable ops, so derivatives of every order are exact)."""
     _check_heads(q, k, v)
     seq = q.shape[2] * group.size
-    kv = C.all_gather(torch.stack([k, v]), 3, group)  # [2, B, H_kv, seq, D] in rank order
+    kv = C.all_gather(torch.cat([k, v], -1), 2, group)  # [B, H_kv, seq, D + D_v] in rank order
+    d = k.shape[-1]
     mask = None
     if causal:
         q_pos = cp_positions(group.rank, seq, group.size, layout, device=q.device)
         k_pos = torch.cat([cp_positions(r, seq, group.size, layout, device=q.device) for r in range(group.size)])
         mask = q_pos[:, None] >= k_pos[None, :]
     with sdpa_kernel(SDPBackend.MATH) if q.device.type == "cpu" else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale,
+        return F.scaled_dot_product_attention(q, kv[..., :d], kv[..., d:], attn_mask=mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"context-parallel attention needs q [B, H, S, D] and k = v [B, H_kv, S, D] with H % H_kv "
-                         f"== 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if (q.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1] or k.shape[1] == 0
+            or q.shape[1] % k.shape[1]):
+        raise ValueError(f"context-parallel attention needs q [B, H, S, D], k [B, H_kv, S, D] and v [B, H_kv, S, D_v] "
+                         f"with H % H_kv == 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
 def _sliding_window(module) -> int | None:

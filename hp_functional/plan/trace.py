@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -268,7 +269,9 @@ def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
     and devices, no storage, nothing computed); the meta error is raised if that fails too."""
     try:
         return _trace(model, inputs, "meta")
-    except Exception as meta_error:  # noqa: BLE001 - retried on fake tensors, re-raised if that fails too
+    except Exception as meta_error:
+        if "meta" not in str(meta_error):  # not a refusal of the meta device: fake tensors would fail alike
+            raise
         try:
             with fake_mode(True) as device:
                 return _trace(model, inputs, device)
@@ -288,8 +291,14 @@ def fake_mode(fake: bool):
         return
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     mode.cache_enabled = False
-    with torch.compiler.set_stance("force_eager"), mode:
-        yield "cpu"
+    log = logging.getLogger("torch._subclasses.fake_tensor")  # it logs an op's failure before raising it
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with torch.compiler.set_stance("force_eager"), mode:
+            yield "cpu"
+    finally:
+        log.setLevel(level)
 
 
 def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str) -> ModelTrace:

@@ -181,13 +181,6 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=160, no_color=True, highlight=False)
 
 
-def _plan_axes(plan) -> set[str]:
-    """The mesh axes the plan acts on: its styles' own, ``tp_axis``, and its CP/EP axes."""
-    roles = {"tp": plan.tp_axis, "cp": getattr(plan, "cp_axis", None), "ep": getattr(plan, "ep_axis", None)}
-    named = {getattr(style, "axis", None) or roles.get(style.axis_role) for style in plan.entries.values()}
-    return {a for a in (*named, *roles.values()) if a}
-
-
 # ---------------------------------------------------------------- plan
 def _simulated(model, plan, args, dtype):
     """Runs inside ``simulate``: the plan's lint findings and (without errors) its explanation."""
@@ -255,12 +248,12 @@ def plan_command(args) -> int:
             console.print(schedule_table(exp.schedule))
         console.print(totals_table(exp.schedule))
     console.print(memory_table(exp.memory))
-    unused = [a for a in names if a not in _plan_axes(plan)]
+    unused = [a for a in names if a not in plan.axes()]
     for axis in unused:
         if axis == "dp":
             console.print(f"note: not in these totals: the data-parallel gradient reduction over dp={args.dp} "
                           f"(about {human(exp.memory.per_rank)} of gradients per rank per step). A plan acts only on "
-                          f"its own axes ({', '.join(sorted(_plan_axes(plan) & set(names)))}); dp is applied around "
+                          f"its own axes ({', '.join(sorted(plan.axes() & set(names)))}); dp is applied around "
                           "it (fsdp or a gradient all-reduce).", markup=False)
         else:
             console.print(f"note: the plan does not use mesh axis {axis!r}: parameters are replicated over it and "

@@ -124,15 +124,14 @@ def _role(roles: Mapping[str, str], path: str) -> str:
     return roles.get(path, "unplanned")
 
 
+@dataclass(frozen=True, eq=False, kw_only=True)
 class AutoPlan(ShardingPlan):
     """The ``ShardingPlan`` ``auto_plan`` returns: a plan like any other, plus ``coverage`` (every
     parameter, planned or replicated, and why) and ``notes`` (decisions worth reading: gathered
     blocks, uncovered modules)."""
 
-    def __init__(self, entries, tp_axis: str = "tp", *, coverage: Coverage, notes: tuple[str, ...] = (), **kw):
-        super().__init__(entries, tp_axis, **kw)
-        self.coverage = coverage
-        self.notes = notes
+    coverage: Coverage
+    notes: tuple[str, ...] = ()
 
     def explain(self) -> str:
         """The plan's entries, the notes and the coverage table, as text."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -166,6 +166,36 @@ def context_parallel_root(axis: str, layout: str, vocab_axis: str | None = None)
     """The root entry a plan with ``cp_axis`` adds (``ShardingPlan.resolve``)."""
     return Local(ContextParallelForward(axis, check_layout(layout), vocab_axis), varying=False, axis=axis,
                  data_axes=(axis,))
+
+
+def check_context_entries(entries: Mapping[str, Style], cp_axis: str | None, cp_layout: str) -> dict[str, Style]:
+    """``entries`` with every ``ContextParallel`` on the plan's ``cp_layout`` (``ShardingPlan``'s
+    check): they need ``cp_axis``, ``cp_axis`` needs them, and a layout of their own must agree."""
+    context = {p: s for p, s in entries.items() if isinstance(s, ContextParallel)}
+    if context and cp_axis is None:
+        raise PlanError(f"plan entry {next(iter(context))!r}: ContextParallel needs the plan's cp_axis "
+                        "(ShardingPlan(..., cp_axis='cp'))")
+    if cp_axis is not None and not context:
+        raise PlanError(f"cp_axis={cp_axis!r}: the plan has no ContextParallel entry (no attention module found to "
+                        "attend over the sharded sequence)")
+    for pattern, style in context.items():
+        if style.layout not in (None, cp_layout):
+            raise PlanError(f"plan entry {pattern!r}: ContextParallel layout {style.layout!r} differs from the plan's "
+                            f"cp_layout {cp_layout!r} (the root shards the batch in that one)")
+    return {p: replace(s, layout=cp_layout) if p in context else s for p, s in entries.items()}
+
+
+def check_context_shadowed(candidates: Mapping[str, list], chosen: Mapping[str, tuple[str, Style]]) -> None:
+    """A ContextParallel entry that loses a module to a more specific entry (``ShardingPlan.resolve``'s
+    ``candidates`` and ``chosen``) would leave that module's attention on the local chunk: refused,
+    naming both."""
+    for path, cands in candidates.items():
+        lost = next((c for c in cands if isinstance(c.style, ContextParallel) and c.pattern != chosen[path][0]), None)
+        if lost is not None:
+            raise PlanError(f"{path}: plan entry {lost.pattern!r} (ContextParallel) loses to the more specific entry "
+                            f"{chosen[path][0]!r} ({chosen[path][1]}): a module takes one style, so its attention would "
+                            "see only this rank's chunk; put ContextParallel on the module that calls "
+                            "scaled_dot_product_attention (a child: torchtitan's 'layers.*.attention.inner_attention')")
 
 
 def attention_patterns(model: nn.Module) -> list[str]:

@@ -285,6 +285,13 @@ _HF_EP = {"ep_dispatch_experts": "experts", "grouped_gemm": "parameter"}
 _SHARED = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 
 
+def check_experts_entries(entries: Mapping[str, Style], ep_axis: str | None) -> None:
+    """``Experts`` entries need the plan's ``ep_axis`` unless they name their own axis (``ShardingPlan``'s check)."""
+    experts = [(p, s) for p, s in entries.items() if isinstance(s, Experts)]
+    if experts and ep_axis is None and not any(s.axis for _, s in experts):
+        raise PlanError(f"plan entry {experts[0][0]!r}: Experts needs the plan's ep_axis (ShardingPlan(..., ep_axis='ep'))")
+
+
 def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object],
                   tp_axis: str | None = None, tokens: str = "replicated") -> dict[str, object]:
     """An HF MoE model's plan entries for ``from_hf(..., ep_axis=)``: its ``tp_plan`` entries that

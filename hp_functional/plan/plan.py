@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, fields, replace
 from typing import NamedTuple
 
 from torch import nn
@@ -20,9 +20,9 @@ from torch.distributed.tensor import Shard
 from ..core.cp_layout import check_layout
 from ..core.errors import PlanError
 from ..core.program import Planned
-from .context import ContextParallel, attention_patterns, context_parallel_root
+from .context import ContextParallel, attention_patterns, check_context_entries, check_context_shadowed, context_parallel_root
 from .context_inputs import ContextInputs
-from .experts import Experts, hf_ep_entries
+from .experts import check_experts_entries, hf_ep_entries
 from .hf_styles import HF_STYLES, hf_entries, tp_experts
 from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers, path_matches
 from .torch_styles import ParallelStyle, from_torch_style
@@ -60,18 +60,7 @@ def most_specific(path: str, cands: list[Candidate]) -> tuple[str, Style]:
     return best[0]
 
 
-def _check_context_shadowed(candidates: Mapping[str, list[Candidate]], chosen: Mapping[str, tuple[str, Style]]) -> None:
-    """A ContextParallel entry that loses a module to a more specific entry would leave that
-    module's attention on the local chunk: refused, naming both."""
-    for path, cands in candidates.items():
-        lost = next((c for c in cands if isinstance(c.style, ContextParallel) and c.pattern != chosen[path][0]), None)
-        if lost is not None:
-            raise PlanError(f"{path}: plan entry {lost.pattern!r} (ContextParallel) loses to the more specific entry "
-                            f"{chosen[path][0]!r} ({chosen[path][1]}): a module takes one style, so its attention would "
-                            "see only this rank's chunk; put ContextParallel on the module that calls "
-                            "scaled_dot_product_attention (a child: torchtitan's 'layers.*.attention.inner_attention')")
-
-
+@dataclass(frozen=True, eq=False)
 class ShardingPlan:
     """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default).
 
@@ -82,42 +71,40 @@ class ShardingPlan:
     instead (``plan.context_inputs``).  ``ep_axis``: the mesh axis routed experts
     are sharded over (``Experts`` entries, ``plan.experts``).  ``tp_optional``: entries on
     ``tp_axis`` are dropped when the mesh has no such axis (``from_hf`` with ``cp_axis`` or
-    ``ep_axis``: CP or EP alone on a mesh without ``tp``)."""
+    ``ep_axis``: CP or EP alone on a mesh without ``tp``).  ``special_handlers``: parameter-path
+    pattern → the name of a handler in ``handlers`` (``plan.styles.default_handlers``).
+    ``unplanned``: HF pattern → why ``from_hf`` left it unplanned.
 
-    def __init__(
-        self,
-        entries: Mapping[str, Style | str],
-        tp_axis: str = "tp",
-        *,
-        loss_parallel: bool = False,
-        cp_axis: str | None = None,
-        cp_layout: str = "zigzag",
-        cp_inputs: ContextInputs | None = None,
-        ep_axis: str | None = None,
-        tp_optional: bool = False,
-        special_handlers: Mapping[str, str] | None = None,
-        handlers: Mapping[str, ParamHandler] | None = None,
-        unplanned: Mapping[str, str] | None = None,
-    ):
-        self.entries: dict[str, Style] = {
-            pattern: _as_style(style, f"plan entry {pattern!r}") for pattern, style in entries.items()
-        }
-        self.tp_axis = tp_axis
-        self.loss_parallel = loss_parallel
-        self.cp_axis, self.cp_layout, self.tp_optional = cp_axis, check_layout(cp_layout), tp_optional
-        self.cp_inputs = cp_inputs
-        self.ep_axis = ep_axis
-        self.unplanned = dict(unplanned or {})  # HF pattern -> why from_hf left it unplanned (dropped, kept whole)
-        self._check_context_entries()
-        experts = next((p for p, s in self.entries.items() if isinstance(s, Experts)), None)
-        if experts is not None and ep_axis is None and not any(s.axis for s in self.entries.values()
-                                                                  if isinstance(s, Experts)):
-            raise PlanError(f"plan entry {experts!r}: Experts needs the plan's ep_axis (ShardingPlan(..., ep_axis='ep'))")
-        self.special_handlers = dict(special_handlers or {})  # parameter-path pattern -> handler name
-        self.handlers = dict(handlers) if handlers is not None else default_handlers()
-        for pattern, name in self.special_handlers.items():
-            if name not in self.handlers:
-                raise PlanError(f"special handler {name!r} for {pattern!r} is not registered (have {sorted(self.handlers)})")
+    A frozen dataclass: its fields are data, checked once when it is made (each parallelism's
+    rule in its own module: ``context.check_context_entries``, ``experts.check_experts_entries``);
+    ``dataclasses.replace`` / ``with_entries`` make a new one."""
+
+    entries: Mapping[str, Style | str]
+    tp_axis: str = "tp"
+    _: KW_ONLY
+    loss_parallel: bool = False
+    cp_axis: str | None = None
+    cp_layout: str = "zigzag"
+    cp_inputs: ContextInputs | None = None
+    ep_axis: str | None = None
+    tp_optional: bool = False
+    special_handlers: Mapping[str, str] | None = None
+    handlers: Mapping[str, ParamHandler] | None = None
+    unplanned: Mapping[str, str] | None = None
+
+    def __post_init__(self):
+        entries = {pattern: _as_style(style, f"plan entry {pattern!r}") for pattern, style in self.entries.items()}
+        layout = check_layout(self.cp_layout)
+        entries = check_context_entries(entries, self.cp_axis, layout)
+        check_experts_entries(entries, self.ep_axis)
+        handlers = dict(self.handlers) if self.handlers is not None else default_handlers()
+        special = dict(self.special_handlers or {})
+        for pattern, name in special.items():
+            if name not in handlers:
+                raise PlanError(f"special handler {name!r} for {pattern!r} is not registered (have {sorted(handlers)})")
+        for name, value in (("entries", entries), ("cp_layout", layout), ("handlers", handlers),
+                            ("special_handlers", special), ("unplanned", dict(self.unplanned or {}))):
+            object.__setattr__(self, name, value)
 
     def param_rules(self, model: nn.Module) -> dict[str, ParamRule]:
         """Parameter FQN -> the rule its special handler decides (patterns must match something)."""
@@ -134,32 +121,10 @@ class ShardingPlan:
         return rules
 
     def with_entries(self, entries: Mapping[str, Style | str], **changes) -> ShardingPlan:
-        """A new plan of ``entries`` with this plan's settings (``changes`` override them)."""
-        settings = dict(tp_axis=self.tp_axis, loss_parallel=self.loss_parallel, cp_axis=self.cp_axis,
-                        cp_layout=self.cp_layout, cp_inputs=self.cp_inputs, ep_axis=self.ep_axis,
-                        tp_optional=self.tp_optional, special_handlers=self.special_handlers, handlers=self.handlers,
-                        unplanned=self.unplanned)
+        """A new ``ShardingPlan`` of ``entries`` with this plan's settings (``changes`` override
+        them); a subclass's own fields (``AutoPlan``'s report) are not carried over."""
+        settings = {f.name: getattr(self, f.name) for f in fields(ShardingPlan) if f.init and f.name != "entries"}
         return ShardingPlan(entries, **{**settings, **changes})
-
-    def _check_context_entries(self) -> None:
-        """ContextParallel entries need ``cp_axis`` and agree with its layout; ``cp_axis`` needs them."""
-        context = {p: s for p, s in self.entries.items() if isinstance(s, ContextParallel)}
-        if context and self.cp_axis is None:
-            raise PlanError(f"plan entry {next(iter(context))!r}: ContextParallel needs the plan's cp_axis "
-                            "(ShardingPlan(..., cp_axis='cp'))")
-        if self.cp_axis is not None and not context:
-            raise PlanError(f"cp_axis={self.cp_axis!r}: the plan has no ContextParallel entry (no attention module "
-                            "found to attend over the sharded sequence)")
-        for pattern, style in context.items():
-            if style.layout not in (None, self.cp_layout):
-                raise PlanError(f"plan entry {pattern!r}: ContextParallel layout {style.layout!r} differs from the "
-                                f"plan's cp_layout {self.cp_layout!r} (the root shards the batch in that one)")
-            self.entries[pattern] = replace(style, layout=self.cp_layout)
-
-    def __repr__(self) -> str:
-        cp = f", cp_axis={self.cp_axis!r}, cp_layout={self.cp_layout!r}" if self.cp_axis else ""
-        cp += f", ep_axis={self.ep_axis!r}" if self.ep_axis else ""
-        return f"ShardingPlan({self.entries!r}, tp_axis={self.tp_axis!r}, loss_parallel={self.loss_parallel}{cp})"
 
     @classmethod
     def from_hf(cls, model: nn.Module, tp_axis: str = "tp", *, loss_parallel: bool = False, cp_axis: str | None = None,
@@ -237,7 +202,7 @@ class ShardingPlan:
             if isinstance(style, ModuleSpec):
                 bad = (style.axes or {self.tp_axis}) - set(names)  # a spec naming no axis acts on tp_axis
             else:  # a Local may also name other axes in its layouts
-                bad = ({self._axis(style, names)} | getattr(style, "named_axes", set())) - set(names)
+                bad = ({self.axis_of(style, names)} | getattr(style, "named_axes", set())) - set(names)
             if bad:
                 axis = sorted(bad)[0]
                 hint = (f"; the plan acts on tp_axis={axis!r}: name the mesh's tensor-parallel axis with "
@@ -251,11 +216,11 @@ class ShardingPlan:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
                 raise PlanError(f"plan entry {pattern!r} matches no module; closest paths: {close}")
         chosen = {path: most_specific(path, cands) for path, cands in candidates.items()}
-        _check_context_shadowed(candidates, chosen)
+        check_context_shadowed(candidates, chosen)
         head = self.loss_head(model) if self.loss_parallel else None
         vocab_axis = None
         if head is not None and head in chosen:  # the entry that wins the head, as for every module
-            vocab_axis = self._axis(chosen[head][1], names)
+            vocab_axis = self.axis_of(chosen[head][1], names)
         out = []
         root = self._root(vocab_axis)
         if root is not None:  # the loss (and, under CP, the batch's sharding) in a Local entry on the root
@@ -266,7 +231,7 @@ class ShardingPlan:
         for path, module in modules.items():
             if path in chosen:
                 pattern, style = chosen[path]
-                axis = self._axis(style, names)
+                axis = self.axis_of(style, names)
                 if path == head:  # loss parallel: the head keeps its logits vocab-sharded
                     style = replace(style, gather_output=False, output_layout=Shard(-1))
                 out.append(Planned(path, module, style.on_mesh(tuple(names)), axis, pattern))
@@ -288,7 +253,7 @@ class ShardingPlan:
         ``tp_axis`` are dropped)."""
         if not self.tp_optional or self.tp_axis in names:
             return self.entries
-        return {p: s for p, s in self.entries.items() if self._axis(s, names) != self.tp_axis}
+        return {p: s for p, s in self.entries.items() if self.axis_of(s, names) != self.tp_axis}
 
     def candidates(self, model: nn.Module, names=None) -> dict[str, list[Candidate]]:
         """Module path → every entry whose pattern matches it (on a mesh with axes ``names``)."""
@@ -300,13 +265,22 @@ class ShardingPlan:
                     out.setdefault(path, []).append(Candidate(pattern.count("*"), pattern, style))
         return out
 
-    def _axis(self, style: Style, names) -> str:
-        """The mesh axis a style acts on: its own ``axis=``, else the plan's ``tp_axis``; a
-        ModuleSpec names its axes itself (the ``tp_axis`` if it is one, else the first it names)."""
-        if isinstance(style, ModuleSpec) and self.tp_axis not in names and style.axes:
+    def axis_of(self, style: Style, names: tuple[str, ...] = ()) -> str | None:
+        """The mesh axis a style acts on (the one rule): its own ``axis=``, else the plan's axis
+        for its role (``tp_axis``, ``cp_axis``, ``ep_axis``); a ModuleSpec on a mesh (``names``)
+        without ``tp_axis`` names its axes itself (the first of the mesh's it names)."""
+        if isinstance(style, ModuleSpec) and names and self.tp_axis not in names and style.axes:
             return next(a for a in names if a in style.axes)
-        roles = {"tp": self.tp_axis, "cp": self.cp_axis, "ep": self.ep_axis}
-        return getattr(style, "axis", None) or roles[style.axis_role]
+        return getattr(style, "axis", None) or self.role_axes()[style.axis_role]
+
+    def role_axes(self) -> dict[str, str | None]:
+        """Each style role's mesh axis: ``{"tp": tp_axis, "cp": cp_axis, "ep": ep_axis}``."""
+        return {"tp": self.tp_axis, "cp": self.cp_axis, "ep": self.ep_axis}
+
+    def axes(self) -> set[str]:
+        """Every mesh axis the plan acts on: its styles' and its roles'."""
+        return {a for a in (*map(self.axis_of, self.entries.values()), *self.role_axes().values()) if a}
+
 
     def loss_head(self, model: nn.Module) -> str:
         """The FQN of the output head whose logits stay vocab-sharded under ``loss_parallel``."""

@@ -1,48 +1,14 @@
-"""Functional FSDP (ZeRO-3) as a transform over ``shard()``'s result.
+"""Functional FSDP (ZeRO-3) as a transform over ``shard()``'s result (docs/training.md#functional-fsdp).
 
 ``fsdp(apply_fn, params, shard_info, mesh, axis="dp")`` returns a new ``(apply_fn, params,
-shard_info)``: every leaf is chunked further along dim 0 of its tensor-parallel local shard over
-``axis`` (``torch.chunk`` sizes, so the last ranks may hold fewer rows or none; the padding that
-the gather needs never reaches the user), and ``shard_info`` records the composed layout
-(``RowSplit`` on top of the TP layout; in DTensor's terms ``Shard(0)``, or ``_StridedShard`` where
-TP also shards dim 0 on a later mesh axis, as FSDP2 × TP does).
-
-The parameters are grouped (``layout.groups``): each Hugging Face decoder layer (or each module
-matching ``blocks`` patterns) is a *block*; the parameters outside blocks form one group per run
-of modules between blocks (the embeddings before the first layer; the final norm and the head
-after the last one), as torchtitan wraps them: one root group (FSDP2's default) would hold the
-head gathered through every block, the largest tensors of a big-vocabulary model.  A group's local leaves
-are flattened into one bucket and gathered by **one all-gather** (``GatherParams``), whose
-backward is one reduce-scatter of the bucket's gradients, averaged over ``axis``: per step each
-group costs one all-gather forward and one reduce-scatter backward, however many parameters it
-holds.
-
-``reshard_after_forward=True`` (the default) frees a block's gathered parameters once it has run
-and gathers them again for its backward (one more all-gather per block).  Autograd keeps what it
-saved, so the gathered parameters must not be among it (``ReshardedBlock``): under eager
-``.backward()`` a saved-tensor hook saves a small token in their place that gathers again when
-the backward unpacks it (FSDP2 instead frees the storage of the saved tensors behind autograd's
-back); ``torch.func`` has no saved-tensor hooks, so there the block is recomputed
-(``runtime.checkpoint.Recompute`` with the *sharded* leaves as inputs: the forward runs twice,
-activation checkpointing included); ``torch.compile`` traces torch's selective checkpoint that
-recomputes only the gathers, as torchtitan's SimpleFSDP does.  The groups outside blocks are
-not resharded (the backward needs them first), but their gathered tensors live only as long as
-autograd needs them (the embedding's not at all: its backward needs the indices alone).  ``reshard_after_forward=False`` keeps
-every gathered group until its backward.
-
-``axis=("dp", "cp")`` flattens several axes into one group (``core.collectives.AxisGroup.flat``):
-a piece's ``copy_to`` on one of them (context parallelism's sum) is folded into the
-reduce-scatter, which then averages over the other axes only (``Piece.divisor``).
-
-Gradient accumulation: ``apply_fn.fsdp.no_sync()`` (``FsdpLayout.no_sync``) defers the
-reduce-scatters of the backward passes run inside it to the next one outside, as FSDP2's
-``set_requires_gradient_sync(False)``.
-
-Mixed precision as FSDP2's ``MixedPrecisionPolicy``: the leaves (master weights) keep their
-dtype; ``param_dtype`` is what the bucket is cast to before the all-gather (so the compute and
-the gather run in it), ``reduce_dtype`` what gradients are reduce-scattered in (default: the
-leaves' dtype, i.e. fp32 reduction for fp32 master weights), the result cast back to the leaves'
-dtype.  bf16 needs no loss scaling (its exponent range is fp32's).
+shard_info)``: every leaf chunked further along dim 0 of its TP shard over ``axis``
+(``RowSplit`` in ``shard_info``).  Each group of leaves (a decoder layer, or the modules between
+them, ``layout.groups``) is one bucket: one all-gather forward (``GatherParams``), one
+reduce-scatter of its gradients backward.  ``reshard_after_forward`` frees gathered blocks and
+gathers again for the backward (a saved-tensor hook under ``.backward()``, a recompute under
+``torch.func``); ``axis=("dp", "cp")`` folds the cp sum into the reduce-scatter;
+``apply_fn.fsdp.no_sync()`` defers reductions; ``param_dtype``/``reduce_dtype`` are FSDP2's
+mixed precision.  The why of each choice is in the docs page, not repeated here.
 """
 
 from __future__ import annotations

@@ -167,3 +167,29 @@ def test_the_communication_check_sees_direct_calls(tmp_path):
     calls = communication_calls(tmp_path / "m.py", tmp_path)
     assert [c.split(" ")[1] for c in calls] == ["dist.all_reduce", "torch.distributed.send", "_funcol.all_reduce",
                                                 "torch.ops._c10d_functional.wait_tensor"]
+
+
+STORED = {"GroupedShard", "StackedShard", "RowSplit", "STORED_ONLY"}
+
+
+def stored_type_switches(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    """``file:line`` of every ``isinstance(x, ...)`` naming a stored-only placement in ``path``."""
+    tree = ast.parse(path.read_text())
+    return [f"{path.relative_to(root)}:{n.lineno}" for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and ast.unparse(n.func) == "isinstance" and len(n.args) == 2
+            and STORED & {x.id if isinstance(x, ast.Name) else getattr(x, "attr", "") for x in ast.walk(n.args[1])}]
+
+
+def test_stored_placements_are_switched_on_only_in_their_module():
+    """The rest of the package asks ``core.placement``'s questions (``splits``, ``owns``,
+    ``replica_group``, ``is_grouped``, ``is_placement``, ``boxes``) instead of testing the type of a
+    stored placement, so a new one is added in one module."""
+    home = PACKAGE / "core" / "placement.py"
+    outside = [hit for path in _modules().values() if path != home for hit in stored_type_switches(path)]
+    assert not outside, "isinstance on a stored placement outside core/placement.py:\n" + "\n".join(outside)
+
+
+def test_the_type_switch_check_sees_them(tmp_path):
+    (tmp_path / "m.py").write_text("def f(p):\n    return isinstance(p, (Shard, GroupedShard)) or isinstance(p, pl.RowSplit)"
+                                   " or isinstance(p, Shard)\n")
+    assert stored_type_switches(tmp_path / "m.py", tmp_path) == ["m.py:2", "m.py:2"]

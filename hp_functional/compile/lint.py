@@ -68,7 +68,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ..core.errors import PlanError, PlanWarning
-from ..core.placement import GroupedShard
+from ..core.placement import replica_group
 from ..core.program import Planned
 from ..core.signature import arg_slots
 from ..plan.context import ContextParallel
@@ -293,7 +293,7 @@ def _heads(f: _Family, producers: list[str], axis: str) -> list[Finding]:
     for c in producers:
         out = f.modules[c].out_features
         weight = f.specs[c].params.get("weight", {}).get(axis)
-        if getattr(f.by_fqn[c].style, "packed", None) or out % n or isinstance(weight, GroupedShard):
+        if getattr(f.by_fqn[c].style, "packed", None) or out % n or replica_group(weight) > 1:
             continue  # packed: not split by heads; indivisible dims raise ShapeError; KV heads replicated
         if (out // n) % head_dim:
             findings.append(Finding(

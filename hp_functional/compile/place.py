@@ -102,6 +102,6 @@ def place_parameters(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, spe
         if choice.blocks:
             sizes, offset = packed_layout(leaf, shape, choice.placements, local_shape, offset, choice.blocks,
                                           mesh.mesh_dim_names)
-        infos[leaf] = ShardInfo(choice.placements, mesh, shape, local_shape, offset, tuple(aliases.get(leaf, ())), sizes,
-                                summed=choice.summed)
+        infos[leaf] = ShardInfo(placements=choice.placements, mesh=mesh, global_shape=shape, local_shape=local_shape,
+                                offset=offset, aliases=tuple(aliases.get(leaf, ())), blocks=sizes, summed=choice.summed)
     return Placed(infos, leaf_of, owners)

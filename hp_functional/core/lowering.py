@@ -46,7 +46,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from . import collectives as C
 from .errors import PlanError
-from .placement import GroupedShard
+from .placement import is_grouped, replica_group
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,10 @@ def lower(
     if g.size == 1:
         return None
     R, S, P = Replicate, Shard, Partial
-    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
-        if isinstance(src, GroupedShard) and isinstance(dst, S) and dst.dim == src.dim:
-            return _step(C.copy_to_replicas, g, "identity", f"all_reduce(replicas of {src.replicas})",
-                         C.Replicas(src.replicas))
+    if is_grouped(src) or is_grouped(dst):
+        if is_grouped(src) and isinstance(dst, S) and dst.dim == src.dim:
+            n = replica_group(src)
+            return _step(C.copy_to_replicas, g, "identity", f"all_reduce(replicas of {n})", C.Replicas(n))
         raise PlanError(f"{where}: no redistribution from {src} to {dst} on axis {g.axis!r} (a GroupedShard "
                         f"is used as its Shard({getattr(src, 'dim', 0)}) slice only)")
     if src == dst and not isinstance(src, R):

@@ -68,6 +68,34 @@ class StackedShard:
 STORED_ONLY = (GroupedShard, StackedShard)
 
 
+def is_placement(p: object) -> bool:
+    """Whether ``p`` is a placement: torch's, or one of the stored-only ones defined here."""
+    return isinstance(p, (Placement, *STORED_ONLY))
+
+
+def replica_group(p: object) -> int:
+    """How many consecutive ranks of its axis hold the same chunk of a value placed ``p``: a
+    ``GroupedShard``'s ``replicas``, else 1.  With ``splits`` and ``owns`` the questions the rest
+    of the package asks of a stored placement, so only this module switches on its type
+    (``tests/test_layers.py`` checks it)."""
+    return p.replicas if isinstance(p, GroupedShard) else 1
+
+
+def is_grouped(p: object) -> bool:
+    """Whether ``p`` is a ``GroupedShard`` (a chunk held by a group of ranks: no redistribution
+    except its use as that rank's ``Shard`` slice, ``core.lowering``)."""
+    return isinstance(p, GroupedShard)
+
+
+def owns(p: object, coord: int) -> bool:
+    """Whether the rank at ``coord`` on ``p``'s axis counts the value once in a sum over the
+    mesh (a norm, a checksum): every rank of a split, the first of each ``GroupedShard``
+    group, rank 0 of a replicated value."""
+    if isinstance(p, GroupedShard):
+        return coord % p.replicas == 0
+    return splits(p) or coord == 0
+
+
 def splits(p: object) -> bool:
     """Whether a stored placement splits the tensor over its axis (``Shard``, ``_StridedShard``,
     ``GroupedShard``, ``StackedShard``)."""

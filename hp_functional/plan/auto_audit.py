@@ -34,10 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
-from ..core.placement import STORED_ONLY
+from ..core.placement import splits
 from .trace import TracedInt, _leaves, _plain, _snapshot, _to_meta, fake_mode, meta_copy
 
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
@@ -312,5 +311,5 @@ def boundaries(spec, axis: str) -> bool:
     """Whether the audit runs a planned module opaque, its boundaries applied: it shards a
     parameter (a projection, an embedding) or converts a layout on ``axis`` (a sequence-parallel
     norm, a ``PrepareModuleInput``: what it hands on is its output's declared layout)."""
-    return any(isinstance(pl.get(axis), (Shard, *STORED_ONLY)) for pl in spec.params.values()) or any(
+    return any(splits(pl.get(axis)) for pl in spec.params.values()) or any(
         axis in layouts for layouts in (*spec.in_dst.values(), *spec.out_dst.values()))

@@ -38,7 +38,7 @@ from torch.distributed.tensor import Placement, Replicate
 
 from ..core.collectives import AxisGroup, raw_all_gather
 from ..core.errors import PlanError, ReplicationError
-from ..core.placement import STORED_ONLY, AxisPlacements
+from ..core.placement import AxisPlacements, is_placement
 from ..core.signature import map_output, output_index
 from .styles import Key, ModuleSpec, Style
 
@@ -51,11 +51,11 @@ OnMismatch = Callable[[ReplicationError], None]
 
 
 def _per_axis(layouts: Mapping[Any, Layout], axis: str, what: str) -> dict[Any, AxisPlacements]:
-    out, placement = {}, (Placement, *STORED_ONLY)
+    out = {}
     for key, layout in layouts.items():
-        if isinstance(layout, placement):
+        if is_placement(layout):
             out[key] = {axis: layout}
-        elif isinstance(layout, Mapping) and all(isinstance(p, placement) for p in layout.values()):
+        elif isinstance(layout, Mapping) and all(is_placement(p) for p in layout.values()):
             out[key] = dict(layout)
         else:
             raise PlanError(f"Local {what}[{key!r}]: {layout!r} is not a Placement or a {{axis: Placement}} dict")

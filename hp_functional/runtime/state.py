@@ -92,5 +92,6 @@ def buffers(apply_fn) -> tuple[dict[str, Tensor], dict[str, ShardInfo]]:
     for k, b in slots.current().items():
         out[k] = b.detach().clone()
         shape = torch.Size(b.shape)
-        info[k] = ShardInfo((Replicate(),) * len(names), slots.mesh, shape, shape, (0,) * len(shape))
+        info[k] = ShardInfo(placements=(Replicate(),) * len(names), mesh=slots.mesh, global_shape=shape,
+                            local_shape=shape, offset=(0,) * len(shape))
     return out, info

@@ -40,7 +40,7 @@ from ..compile.agree import digest as stable_digest
 from ..core.collectives import AxisGroup, raw_all_gather
 from ..core.errors import PlanError, ReplicationError
 from ..core.gather import unshard
-from ..core.placement import GroupedShard, to_full
+from ..core.placement import GroupedShard, replica_group, to_full
 from ..core.placement import fmt_placements as _fmt
 from ..core.program import Boundary, Program
 from ..plan.local import Local
@@ -129,7 +129,8 @@ def _out_placements(b: Boundary, key: object, axes: list[str]) -> dict[str, Plac
     A K/V projection whose weight is replicated over groups of ranks (``GroupedShard``) produces
     its sharded output replicated over the same groups."""
     spec = b.spec
-    grouped = {a: p.replicas for per_axis in spec.params.values() for a, p in per_axis.items() if isinstance(p, GroupedShard)}
+    grouped = {a: replica_group(p) for per_axis in spec.params.values() for a, p in per_axis.items()
+               if replica_group(p) > 1}
     for k in (key, 0) if key == "output" else (key,):
         if k in spec.out_src or k in spec.out_dst:
             src, dst = spec.out_src.get(k, {}), spec.out_dst.get(k, {})

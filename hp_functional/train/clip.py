@@ -35,7 +35,7 @@ from ..compile.agree import digest
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, ShapeError
 from ..core.host_comm import all_gather_objects
-from ..core.placement import GroupedShard, ShardInfo, fmt_placements, splits
+from ..core.placement import ShardInfo, fmt_placements, owns, splits
 from ..core.raw_collectives import all_gather_rows, mesh_device
 
 
@@ -86,10 +86,7 @@ def _common_mesh(leaves: list[tuple[str, Tensor, ShardInfo]], where: str) -> Dev
 def _owns(info: ShardInfo, coord: list[int]) -> bool:
     """Whether this rank counts the leaf: coordinate 0 on every axis the leaf is replicated on,
     and the first rank of its group on an axis it is ``GroupedShard`` on."""
-    for c, p in zip(coord, info.placements, strict=True):
-        if isinstance(p, GroupedShard) and c % p.replicas or not is_shard(p) and c != 0:
-            return False
-    return True
+    return all(owns(p, c) for c, p in zip(coord, info.placements, strict=True))
 
 
 def _group_by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:

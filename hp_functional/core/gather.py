@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Replicate
 
+from .buckets import plan_buckets as buckets_by_rule
 from .errors import PlanError, ShapeError
 from .host_comm import gather_flat, gather_objects
 from .placement import Box, ShardInfo, boxes, fmt_placements
@@ -76,17 +77,11 @@ def _same_replica(info: ShardInfo, coord: tuple[int, ...], me: tuple[int, ...]) 
 def plan_buckets(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
                  bucket_bytes: int = 1 << 30) -> list[list[str]]:
     """The keys of ``params`` in buckets of one dtype and at most ``bucket_bytes`` of full tensors
-    (a tensor larger than that alone), in ``params`` order within a dtype (what ``iter_full`` gathers)."""
-    buckets: list[list[str]] = []
-    size, dtype = 0, None
-    for k, t in sorted(params.items(), key=lambda kv: str(kv[1].dtype)):  # stable: file order within a dtype
-        nbytes = math.prod(shard_info[k].global_shape) * t.element_size()
-        if not buckets or t.dtype != dtype or (size + nbytes > bucket_bytes and size):
-            buckets.append([])
-            size, dtype = 0, t.dtype
-        buckets[-1].append(k)
-        size += nbytes
-    return buckets
+    (a tensor larger than that alone), in ``params`` order within a dtype (what ``iter_full``
+    gathers): ``core.buckets.plan_buckets``' one rule, dtypes in name order."""
+    ordered = sorted(params.items(), key=lambda kv: str(kv[1].dtype))  # stable: file order within a dtype
+    items = ((k, t.dtype, math.prod(shard_info[k].global_shape) * t.element_size()) for k, t in ordered)
+    return buckets_by_rule(items, bucket_bytes)
 
 
 def iter_full(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],

@@ -28,6 +28,7 @@ Forward only, under ``torch.no_grad``; HF models get ``use_cache=False`` unless 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,18 +71,24 @@ def validate_placements(
     plan: ShardingPlan | Mapping,
     mesh: DeviceMesh,
     *args: Any,
-    raise_on_mismatch: bool = True,
+    raise_on_failure: bool = True,
     **kwargs: Any,
 ) -> list[PlacementMismatchError]:
     """Run ``model(*args, **kwargs)`` as DTensors laid out by ``plan`` (call on every rank) and
     return every planned module whose actual input/output placement differs from the declared
-    ``in_src``/``out_src``, in forward order; ``raise_on_mismatch`` raises the first one.
+    ``in_src``/``out_src``, in forward order; ``raise_on_failure`` raises the first one (the
+    keyword ``validate`` takes; ``raise_on_mismatch``, its earlier name, still works with a
+    ``FutureWarning``).
 
     ``args``/``kwargs`` are what ``apply_fn`` would get (this rank's local data).  The model is
     only read.
     """
+    if "raise_on_mismatch" in kwargs:
+        warnings.warn("validate_placements(raise_on_mismatch=...) is now raise_on_failure=... (as hpf.validate's)",
+                      FutureWarning, stacklevel=2)
+        raise_on_failure = kwargs.pop("raise_on_mismatch")
     found, _ = check_placements(model, plan, mesh, args, kwargs)
-    if found and raise_on_mismatch:
+    if found and raise_on_failure:
         raise found[0]
     return found
 

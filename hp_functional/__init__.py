@@ -109,7 +109,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .plan.vocab import (
         vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
     )
-    from .runtime.checkpoint import Checkpoint as Checkpoint
+    from .runtime.checkpoint import ActivationCheckpoint as ActivationCheckpoint
     from .runtime.meta_init import init_weights as init_weights
     from .runtime.pretrained import from_pretrained as from_pretrained
     from .runtime.shard import shard as shard
@@ -203,7 +203,7 @@ _LAZY: dict[str, str] = {
     "buffers": ".runtime.state",
     "VocabEmbedding": ".plan.vocab",
     "default_handlers": ".plan.styles",
-    "Checkpoint": ".runtime.checkpoint",
+    "ActivationCheckpoint": ".runtime.checkpoint",
     "vocab_parallel_cross_entropy": ".plan.vocab",
     "shard": ".runtime.shard",
     "init_weights": ".runtime.meta_init",
@@ -248,8 +248,17 @@ _SUBMODULES: dict[str, str] = {"collectives": ".core.collectives", "optim": ".tr
 __all__ = sorted([*_LAZY, *_SUBMODULES])  # derived: _LAZY is the one export table
 
 
+#: earlier public names -> their names now (a FutureWarning on use; not in ``__all__``).
+_RENAMED: dict[str, str] = {"Checkpoint": "ActivationCheckpoint"}  # beside CheckpointError (DCP) it misled
+
+
 def __getattr__(name: str):
     """Import the submodule that defines ``name`` on first use and cache the name here."""
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"hp_functional.{name} is now hp_functional.{_RENAMED[name]}", FutureWarning, stacklevel=2)
+        return __getattr__(_RENAMED[name])
     if name in _SUBMODULES:
         value = importlib.import_module(_SUBMODULES[name], __name__)
     elif name in _LAZY:

@@ -13,7 +13,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 
 import hp_functional as hpf
 from hp_functional.runtime import shard as shard_module
-from hp_functional.runtime.checkpoint import Checkpoint
+from hp_functional.runtime.checkpoint import ActivationCheckpoint
 from tests.helpers import assert_close, mesh, raised
 from tests.models import MLP, build_llama, make_llama_state
 from tests.snapshot import assert_unchanged, snapshot
@@ -127,7 +127,7 @@ def case_dropout(state):
     other = plain_fn(plain_params, input_ids=ids, labels=ids).loss.detach()
     assert not torch.allclose(other, plain["backward"][0])
     no_replay_fn, no_replay_params, _ = hpf.shard(
-        model, hpf.llama_sp_plan(), mesh(), checkpoint=Checkpoint(blocks=("model.layers.*",), preserve_rng=False))
+        model, hpf.llama_sp_plan(), mesh(), checkpoint=ActivationCheckpoint(blocks=("model.layers.*",), preserve_rng=False))
     no_replay = _grads(no_replay_fn, no_replay_params, info, ids, seed=11, func=False)
     assert_close(no_replay["backward"][0], plain["backward"][0], "the forward is the same without the replay")
     key = "model.layers.0.self_attn.q_proj.weight"
@@ -286,3 +286,11 @@ def make_branches_state():
 
 def test_block_sharing_an_input_and_vmap_grad(pool):
     pool.run(case_branches, make_branches_state())
+
+
+def test_the_earlier_name_checkpoint_still_works_with_a_warning():
+    """``hpf.Checkpoint`` (activation recomputation, easily read as DCP's) is now
+    ``hpf.ActivationCheckpoint``; the old name warns and is the same class."""
+    with pytest.warns(FutureWarning, match="ActivationCheckpoint"):
+        assert hpf.Checkpoint is hpf.ActivationCheckpoint is ActivationCheckpoint
+    assert "Checkpoint" not in hpf.__all__

@@ -63,7 +63,7 @@ _CACHE_KWARGS = ("cache", "past_key_values", "layer_past")  # HF's names for a l
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class ActivationCheckpoint:
     """Which blocks ``shard()`` checkpoints, and how.
 
     ``blocks``: True — the Hugging Face decoder layers (instances of ``GradientCheckpointingLayer``);
@@ -71,8 +71,8 @@ class Checkpoint:
     ``preserve_rng``: replay the forward's RNG state in the recompute, so dropout masks match
     (costs a copy of the RNG state per block and call).
 
-    ``shard(model, plan, mesh, checkpoint=True)`` is ``checkpoint=Checkpoint()``;
-    ``checkpoint=["model.layers.*"]`` is ``Checkpoint(blocks=("model.layers.*",))``.
+    ``shard(model, plan, mesh, checkpoint=True)`` is ``checkpoint=ActivationCheckpoint()``;
+    ``checkpoint=["model.layers.*"]`` is ``ActivationCheckpoint(blocks=("model.layers.*",))``.
     """
 
     blocks: bool | tuple[str, ...] = True
@@ -100,17 +100,17 @@ class CheckpointPlan:
     preserve_rng: bool = True
 
 
-def as_checkpoint(value: object) -> Checkpoint | None:
+def as_checkpoint(value: object) -> ActivationCheckpoint | None:
     """``shard()``'s ``checkpoint=`` as a policy: None (follow the model: the layers on which
     Hugging Face's ``gradient_checkpointing_enable()`` was called), False (off), True, patterns
-    or a ``Checkpoint``."""
-    if value is None or isinstance(value, Checkpoint):
+    or an ``ActivationCheckpoint``."""
+    if value is None or isinstance(value, ActivationCheckpoint):
         return value
     if value is False:
-        return Checkpoint(blocks=())
+        return ActivationCheckpoint(blocks=())
     if value is True or isinstance(value, str | Sequence):
-        return Checkpoint(blocks=value)
-    raise PlanError(f"shard(checkpoint=...): expected None, a bool, module-path patterns or hpf.Checkpoint, "
+        return ActivationCheckpoint(blocks=value)
+    raise PlanError(f"shard(checkpoint=...): expected None, a bool, module-path patterns or hpf.ActivationCheckpoint, "
                     f"got {type(value).__name__}")
 
 
@@ -150,7 +150,7 @@ def resolve_checkpoint(model: nn.Module, checkpoint: object) -> CheckpointPlan |
                 f"{', '.join(p or 'the model itself' for p in others[:3])}, which "
                 "hp_functional cannot map to blocks (torch.utils.checkpoint does not work inside apply_fn): pass "
                 "shard(..., checkpoint=[module-path patterns]) or call model.gradient_checkpointing_disable()")
-        policy, blocks = Checkpoint(), layers
+        policy, blocks = ActivationCheckpoint(), layers
     elif policy.blocks is True:
         layer = _hf_layer_class()
         blocks = [p for p, m in modules.items() if layer is not None and isinstance(m, layer)]

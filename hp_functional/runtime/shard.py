@@ -31,7 +31,7 @@ from ..plan.plan import ShardingPlan, as_plan
 from .apply_fn import make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .checkpoint import (
-    Checkpoint,
+    ActivationCheckpoint,
     CheckpointPlan,
     check_recorded_outputs,
     install_checkpoints,
@@ -93,7 +93,7 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
 def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
     seed: int | None = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
-    checkpoint: bool | Sequence[str] | Checkpoint | None = None, verify: bool = True,
+    checkpoint: bool | Sequence[str] | ActivationCheckpoint | None = None, verify: bool = True,
 ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
@@ -124,7 +124,7 @@ def shard(
     is recomputed in the backward; works under ``.backward()`` and ``torch.func`` transforms):
     None — follow the model: the decoder layers on which Hugging Face's
     ``gradient_checkpointing_enable()`` was called, else none; False — none; True — every Hugging
-    Face decoder layer; module-path patterns (``["model.layers.*"]``); or ``Checkpoint(blocks=...,
+    Face decoder layer; module-path patterns (``["model.layers.*"]``); or ``ActivationCheckpoint(blocks=...,
     preserve_rng=...)``.  A pattern that matches no module raises ``PlanError``.
     """
     program = build_program(model, plan, mesh)

@@ -31,7 +31,7 @@ from ..core.errors import PlanError
 from ..core.placement import RowSplit, ShardInfo, fmt_placements, splits
 from ..core.program import Program
 from ..runtime.apply_fn import ThreadGuard
-from ..runtime.checkpoint import Checkpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
+from ..runtime.checkpoint import ActivationCheckpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
 from .fsdp_bucket import Bucket, Piece, Sync
 from .fsdp_forwards import CallState, GatherOnUse, ReshardedBlock
 
@@ -280,10 +280,10 @@ def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: A
 def _blocks(template: nn.Module, patterns: Sequence[str] | None) -> tuple[str, ...]:
     """The block paths: ``patterns`` resolved, or the Hugging Face decoder layers (none for other models)."""
     if patterns is not None:
-        resolved = resolve_checkpoint(template, Checkpoint(blocks=tuple(patterns)))
+        resolved = resolve_checkpoint(template, ActivationCheckpoint(blocks=tuple(patterns)))
         return resolved.blocks if resolved else ()
     try:
-        resolved = resolve_checkpoint(template, Checkpoint(blocks=True))
+        resolved = resolve_checkpoint(template, ActivationCheckpoint(blocks=True))
     except PlanError:  # not a Hugging Face model: no blocks, one group per run of modules
         return ()
     return resolved.blocks if resolved else ()

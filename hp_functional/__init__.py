@@ -109,6 +109,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .plan.vocab import (
         vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
     )
+    from .runtime.apply_fn import ApplyFn as ApplyFn
     from .runtime.checkpoint import ActivationCheckpoint as ActivationCheckpoint
     from .runtime.meta_init import init_weights as init_weights
     from .runtime.pretrained import from_pretrained as from_pretrained
@@ -204,6 +205,7 @@ _LAZY: dict[str, str] = {
     "VocabEmbedding": ".plan.vocab",
     "default_handlers": ".plan.styles",
     "ActivationCheckpoint": ".runtime.checkpoint",
+    "ApplyFn": ".runtime.apply_fn",
     "vocab_parallel_cross_entropy": ".plan.vocab",
     "shard": ".runtime.shard",
     "init_weights": ".runtime.meta_init",

@@ -322,6 +322,9 @@ def case_bad_input(state):
     apply_fn, params, info = hpf.shard(model, {}, m)
     tp_sharded = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh((dist.get_world_size(),), ("tp",)))
     f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, "dp")
+    # one typed apply_fn recording what made it, in order; fsdp's is a new one, shard()'s unchanged
+    assert isinstance(f_apply, hpf.ApplyFn) and (apply_fn.transforms, f_apply.transforms) == (("shard",), ("shard", "fsdp"))
+    assert apply_fn.fsdp is None and f_apply.fsdp.axis == "dp" and f_apply.runtime is apply_fn.runtime
     small = build_llama(None, num_hidden_layers=1)
     other = hpf.shard(small, {}, m, verify_values=False)
     calls = []

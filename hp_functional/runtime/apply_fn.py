@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -38,8 +39,39 @@ from .inputs import InputAgreement
 from .state import BufferSlots
 
 
+@dataclass(frozen=True, eq=False)
+class ApplyFn:
+    """The ``apply_fn`` that ``hpf.shard`` (and a transform over it) returns: called as
+    ``apply_fn(params, *args, buffers=None, **kwargs)``, it runs ``call``.  The other fields are
+    read-only records: ``program`` (explain, validate), ``buffer_slots`` (``hpf.buffers``),
+    ``input_check`` (``.values = True`` compares values too), ``checkpointed`` (block path → its
+    recompute), ``runtime`` (what a transform rebuilds from: ``runtime.shard.Runtime``), ``fsdp``
+    (``hpf.fsdp``'s layout) and ``transforms``: what made it, in the order applied — ``"shard"``,
+    then at most one ``"fsdp"`` (the one composition order; ``then`` refuses another)."""
+
+    call: Callable
+    program: Program
+    buffer_slots: BufferSlots
+    input_check: InputAgreement | None = None
+    checkpointed: Mapping[str, object] = field(default_factory=dict)
+    runtime: object | None = None
+    fsdp: object | None = None
+    transforms: tuple[str, ...] = ("shard",)
+
+    def __call__(self, params: Mapping[str, Tensor], *args, **kwargs):
+        return self.call(params, *args, **kwargs)
+
+    def then(self, transform: str, call: Callable, **fields) -> ApplyFn:
+        """A new ``ApplyFn`` over ``call`` with ``transform`` recorded after this one's (and
+        ``fields`` replaced); ``PlanError`` for a transform applied twice."""
+        if transform in self.transforms:
+            raise PlanError(f"{transform}: apply_fn is already {' + '.join(self.transforms)}; apply {transform} once, "
+                            "to the apply_fn that hpf.shard() returned")
+        return replace(self, call=call, transforms=(*self.transforms, transform), **fields)
+
+
 def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None,
-                  rebuild: Callable[[], Callable] | None = None) -> Callable:
+                  rebuild: Callable[[], Callable] | None = None) -> ApplyFn:
     """``apply_fn(params, *args, buffers=None, **kwargs)``: check, convert, bind into the skeleton,
     forward; with ``buffers`` (``runtime.state``) it returns ``(output, buffers after the call)``.
     ``cache``: the boundaries' per-call conversion cache, emptied after every call; ``rebuild``:
@@ -112,10 +144,7 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
                 cache.clear()
         return out
 
-    apply_fn.program = program  # for explain() and tests; read-only by convention
-    apply_fn.buffer_slots = buffer_slots  # hpf.buffers(apply_fn); read-only
-    apply_fn.input_check = agreement  # .values = True: also compare the values (HPF_CHECK_INPUTS=1)
-    return apply_fn
+    return ApplyFn(apply_fn, program, buffer_slots, agreement)
 
 
 class ThreadGuard:

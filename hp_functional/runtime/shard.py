@@ -28,7 +28,7 @@ from ..core.placement import ShardInfo
 from ..core.program import Program
 from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan, as_plan
-from .apply_fn import make_apply_fn
+from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .checkpoint import (
     ActivationCheckpoint,
@@ -64,7 +64,7 @@ class Runtime:
 
 
 def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan | None = None,
-                  install: Installer | None = None) -> Callable:
+                  install: Installer | None = None) -> ApplyFn:
     """The private skeleton of ``model`` with every boundary of ``program`` installed, and the
     blocks of ``checkpoint`` checkpointed, as ``apply_fn``.  Hugging Face's own checkpointing is
     turned off on the skeleton (``neutralise_hf_checkpointing``): ``shard()`` decided what replaces it.
@@ -86,8 +86,7 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
     if install is not None:
         install(skeleton, cache)
     apply_fn = make_apply_fn(skeleton, program, cache, lambda: build_runtime(model, program, checkpoint, install))
-    apply_fn.checkpointed = blocks  # block path -> its CheckpointedForward, for explain() and tests; read-only
-    return apply_fn
+    return dataclasses.replace(apply_fn, checkpointed=blocks)
 
 
 def shard(
@@ -158,8 +157,7 @@ def shard(
         checks["probe"] = ("skipped: verify=False" if not verify else "skipped: seed=None (shapes only)" if seed is None
                            else "skipped: a simulated (fake) process group carries no numbers")
     apply_fn, params, infos = _materialised(model, program, values, blocks)
-    apply_fn.runtime = dataclasses.replace(apply_fn.runtime, checks=checks)
-    return apply_fn, params, infos
+    return dataclasses.replace(apply_fn, runtime=dataclasses.replace(apply_fn.runtime, checks=checks)), params, infos
 
 
 def _shard(model: nn.Module, plan, mesh: DeviceMesh, program: Program, weights, seed: int | None,
@@ -190,6 +188,5 @@ def _materialised(model: nn.Module, program: Program, values: Values, blocks) ->
     """This rank's shards and the runtime over its skeleton."""
     params = values.local_shards()
     template = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of, values.buffers)
-    apply_fn = build_runtime(template, program, blocks)
-    apply_fn.runtime = Runtime(template, program, blocks)  # for transforms (hpf.fsdp); read-only
+    apply_fn = dataclasses.replace(build_runtime(template, program, blocks), runtime=Runtime(template, program, blocks))
     return apply_fn, params, program.infos

@@ -84,7 +84,7 @@ def buffers(apply_fn) -> tuple[dict[str, Tensor], dict[str, ShardInfo]]:
     holding its skeleton's buffers as they are now (the model's at ``shard()`` unless calls
     without ``buffers=`` updated them) and their layout (replicated).  ``save``/``load``/``unshard``
     take them merged with the params: ``hpf.save(path, params | buffers, shard_info | buffer_info)``."""
-    slots = getattr(apply_fn, "buffer_slots", None)
+    slots = getattr(apply_fn, "buffer_slots", None)  # an ApplyFn's (runtime.apply_fn: this module is below it)
     if not isinstance(slots, BufferSlots):
         raise PlanError("hpf.buffers: apply_fn is not one that hpf.shard() or hpf.fsdp() returned")
     names = slots.mesh.mesh_dim_names or ()

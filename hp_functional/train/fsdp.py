@@ -30,7 +30,7 @@ from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import RowSplit, ShardInfo, fmt_placements, splits
 from ..core.program import Program
-from ..runtime.apply_fn import ThreadGuard
+from ..runtime.apply_fn import ApplyFn, ThreadGuard
 from ..runtime.checkpoint import ActivationCheckpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
 from .fsdp_bucket import Bucket, Piece, Sync
 from .fsdp_forwards import CallState, GatherOnUse, ReshardedBlock
@@ -173,10 +173,10 @@ class FsdpLayout:
 # ---------------------------------------------------------------- the transform
 
 
-def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh,
+def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh,
          axis: str | Sequence[str] = "dp", *, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
          reduce_dtype: torch.dtype | None = None, blocks: Sequence[str] | None = None,
-         ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
+         ) -> tuple[ApplyFn, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``shard()``'s result further over ``axis`` of ``mesh`` (ZeRO-3); mutates nothing.
 
     Returns ``(apply_fn, params, shard_info)`` like ``shard()``: ``params`` holds this rank's
@@ -237,7 +237,10 @@ def fsdp(apply_fn: Callable, params: Mapping[str, Tensor], shard_info: Mapping[s
     placeholders = {k: torch.empty(program.infos[k].local_shape, dtype=param_dtype or params[k].dtype, device="meta")
                     for k in keys}
     new_params = {k: _rows(params[k], infos[k]) for k in keys}
-    return _fsdp_apply(inner, layout, state, placeholders, infos), new_params, infos
+    call = _fsdp_apply(inner, layout, state, placeholders, infos)
+    out = apply_fn.then("fsdp", call, fsdp=layout, program=inner.program, buffer_slots=inner.buffer_slots,
+                        input_check=inner.input_check, checkpointed=inner.checkpointed)
+    return out, new_params, infos
 
 
 def _check_nesting(groups: Sequence[Group], checkpointed: Sequence[str]) -> None:
@@ -303,12 +306,12 @@ def _axes(axis: str | Sequence[str], mesh: DeviceMesh) -> tuple[str, ...]:
 
 def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axes: tuple[str, ...], param_dtype, reduce_dtype):
     """Every local check of ``fsdp``'s input (before any collective); returns ``apply_fn.runtime``."""
-    if getattr(apply_fn, "fsdp", None) is not None:
+    if not isinstance(apply_fn, ApplyFn) or apply_fn.runtime is None:
+        raise PlanError("fsdp: apply_fn is not one that hpf.shard() returned (it has no .runtime)")
+    if apply_fn.fsdp is not None:
         raise PlanError(f"fsdp: apply_fn is already sharded by hpf.fsdp on axis {apply_fn.fsdp.axis!r}; "
                         "apply fsdp once, to the apply_fn that hpf.shard() returned")
-    runtime = getattr(apply_fn, "runtime", None)
-    if runtime is None:
-        raise PlanError("fsdp: apply_fn is not one that hpf.shard() returned (it has no .runtime)")
+    runtime = apply_fn.runtime
     names = mesh.mesh_dim_names or ()
     infos = runtime.program.infos
     if not isinstance(params, Mapping) or params.keys() != infos.keys() or set(shard_info) != set(infos):
@@ -363,6 +366,4 @@ def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: CallState, placehold
         finally:
             state.values, state.gathered = None, {}
 
-    apply_fn.fsdp = layout
-    apply_fn.buffer_slots = inner.buffer_slots  # hpf.buffers(apply_fn); read-only
     return apply_fn

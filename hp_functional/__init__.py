@@ -20,93 +20,48 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP 484)
-    from .compile.build import build_program as build_program
-    from .compile.build import lint as lint
+    from .compile.build import build_program as build_program, lint as lint
     from .compile.lint import Finding as Finding
     from .core import collectives as collectives
-    from .core.cp_layout import cp_positions as cp_positions
-    from .core.cp_layout import cp_shard as cp_shard
-    from .core.cp_layout import cp_unshard as cp_unshard
+    from .core.cp_layout import cp_positions as cp_positions, cp_shard as cp_shard, cp_unshard as cp_unshard
     from .core.errors import (
         CheckpointError as CheckpointError,
-    )
-    from .core.errors import (
         CollectiveError as CollectiveError,
-    )
-    from .core.errors import (
         InputMismatchError as InputMismatchError,
-    )
-    from .core.errors import (
         PlanError as PlanError,
-    )
-    from .core.errors import (
         PlanMismatchError as PlanMismatchError,
-    )
-    from .core.errors import (
         PlanWarning as PlanWarning,
-    )
-    from .core.errors import (
         ReentrancyError as ReentrancyError,
-    )
-    from .core.errors import (
         ReplicationError as ReplicationError,
-    )
-    from .core.errors import (
         ShapeError as ShapeError,
     )
     from .core.gather import unshard as unshard
-    from .core.placement import ShardInfo as ShardInfo
-    from .core.placement import slice_local as slice_local
-    from .core.placement import to_dtensor as to_dtensor
+    from .core.placement import ShardInfo as ShardInfo, slice_local as slice_local, to_dtensor as to_dtensor
     from .core.program import Program as Program
     from .core.raw_collectives import set_timeout as set_timeout
     from .plan.auto import auto_plan as auto_plan
     from .plan.context import ContextParallel as ContextParallel
     from .plan.context_inputs import ContextInputs as ContextInputs
-    from .plan.experts import Experts as Experts
-    from .plan.experts import expert_mesh as expert_mesh
+    from .plan.experts import Experts as Experts, expert_mesh as expert_mesh
     from .plan.experts_calls import ExpertsCall as ExpertsCall
     from .plan.local import Local as Local
     from .plan.plan import ShardingPlan as ShardingPlan
-    from .plan.recipes import llama_sp_plan as llama_sp_plan
-    from .plan.recipes import megatron_plan as megatron_plan
+    from .plan.recipes import llama_sp_plan as llama_sp_plan, megatron_plan as megatron_plan
     from .plan.styles import (
         Colwise as Colwise,
-    )
-    from .plan.styles import (
         Heads as Heads,
-    )
-    from .plan.styles import (
         ModuleSpec as ModuleSpec,
-    )
-    from .plan.styles import (
         NoParallel as NoParallel,
-    )
-    from .plan.styles import (
         ParamRule as ParamRule,
-    )
-    from .plan.styles import (
         PrepareInput as PrepareInput,
-    )
-    from .plan.styles import (
         PrepareOutput as PrepareOutput,
-    )
-    from .plan.styles import (
         Rowwise as Rowwise,
-    )
-    from .plan.styles import (
         SequenceParallel as SequenceParallel,
-    )
-    from .plan.styles import (
         Style as Style,
-    )
-    from .plan.styles import (
         default_handlers as default_handlers,
     )
     from .plan.vocab import (
         VocabEmbedding as VocabEmbedding,
-    )
-    from .plan.vocab import (
         vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
     )
     from .runtime.apply_fn import ApplyFn as ApplyFn
@@ -115,49 +70,29 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .runtime.pretrained import from_pretrained as from_pretrained
     from .runtime.shard import shard as shard
     from .runtime.state import buffers as buffers
-    from .tools.explain import Explanation as Explanation
-    from .tools.explain import Memory as Memory
-    from .tools.explain import Schedule as Schedule
-    from .tools.explain import explain as explain
-    from .tools.explain_stage import StageExplanation as StageExplanation
-    from .tools.explain_stage import explain_stage as explain_stage
+    from .tools.explain import Explanation as Explanation, Memory as Memory, Schedule as Schedule, explain as explain
+    from .tools.explain_stage import StageExplanation as StageExplanation, explain_stage as explain_stage
     from .tools.record import ScheduleRow as ScheduleRow
     from .tools.simulate import simulate as simulate
     from .tools.validate import validate as validate
     from .tools.validate_dtensor import validate_placements as validate_placements
     from .tools.validation_report import (
         PlacementMismatchError as PlacementMismatchError,
-    )
-    from .tools.validation_report import (
         ValidationError as ValidationError,
-    )
-    from .tools.validation_report import (
         ValidationReport as ValidationReport,
     )
     from .train import optim as optim
     from .train.clip import clip_grad_norm as clip_grad_norm
     from .train.data_parallel import reduce_gradients as reduce_gradients
-    from .train.dcp import Loaded as Loaded
-    from .train.dcp import SaveHandle as SaveHandle
-    from .train.dcp import latest as latest
-    from .train.dcp import load as load
-    from .train.dcp import save as save
+    from .train.dcp import Loaded as Loaded, SaveHandle as SaveHandle, latest as latest, load as load, save as save
     from .train.export import export_hf as export_hf
     from .train.fsdp import fsdp as fsdp
     from .train.module import as_module as as_module
     from .train.pipeline import (
         Stage as Stage,
-    )
-    from .train.pipeline import (
         pipeline_split as pipeline_split,
-    )
-    from .train.pipeline import (
         shard_stage as shard_stage,
-    )
-    from .train.pipeline import (
         stage_module as stage_module,
-    )
-    from .train.pipeline import (
         sum_tied as sum_tied,
     )
     from .train.pipeline_fn import gpipe as gpipe

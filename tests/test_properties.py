@@ -16,8 +16,7 @@ import pickle
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf

@@ -8,8 +8,7 @@ from torch.func import grad
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hp_functional as hpf
-from hp_functional import collectives as C
-from hp_functional import explain, lint, simulate
+from hp_functional import collectives as C, explain, lint, simulate
 
 F32 = 4
 

@@ -204,8 +204,7 @@ def case_titan(state, loss_parallel: bool):
 
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel, parallelize_module
 
     from tests.helpers import rank
     from tests.titan_llama import VOCAB, Transformer, titan_tp_plan

@@ -40,8 +40,8 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel as TorchSequenceParallel,
 )
-from torch.distributed.tensor.parallel import SequenceParallel as TorchSequenceParallel
 
 from ..core.errors import PlanError
 from .styles import Colwise, ModuleSpec, PrepareInput, PrepareOutput, Rowwise, SequenceParallel, Style

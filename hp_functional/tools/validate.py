@@ -40,8 +40,7 @@ from ..compile.agree import digest as stable_digest
 from ..core.collectives import AxisGroup, raw_all_gather
 from ..core.errors import PlanError, ReplicationError
 from ..core.gather import unshard
-from ..core.placement import GroupedShard, replica_group, to_full
-from ..core.placement import fmt_placements as _fmt
+from ..core.placement import GroupedShard, fmt_placements as _fmt, replica_group, to_full
 from ..core.program import Boundary, Program
 from ..plan.local import Local
 from ..plan.plan import ShardingPlan, as_plan

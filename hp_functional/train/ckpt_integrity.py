@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, metadata as dcp_md
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType

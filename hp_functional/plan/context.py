@@ -152,14 +152,18 @@ class ContextParallelForward:
              g: AxisGroup) -> Tensor:
         """The mean over the ``count`` valid tokens of the whole sequence: this rank's sum over that
         count, summed over the axis (``reduce_from``: each rank's share gets the full gradient)."""
-        if self.vocab_axis is not None:
-            tp = axes[self.vocab_axis]
-            total = vocab_parallel_cross_entropy(logits, shift, tp, reduction="sum",
-                                                 vocab_start=tp.rank * logits.shape[-1])
-        else:
-            total = F.cross_entropy(logits.float().flatten(0, -2), shift.flatten(), ignore_index=IGNORE,
-                                    reduction="sum")
-        return C.reduce_from(total / count, g)
+        return C.reduce_from(summed_cross_entropy(logits, shift, axes, self.vocab_axis) / count, g)
+
+
+def summed_cross_entropy(logits: Tensor, labels: Tensor, axes: Mapping[str, AxisGroup], vocab_axis: str | None,
+                         ignore: int = IGNORE) -> Tensor:
+    """The sum of this chunk's per-position cross-entropies (``ignore`` skipped), vocab-parallel
+    over ``vocab_axis`` when the logits arrive vocab-sharded (loss parallel)."""
+    if vocab_axis is not None:
+        tp = axes[vocab_axis]
+        return vocab_parallel_cross_entropy(logits, labels, tp, reduction="sum", vocab_start=tp.rank * logits.shape[-1],
+                                            ignore_index=ignore)
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore, reduction="sum")
 
 
 def context_parallel_root(axis: str, layout: str, vocab_axis: str | None = None) -> Local:

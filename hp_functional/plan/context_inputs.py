@@ -17,16 +17,14 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core import collectives as C
 from ..core.collectives import AxisGroup
 from ..core.cp_layout import check_layout, cp_chunks, cp_positions
 from ..core.errors import PlanError
-from .context import IGNORE, _named, _shifted
+from .context import IGNORE, _named, _shifted, summed_cross_entropy
 from .local import Local
-from .vocab import vocab_parallel_cross_entropy
 
 #: ``loss(output, labels) -> Tensor``: the *sum* of the per-position losses of this rank's chunk.
 LossFn = Callable[[object, Tensor], Tensor]
@@ -139,23 +137,15 @@ class ContextInputsForward:
             count = C.raw_all_reduce(valid.sum(), g)
         else:  # every rank holds the whole batch: no collective
             count, labels = valid.sum(), labels.index_select(1, positions)
-        return out, C.reduce_from(self._total(out, labels, axes) / count, g)
-
-    def _total(self, out, labels: Tensor, axes: Mapping[str, AxisGroup]) -> Tensor:
-        """The sum of this chunk's per-position losses (vocab-parallel when the logits arrive sharded)."""
-        if self.vocab_axis is None:
-            return _loss_sum(self.inputs, out, labels)
-        tp = axes[self.vocab_axis]
-        return vocab_parallel_cross_entropy(out, labels, tp, reduction="sum", vocab_start=tp.rank * out.shape[-1],
-                                            ignore_index=self.inputs.ignore_index)
+        return out, C.reduce_from(_loss_sum(spec, out, labels, axes, self.vocab_axis) / count, g)
 
 
-def _loss_sum(spec: ContextInputs, out, labels: Tensor) -> Tensor:
-    """``spec.loss``, else the summed cross-entropy of ``out`` as logits."""
+def _loss_sum(spec: ContextInputs, out, labels: Tensor, axes: Mapping[str, AxisGroup] | None = None,
+              vocab_axis: str | None = None) -> Tensor:
+    """``spec.loss``, else the summed cross-entropy of ``out`` as logits (``context.summed_cross_entropy``)."""
     if spec.loss is not None:
         return spec.loss(out, labels)
     if not isinstance(out, Tensor):
         raise PlanError(f"ContextInputs: the model returns {type(out).__name__}, not logits; give loss=(output, "
                         "labels) -> the sum of the chunk's per-position losses")
-    return F.cross_entropy(out.float().flatten(0, -2), labels.flatten(), ignore_index=spec.ignore_index,
-                           reduction="sum")
+    return summed_cross_entropy(out, labels, axes or {}, vocab_axis, spec.ignore_index)

@@ -192,11 +192,13 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying) -> str:
     else:
         loss, ref = scalar_loss(out), scalar_loss(ref_out)
     keys = [k for k, v in params.items() if v.requires_grad]
-    try:
-        ref_grads = no_backward is None and dict(zip(keys, torch.autograd.grad(
-            ref, [model.get_parameter(k) for k in keys], allow_unused=True), strict=True))
-    except Exception as exc:  # noqa: BLE001 - the unsharded model has no backward here: the loss alone is compared
-        no_backward = exc
+    ref_grads = {}
+    if no_backward is None:
+        try:
+            ref_grads = dict(zip(keys, torch.autograd.grad(ref, [model.get_parameter(k) for k in keys], allow_unused=True),
+                                 strict=True))
+        except Exception as exc:  # noqa: BLE001 - the unsharded model has no backward here: the loss alone is compared
+            no_backward = exc
     if no_backward is not None:
         _compare(loss.detach(), ref.detach(), {}, {}, probe.names)
         why = str(no_backward).splitlines()[0][:120] if str(no_backward) else ""

@@ -34,7 +34,7 @@ from torch.utils._foreach_utils import _device_has_foreach_support
 from ..compile.agree import digest
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, ShapeError
-from ..core.host_comm import all_gather_objects
+from ..core.host_comm import all_gather_objects, mesh_groups
 from ..core.placement import ShardInfo, fmt_placements, owns, splits
 from ..core.raw_collectives import all_gather_rows, mesh_device
 
@@ -119,7 +119,7 @@ def _local_norms(tensors: list[Tensor], p: float, acc: torch.dtype, foreach: boo
     return norms  # type: ignore[return-value]
 
 
-def _mesh_groups(mesh: DeviceMesh) -> list[AxisGroup]:
+def _axis_groups(mesh: DeviceMesh) -> list[AxisGroup]:
     """Process groups whose all-gathers cover the whole mesh: the default group when the mesh spans
     the world (one collective), else each mesh axis of size > 1 in turn."""
     if mesh.size() == 1:
@@ -130,15 +130,8 @@ def _mesh_groups(mesh: DeviceMesh) -> list[AxisGroup]:
     return [AxisGroup.from_mesh(mesh, name) for d, name in enumerate(mesh.mesh_dim_names) if mesh.size(d) > 1]
 
 
-def _mesh_order(mesh: DeviceMesh) -> list[int]:
-    """The global ranks in the order ``gather_rows`` returns their rows."""
-    if mesh.size() == dist.get_world_size():
-        return list(range(dist.get_world_size()))
-    return mesh.mesh.permute(*reversed(range(mesh.ndim))).flatten().tolist()
-
-
 def gather_rows(x: Tensor, groups: list[AxisGroup], where: str) -> Tensor:
-    """[ranks, n]: every rank's 1-D ``x``, in ``_mesh_order`` (the same order on every rank)."""
+    """[ranks, n]: every rank's 1-D ``x``, in ``host_comm.mesh_groups``' rank order (the same on every rank)."""
     n = x.numel()
     for g in groups:
         x = all_gather_rows(x, g, where)
@@ -237,9 +230,9 @@ def _global_norm(grads: Mapping[str, Tensor | None], shard_info: Mapping[str, Sh
         local = norms.max() if p == math.inf else norms.pow(p).sum()
     row = torch.cat([local.view(1), torch.tensor(structure_words(grads, shard_info, error is not None), dtype=acc,
                                                    device=device)])
-    groups = _mesh_groups(mesh)
+    groups = _axis_groups(mesh)
     rows = gather_rows(row, groups, where)
-    agree_structure(rows[:, 1:], error, grads, shard_info, groups, _mesh_order(mesh), where)
+    agree_structure(rows[:, 1:], error, grads, shard_info, groups, mesh_groups(mesh)[1], where)
     total = rows[:, 0].max() if p == math.inf else rows[:, 0].sum()
     return (total if p == math.inf else total.pow(1.0 / p)).to(out_dtype), leaves
 

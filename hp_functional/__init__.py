@@ -36,7 +36,15 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
         ShapeError as ShapeError,
     )
     from .core.gather import unshard as unshard
-    from .core.placement import ShardInfo as ShardInfo, slice_local as slice_local, to_dtensor as to_dtensor
+    from .core.placement import (
+        Facet as Facet,
+        ReducedOver as ReducedOver,
+        RowSplit as RowSplit,
+        ShardInfo as ShardInfo,
+        SummedOver as SummedOver,
+        slice_local as slice_local,
+        to_dtensor as to_dtensor,
+    )
     from .core.program import Program as Program
     from .core.raw_collectives import set_timeout as set_timeout
     from .plan.auto import auto_plan as auto_plan
@@ -112,6 +120,10 @@ _LAZY: dict[str, str] = {
     "cp_shard": ".core.cp_layout",
     "cp_unshard": ".core.cp_layout",
     "ShardInfo": ".core.placement",
+    "Facet": ".core.placement",
+    "RowSplit": ".core.placement",
+    "SummedOver": ".core.placement",
+    "ReducedOver": ".core.placement",
     "slice_local": ".core.placement",
     "to_dtensor": ".core.placement",
     "unshard": ".core.gather",

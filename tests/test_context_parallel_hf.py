@@ -32,7 +32,7 @@ def _reference(model, ids, labels):
 def _compare(apply_fn, params, info, m, ref, ref_grads, kwargs, cp_axis="cp", extra=None, dp=None):
     """Loss, logits and every gradient (as apply_fn returns them: summed over ``cp`` inside its
     backward; then ``extra`` reductions) vs the reference; with ``dp``, the loss is the mean of the
-    dp ranks' losses.  Reducing again over ``cp`` is refused (``ShardInfo.reduced``)."""
+    dp ranks' losses.  Reducing again over ``cp`` is refused (its ``ReducedOver`` facet)."""
     diffs = {}
     for functional in (False, True):
         if functional:
@@ -43,7 +43,7 @@ def _compare(apply_fn, params, info, m, ref, ref_grads, kwargs, cp_axis="cp", ex
             loss = apply_fn(params, **kwargs).loss
             loss.backward()
             grads = {k: p.grad for k, p in params.items()}
-        assert all(cp_axis in info[k].reduced for k in grads), "replicated gradients owed a cp reduction"
+        assert all(cp_axis in info[k].axes_of(hpf.ReducedOver) for k in grads), "replicated gradients owed a cp reduction"
         with pytest.raises(hpf.PlanError, match="already summed over mesh axis"):
             hpf.reduce_gradients(grads, info, m, axis=cp_axis, op="sum")
         if extra is not None:

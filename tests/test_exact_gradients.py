@@ -202,8 +202,8 @@ def case_fsdp_folds_cp(family: str, axis):
     model = _model(family)
     m = mesh((2, 2), ("dp", "cp"))
     apply_fn, params, info = hpf.fsdp(*hpf.shard(model, hpf.ShardingPlan.from_hf(model, cp_axis="cp"), m), m, axis)
-    owed = {a for i in info.values() for a in i.reduced}
-    assert owed == (set() if axis == ("dp", "cp") else {"cp"}), owed  # ShardInfo.reduced: the sums apply_fn does
+    owed = {a for i in info.values() for a in i.axes_of(hpf.ReducedOver)}
+    assert owed == (set() if axis == ("dp", "cp") else {"cp"}), owed  # ReducedOver: the sums apply_fn does
     ids = _ids(16)
     ref = model(input_ids=torch.cat([ids, ids.flip(0)]), labels=torch.cat([ids, ids.flip(0)]))
     ref.loss.backward()

@@ -284,7 +284,7 @@ def test_dp_times_ep_and_fsdp():
 def case_ep_shares_dp(state):
     """ep sharing ranks with dp: the 4 dp ranks as an expert mesh (edp 2, ep 2), every rank routing
     its own quarter of the batch (``tokens="local"``).  Expert gradients arrive summed over ep
-    (``ShardInfo.summed``); ``reduce_gradients`` over ep then edp (or ``hpf.fsdp`` over edp, then
+    (its ``SummedOver`` facet); ``reduce_gradients`` over ep then edp (or ``hpf.fsdp`` over edp, then
     over ep) equals the unsharded mean over the four batches, with ``.backward()`` and
     ``torch.func.grad``.  A plan whose ep ranks share their tokens refuses ep as a data axis."""
     model = build_moe("mixtral", state)
@@ -293,7 +293,7 @@ def case_ep_shares_dp(state):
     assert m["ep"].mesh.tolist() == [0, 1] if rank() < 2 else [2, 3]  # ep groups: consecutive ranks
     apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep", ep_tokens="local"), m)
     key = "model.layers.0.mlp.experts.gate_up_proj"
-    assert info[key].summed == ("ep",) and not info["model.embed_tokens.weight"].summed
+    assert info[key].axes_of(hpf.SummedOver) == ("ep",) and not info["model.embed_tokens.weight"].facets
     ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(7))
     parts = ids.chunk(4)
     (sum(model(input_ids=h, labels=h).loss for h in parts) / 4).backward()

@@ -133,6 +133,21 @@ def test_trains_like_the_unsharded_model(pool, kind, func):
     print(f"{kind} world {pool.world}: max |loss - unsharded| over {STEPS} steps {max(worst):.2e}")
 
 
+def test_shard_info_facets():
+    """What a parallelism records of a leaf is one field of facets, one per type, in a fixed
+    order; the three former fields read through with a FutureWarning."""
+    base = hpf.ShardInfo((), None, torch.Size((4,)), torch.Size((2,)), (0,))
+    one = base.with_facet(hpf.ReducedOver, hpf.ReducedOver(("cp",))).with_facet(hpf.SummedOver, hpf.SummedOver(("ep",)))
+    other = base.with_facet(hpf.SummedOver, hpf.SummedOver(("ep",))).with_facet(hpf.ReducedOver, hpf.ReducedOver(("cp",)))
+    assert one == other and one.axes_of(hpf.SummedOver) == ("ep",) and one.facet(hpf.RowSplit) is None
+    assert one.with_facet(hpf.SummedOver, None).facets == (hpf.ReducedOver(("cp",)),)
+    with pytest.raises(TypeError, match="is not a SummedOver"):
+        base.with_facet(hpf.SummedOver, hpf.ReducedOver(("cp",)))
+    for old, value in (("summed", ("ep",)), ("reduced", ("cp",)), ("split", None)):
+        with pytest.warns(FutureWarning, match=f"ShardInfo.{old} is deprecated"):
+            assert getattr(one, old) == value
+
+
 class Collectives(TorchDispatchMode):
     """Counts the functional collectives by op and process group (a count, not a timing)."""
 
@@ -200,6 +215,7 @@ def case_schedule(state, world: int, reshard: bool, checkpoint: bool):
     full = hpf.unshard({k: p.grad for k, p in f_params.items()}, f_info)
     for k, p in model.named_parameters():
         assert_close(full[k], p.grad, f"grad {k}")
+    assert all(f_info[k].facet(hpf.RowSplit).inner == info[k] for k in info)  # the layout fsdp split further
     # the closed form: a block resharded after its forward is gathered twice, every group reduced once
     group = dp.get_group().group_name
     got = {op: counted.counts.get((op, group), 0) for op in ("all_gather_into_tensor", "reduce_scatter_tensor")}

@@ -23,7 +23,6 @@ A new parallelism adds a pass here (or a transform over the result), not branche
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Mapping
 
@@ -33,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, PlanWarning
+from ..core.placement import ReducedOver
 from ..core.program import Planned, Program
 from ..plan.plan import ShardingPlan, as_plan
 from ..plan.styles import ModuleSpec
@@ -107,8 +107,9 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
         uses[key] = uses.get(key, frozenset()) | axes
     param_steps = lower_parameter_conversions(placed, specs, analysis, groups, uses)
     dtypes = {leaf: model.get_parameter(leaf).dtype for leaf in placed.infos}
-    infos = {k: dataclasses.replace(i, reduced=tuple(s.axis for s in param_steps.get(k, ()) if s.name == "copy_to"))
-             for k, i in placed.infos.items()}
+    infos = {k: i.with_facet(ReducedOver, ReducedOver(owed) if owed else None)
+             for k, i in placed.infos.items()
+             for owed in [tuple(s.axis for s in param_steps.get(k, ()) if s.name == "copy_to")]}
     return Program(
         mesh=mesh,
         boundaries=boundaries,

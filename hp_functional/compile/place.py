@@ -16,7 +16,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from ..core.errors import PlanError
-from ..core.placement import ShardInfo, fmt_placements, local_layout, mesh_placements, packed_layout, splits
+from ..core.placement import (
+    ShardInfo,
+    SummedOver,
+    fmt_placements,
+    local_layout,
+    mesh_placements,
+    packed_layout,
+    splits,
+)
 from ..plan.plan import ShardingPlan
 from ..plan.styles import ModuleSpec
 
@@ -103,5 +111,6 @@ def place_parameters(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, spe
             sizes, offset = packed_layout(leaf, shape, choice.placements, local_shape, offset, choice.blocks,
                                           mesh.mesh_dim_names)
         infos[leaf] = ShardInfo(placements=choice.placements, mesh=mesh, global_shape=shape, local_shape=local_shape,
-                                offset=offset, aliases=tuple(aliases.get(leaf, ())), blocks=sizes, summed=choice.summed)
+                                offset=offset, aliases=tuple(aliases.get(leaf, ())), blocks=sizes,
+                                facets=(SummedOver(choice.summed),) if choice.summed else ())
     return Placed(infos, leaf_of, owners)

@@ -11,9 +11,11 @@ are applied in order, each ``Shard(d)`` narrowing the current chunk further, so
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -102,6 +104,12 @@ def splits(p: object) -> bool:
     return isinstance(p, (Shard, _StridedShard, GroupedShard, StackedShard))
 
 
+class Facet:
+    """What one parallelism records about a leaf beyond its placements and shapes: a frozen
+    dataclass subclass, at most one of each type in ``ShardInfo.facets``.  A new parallelism
+    adds a facet type of its own instead of a field of ``ShardInfo``."""
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """Where this rank's local shard of one parameter sits in the global tensor."""
@@ -115,11 +123,7 @@ class ShardInfo:
     blocks: tuple[int, ...] | None = None  # packed: global sizes of the sub-blocks along the sharded dim,
     # each sharded separately (the local shard is the rank's slice of every block, concatenated;
     # ``offset`` then locates the slice of the first block)
-    split: RowSplit | None = None  # functional FSDP: dim 0 of ``split.inner``'s local shard chunked over an axis
-    summed: tuple[str, ...] = ()  # sharded axes whose ranks each feed their own data through this leaf (experts
-    # when ``ep`` shares ranks with ``dp``): its gradient arrives already summed over them
-    reduced: tuple[str, ...] = ()  # replicated axes over which apply_fn's backward already sums this leaf's
-    # gradient (it is consumed by rank-varying compute there: TP regions, context parallelism)
+    facets: tuple[Facet, ...] = ()  # what parallelisms record of it: RowSplit, SummedOver, ReducedOver
 
     @property
     def axes(self) -> dict[str, Placement]:
@@ -130,9 +134,73 @@ class ShardInfo:
     def is_sharded(self) -> bool:
         return any(splits(p) for p in self.placements)
 
+    def facet(self, kind: type[F]) -> F | None:
+        """This leaf's facet of type ``kind``, or None: ``info.facet(hpf.RowSplit)``."""
+        return next((f for f in self.facets if type(f) is kind), None)
+
+    def with_facet(self, kind: type[Facet], facet: Facet | None) -> ShardInfo:
+        """A copy whose facet of type ``kind`` is ``facet`` (None: without one).  Facets are kept
+        sorted by type name, so equal records compare equal whatever order they were added in."""
+        if facet is not None and type(facet) is not kind:
+            raise TypeError(f"with_facet: {facet!r} is not a {kind.__name__}")
+        kept = [f for f in self.facets if type(f) is not kind] + ([facet] if facet is not None else [])
+        return dataclasses.replace(self, facets=tuple(sorted(kept, key=lambda f: type(f).__name__)))
+
+    def axes_of(self, kind: type[AxesFacet]) -> tuple[str, ...]:
+        """The axes of this leaf's ``kind`` facet (``SummedOver``, ``ReducedOver``); () without one."""
+        found = self.facet(kind)
+        return found.axes if found is not None else ()
+
+    # Read views of the three facets that were fields before; documented, so kept with a warning.
+    @property
+    def split(self) -> RowSplit | None:
+        """Deprecated: ``facet(RowSplit)``."""
+        _renamed("split", "facet(hpf.RowSplit)")
+        return self.facet(RowSplit)
+
+    @property
+    def summed(self) -> tuple[str, ...]:
+        """Deprecated: ``axes_of(SummedOver)``."""
+        _renamed("summed", "axes_of(hpf.SummedOver)")
+        return self.axes_of(SummedOver)
+
+    @property
+    def reduced(self) -> tuple[str, ...]:
+        """Deprecated: ``axes_of(ReducedOver)``."""
+        _renamed("reduced", "axes_of(hpf.ReducedOver)")
+        return self.axes_of(ReducedOver)
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(f"ShardInfo.{old} is deprecated; use ShardInfo.{new}", FutureWarning, stacklevel=3)
+
+
+F = TypeVar("F", bound=Facet)
+
 
 @dataclass(frozen=True)
-class RowSplit:
+class AxesFacet(Facet):
+    """A facet that names mesh axes."""
+
+    axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SummedOver(AxesFacet):
+    """Expert parallelism: sharded axes whose ranks each feed their own data through this leaf
+    (experts when ``ep`` shares ranks with ``dp``), so its gradient arrives already summed over
+    them; ``reduce_gradients`` skips them."""
+
+
+@dataclass(frozen=True)
+class ReducedOver(AxesFacet):
+    """Replicated axes over which ``apply_fn``'s backward already sums this leaf's gradient (it
+    is consumed by rank-varying compute there: TP regions, context parallelism);
+    ``reduce_gradients`` over one of them is refused."""
+
+
+@dataclass(frozen=True)
+class RowSplit(Facet):
     """Dim 0 of a layout's local shard chunked further over one mesh axis, or over several
     flattened into one (``hpf.fsdp``), with ``torch.chunk``'s sizes: ``ceil(rows / n)`` rows per
     rank, the last ranks fewer or none.  ``inner`` is the layout before the split (its local
@@ -291,10 +359,11 @@ class Box(NamedTuple):
 def boxes(info: ShardInfo) -> list[Box]:
     """The boxes that make up this rank's local shard, in local order, none empty (the one map
     from local shards to global indices: slicing, weight reading and checkpoints use it)."""
-    if info.split:
-        first, rows = info.split.span(*info.split.place(info.mesh))
+    split = info.facet(RowSplit)
+    if split:
+        first, rows = split.span(*split.place(info.mesh))
         out = []
-        for b in boxes(info.split.inner):
+        for b in boxes(split.inner):
             lo, hi = max(b.local[0], first), min(b.local[0] + b.size[0], first + rows)
             if lo < hi:
                 out.append(Box((b.start[0] + lo - b.local[0], *b.start[1:]), (lo - first, *b.local[1:]),
@@ -355,11 +424,10 @@ def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]
     if stacked:
         raise PlanError(f"to_dtensor: {stacked[:3]} are held whole by one rank of a stack (StackedShard: per-module "
                         "experts), which DTensor cannot express; use unshard()")
-    flat = [k for k, i in shard_info.items() if i.split and not isinstance(i.split.axis, str)
-            and (i.split.rows % i.split.place(i.mesh)[0] or any(type(p) is not Shard and splits(p) for p in i.placements))]
+    flat = [k for k, i in shard_info.items() if _flat_and_uneven(i)]
     if flat:
         raise PlanError(f"to_dtensor: {flat[:3]} are chunked over several mesh axes flattened (hpf.fsdp over "
-                        f"{shard_info[flat[0]].split.axis}) unevenly or under a TP row split, which DTensor's "
+                        f"{shard_info[flat[0]].facet(RowSplit).axis}) unevenly or under a TP row split, which DTensor's "
                         "nested Shard(0) does not express; use unshard()")
     return {
         name: DTensor.from_local(
@@ -370,9 +438,18 @@ def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]
     }
 
 
+def _flat_and_uneven(info: ShardInfo) -> bool:
+    """Whether ``info`` is row-split over several axes flattened, unevenly or under a TP row split."""
+    split = info.facet(RowSplit)
+    return (split is not None and not isinstance(split.axis, str)
+            and bool(split.rows % split.place(info.mesh)[0] or any(type(p) is not Shard and splits(p)
+                                                                  for p in info.placements)))
+
+
 def is_packed(info: ShardInfo) -> bool:
     """Whether ``info`` (or the layout it splits further) is a packed parameter."""
-    return bool(info.blocks) or (info.split is not None and is_packed(info.split.inner))
+    split = info.facet(RowSplit)
+    return bool(info.blocks) or (split is not None and is_packed(split.inner))
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

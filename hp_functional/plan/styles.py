@@ -73,7 +73,7 @@ class ModuleSpec(Style):
     sub-blocks, or their sizes, along the sharded dim; each block is sharded separately.
     ``summed_axes``: axes on which every rank feeds its own data through this module's sharded
     parameters (experts when ``ep`` shares ranks with ``dp``); their gradients arrive summed over
-    the axis, recorded as ``ShardInfo.summed`` for ``reduce_gradients``.
+    the axis, recorded as its ``SummedOver`` facet for ``reduce_gradients``.
     ``data_axes``: axes over which the data this module's subtree computes on is split per rank
     (context parallelism's sequence chunks): every replicated parameter below is consumed by
     rank-varying compute there, so its gradient is summed over those axes in the backward.

@@ -25,6 +25,7 @@ from ..compile.lint_heads import Memo, fingerprint
 from ..compile.reduce import Reduced, reduced_copy
 from ..core.errors import PlanError
 from ..core.gather import unshard
+from ..core.placement import SummedOver
 from .loss import scalar_loss
 from .weights import recompute_buffers
 
@@ -208,7 +209,7 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying) -> str:
     grads = {k: torch.zeros_like(params[k]) if g is None else g for k, g in grads.items()}
     full = unshard(grads, info)
     for k, i in info.items():  # every rank fed the same batch through leaves summed over an axis (experts on dp ranks)
-        for axis in i.summed:
+        for axis in i.axes_of(SummedOver):
             full[k] = full[k] / mesh.size(mesh.mesh_dim_names.index(axis))
     _compare(loss.detach(), ref.detach(), full, ref_grads, probe.names)
     return ""

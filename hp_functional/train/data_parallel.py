@@ -6,7 +6,7 @@ backends (gloo: ~1-2 ms per collective whatever its size) the number of collecti
 step time, so leaves are flattened into buckets of at most ``bucket_bytes`` per (device, dtype)
 and each bucket is one all-reduce; all buckets are issued before the first wait, so a backend
 that overlaps them can.  Leaves *sharded* on ``axis`` belong to ``hpf.fsdp`` (reduce-scatter),
-except those whose gradient already arrives summed over it (``ShardInfo.summed``: experts when
+except those whose gradient already arrives summed over it (a ``SummedOver`` facet: experts when
 ``ep`` shares ranks with ``dp``, every ep rank routing its own tokens): no collective, and
 ``"mean"`` divides them by the axis size like the rest.
 
@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.buckets import plan_buckets as buckets_by_rule
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
-from ..core.placement import ShardInfo
+from ..core.placement import ReducedOver, ShardInfo, SummedOver
 from ..core.raw_collectives import mesh_device, start_all_reduce, wait
 from .clip import agree_structure, check_grads, gather_rows, is_shard, structure_words
 
@@ -98,17 +98,17 @@ def reduce_gradients(
 
 def _summed(leaves: list, axis: str, mesh) -> dict[str, Tensor]:
     """The leaves whose gradient already arrives summed over ``axis``; a PlanError for one sharded there otherwise,
-    or for one whose gradient apply_fn's backward already sums over ``axis`` (``ShardInfo.reduced``)."""
-    owed = next((name for name, _, info in leaves if axis in info.reduced), None)
+    or for one whose gradient apply_fn's backward already sums over ``axis`` (its ``ReducedOver`` facet)."""
+    owed = next((name for name, _, info in leaves if axis in info.axes_of(ReducedOver)), None)
     if owed is not None:
         raise PlanError(f"reduce_gradients: the gradient of {owed} is already summed over mesh axis {axis!r} inside "
-                        f"apply_fn's backward (ShardInfo.reduced); reducing it again over {axis!r} would count it "
+                        f"apply_fn's backward (its ReducedOver facet); reducing it again over {axis!r} would count it "
                         f"{mesh.size(mesh.mesh_dim_names.index(axis))} times; drop this call (context parallelism "
                         "needs none)")
     summed = {}
     for name, g, info in leaves:
         p = info.axes.get(axis)
-        if p is not None and is_shard(p) and axis in info.summed:
+        if p is not None and is_shard(p) and axis in info.axes_of(SummedOver):
             summed[name] = g
         elif p is not None and is_shard(p):
             raise PlanError(f"reduce_gradients: params[{name!r}] is sharded on {axis!r} (FSDP): its gradients are "

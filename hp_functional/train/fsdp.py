@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..compile.agree import agree
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
-from ..core.placement import RowSplit, ShardInfo, fmt_placements, splits
+from ..core.placement import ReducedOver, RowSplit, ShardInfo, fmt_placements, splits
 from ..core.program import Program
 from ..runtime.apply_fn import ApplyFn, ThreadGuard
 from ..runtime.checkpoint import ActivationCheckpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
@@ -111,7 +111,7 @@ def group_parameters(template: nn.Module, leaf_of: Mapping[str, str], keys: Sequ
 
 def split_info(info: ShardInfo, mesh: DeviceMesh, axes: tuple[str, ...]) -> ShardInfo:
     """``info`` with dim 0 of its local shard chunked over ``axes`` of ``mesh``, flattened (see
-    the module docstring); a sum owed over ``axes`` (``reduced``) is now the reduce-scatter's."""
+    the module docstring); a sum owed over ``axes`` (``ReducedOver``) is now the reduce-scatter's."""
     names = mesh.mesh_dim_names
     split = RowSplit(axes[0] if len(axes) == 1 else axes, info)
     start, rows = split.span(*split.place(mesh))
@@ -125,11 +125,10 @@ def split_info(info: ShardInfo, mesh: DeviceMesh, axes: tuple[str, ...]) -> Shar
         return _StridedShard(0, split_factor=factor) if later else Shard(0)
 
     placements = tuple(mine(n) if n in axes else inner.get(n, Replicate()) for n in names)
-    reduced = tuple(a for a in info.reduced if a not in axes)
-    return dataclasses.replace(info, placements=placements, mesh=mesh,
-                               local_shape=torch.Size((rows, *info.local_shape[1:])),
-                               offset=(info.offset[0] + start, *info.offset[1:]), blocks=None, split=split,
-                               reduced=reduced)
+    reduced = tuple(a for a in info.axes_of(ReducedOver) if a not in axes)
+    out = dataclasses.replace(info, placements=placements, mesh=mesh, local_shape=torch.Size((rows, *info.local_shape[1:])),
+                              offset=(info.offset[0] + start, *info.offset[1:]), blocks=None)
+    return out.with_facet(RowSplit, split).with_facet(ReducedOver, ReducedOver(reduced) if reduced else None)
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
     rows of every TP-local shard, and gradients w.r.t. them are the mean over ``axis`` (each
     ``axis`` rank feeds its own slice of the batch).  ``axis`` may name several mesh axes,
     flattened into one group (``("dp", "cp")``: torchtitan's ``dp_shard_cp``): the sum that
-    ``apply_fn``'s backward owes a parameter over one of them (``ShardInfo.reduced``, context
+    ``apply_fn``'s backward owes a parameter over one of them (a ``ReducedOver`` facet, context
     parallelism) is folded into the reduce-scatter instead of an all-reduce of its own, and the
     mean is over the other axes.  ``blocks``: module-path patterns of the
     blocks (default: the Hugging Face decoder layers).  ``reshard_after_forward``,
@@ -256,7 +255,8 @@ def _check_nesting(groups: Sequence[Group], checkpointed: Sequence[str]) -> None
 
 
 def _rows(local: Tensor, info: ShardInfo) -> Tensor:
-    start, rows = info.split.span(*info.split.place(info.mesh))
+    split = info.facet(RowSplit)
+    start, rows = split.span(*split.place(info.mesh))
     return local.detach().narrow(0, start, rows).clone().requires_grad_(local.requires_grad)
 
 
@@ -271,7 +271,7 @@ def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: A
         folded = {s.axis for s in steps if s.name == "copy_to" and s.axis in sizes}
         kept = tuple(s for s in steps if not (s.name == "copy_to" and s.axis in folded))
         divisor = math.prod(n for a, n in sizes.items() if a not in folded)
-        piece = Piece(k, shape, infos[k].split.chunk(group.size), start, kept, divisor)
+        piece = Piece(k, shape, infos[k].facet(RowSplit).chunk(group.size), start, kept, divisor)
         pieces.append(piece)
         start += piece.size
     dtypes = {program.dtypes[k] for k in g.keys}

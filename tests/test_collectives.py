@@ -43,11 +43,24 @@ def _cases(dim: int):
         "ppermute(partial)": (lambda x, g: C.ppermute(x, [(0, n - 1)], g),
                               lambda xs, r: xs[0] if r == n - 1 else torch.zeros_like(xs[r])),
         "shift(-1)": (lambda x, g: g.shift(x, -1), lambda xs, r: xs[(r + 1) % n]),
+        "send_to": (lambda x, g: exchange(x, g, send_first=g.rank % 2 == 0), lambda xs, r: xs[r ^ 1]),
+        "recv_from": (lambda x, g: exchange(x, g, send_first=g.rank % 2 == 1), lambda xs, r: xs[r ^ 1]),
         "partial_from": (lambda x, g: C.partial_from(x, g), lambda xs, r: xs[r] if r == 0 else torch.zeros_like(xs[r])),
         "leave_region": (lambda x, g: C.leave_region(x, g), lambda xs, r: xs[r]),
         "copy_to_replicas": (lambda x, g: C.copy_to_replicas(x, PAIRS, g), lambda xs, r: xs[r]),
         "reduce_from_replicas": (lambda x, g: C.reduce_from_replicas(x, PAIRS, g), lambda xs, r: _group_sum(xs, r)),
     }
+
+
+def exchange(x, g, send_first: bool):
+    """Ranks 0 and 1 (2 and 3) swap ``x`` point to point, one of each pair sending first; the
+    send's zero token is added to the result so the backward reaches both ops."""
+    peer, zero = g.rank ^ 1, x.reshape(-1)[0] * 0
+    if send_first:
+        token = C.send_to(x, peer, g)
+        return C.recv_from(zero, x.shape, peer, g) + token
+    y = C.recv_from(zero, x.shape, peer, g)
+    return y + C.send_to(x, peer, g)
 
 
 def _segment(x, dim, src, dst):
@@ -88,6 +101,8 @@ def _expected_grad(name, xs, ws, r, dim):
         return torch.cat(ws, dim)
     if name == "split_to":
         return torch.cat(ws, dim)
+    if name in ("send_to", "recv_from"):  # y_{r^1} = x_r
+        return ws[r ^ 1]
     if name == "ppermute":  # y_{r+1} = x_r
         return ws[(r + 1) % n]
     if name == "ppermute(partial)":  # only rank 0's x reaches anyone (rank n - 1)
@@ -156,6 +171,8 @@ def _sample_args(name: str) -> tuple:
         return ((0, 1), (1, 2), (2, 0)), "group"
     if name == "all_to_all_v":
         return 1, (0, 3, 5), (2, 2, 4), "group"
+    if name in ("send_to", "recv_from"):
+        return (4, 8), 1, "group"
     if name.endswith("_replicas"):
         return PAIRS, "group"
     return (1, 0, "group") if name == "all_to_all" else (1, "group") if name in _DIM_OPS else ("group",)
@@ -164,7 +181,7 @@ def _sample_args(name: str) -> tuple:
 def test_transpose_pairs_are_closed():
     """The one table of conjugate pairs: for every collective C with backward B, B's backward is
     C again, B's type is C's reversed (I→V ↔ V→I), and B's arguments map back to C's."""
-    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 14
+    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 16
     for name, c in C.COLLECTIVES.items():
         assert c.name == name and callable(getattr(C, name))
         b = C.COLLECTIVES[c.transpose]
@@ -176,6 +193,8 @@ def test_transpose_pairs_are_closed():
     assert C.AllToAll.transpose_args(1, 0, "group") == (0, 1, "group")  # the reverse all-to-all
     assert C.Ppermute.transpose_args(((0, 1), (1, 2)), "group") == (((1, 0), (2, 1)), "group")  # sent back
     assert C.AllToAllV.transpose_args(0, (1, 2), (3, 0), "group") == (0, (3, 0), (1, 2), "group")  # the reverse
+    assert (C.SendTo.transpose, C.RecvFrom.transpose) == ("recv_from", "send_to")  # receive what was sent, send back
+    assert C.SendTo.batch_args(((4, 8), 1, "g")) == ((4, 8), 1, "g")  # a peer is not a dim: not shifted
 
 
 def test_docstring_table_states_the_pairs():

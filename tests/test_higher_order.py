@@ -37,6 +37,7 @@ from hp_functional import collectives as C
 from tests.conftest import get_pool
 from tests.helpers import assert_close, cyclic_splits, mesh, rank, world
 from tests.models import MLP, build_llama, make_llama_state
+from tests.test_collectives import exchange
 
 TOL = {"atol": 1e-9, "rtol": 1e-9}  # fp64 throughout
 SHAPE = (4, 8, 12)  # every split dim divisible by 2 and 4
@@ -61,6 +62,8 @@ def _close_tree(actual, expected, what: str, **tol) -> None:
 
 # ---------------------------------------------------------------- vjp(vjp(C)) == C, per collective
 def _apply(name: str, x: torch.Tensor, g: C.AxisGroup) -> torch.Tensor:
+    if name in ("send_to", "recv_from"):  # a point-to-point op is linear only with its other end: a swap
+        return exchange(x, g, send_first=(g.rank % 2 == 0) == (name == "send_to"))
     args = {"all_gather": (1,), "reduce_scatter": (1,), "gather_from": (1,), "split_to": (1,), "all_to_all": (1, 0),
             "ppermute": (C.ring(g.size, 1),), "copy_to_replicas": (C.Replicas(2),),
             "reduce_from_replicas": (C.Replicas(2),), "all_to_all_v": (1, *cyclic_splits(x.shape[1], g.size, g.rank))}
@@ -134,8 +137,8 @@ def test_minimal_penalty_factor_is_one(pool):
 # ---------------------------------------------------------------- small compositions
 # Each composition: (sharded F(inputs, g), its single-device reference F_ref(inputs, n)); the
 # inputs are rank-invariant full tensors (sliced inside with split_to), so every derivative of
-# every order is the reference's, on every rank.  Together they use ten of the fourteen collectives;
-# every one of the fourteen is checked at second order per collective above (vjp of vjp).
+# every order is the reference's, on every rank.  Together they use ten of the sixteen collectives;
+# every one of the sixteen is checked at second order per collective above (vjp of vjp).
 def _tp_mlp(p, g):  # copy_to → Colwise → tanh → Rowwise → reduce_from
     h = torch.tanh(C.copy_to(p["x"], g) @ C.split_to(p["w1"], 1, g))
     return (torch.tanh(C.reduce_from(h @ C.split_to(p["w2"], 0, g), g)) ** 2).sum()

@@ -150,6 +150,7 @@ def case_bad_input(state):
         "tied": lambda: hpf.pipeline_split(tied, 2),
         "no pp axis": lambda: hpf.shard_stage(tied, stages[0], {}, mesh((4,), ("tp",))),
         "wrong stage": lambda: hpf.shard_stage(tied, wrong, {}, m),
+        "gpipe stage": lambda: hpf.gpipe(apply_fn, wrong, m, causal_lm_loss, MICROBATCHES, hidden_size=64),
     })
 
 
@@ -158,6 +159,7 @@ def test_bad_input():
     assert_errors(errors, {"too many stages": "num_stages=5 must be between 1 and the 4 layers",
                            "layers": "layers=[4, 0]", "tied": "'model.embed_tokens.weight' is tied across stages",
                            "no pp axis": "pp_axis 'pp' is not in the mesh", "wrong stage": "this rank is stage",
+                           "gpipe stage": "gpipe: this rank is stage",
                            "micro-batches": "divisible into 4 micro-batches", "target": "with the batch of inputs (4)"})
 
 

@@ -30,6 +30,8 @@ function                  type   forward              backward = transpose      
 ``all_to_all``            V → V  all-to-all           ``all_to_all`` (reverse)             ``all_to_all``
 ``ppermute``              V → V  send to perm's dst   ``ppermute`` (inverse perm)          ``ppermute``
 ``all_to_all_v``          V → V  variable all-to-all  ``all_to_all_v`` (splits swapped)    ``all_to_all_v``
+``send_to``               V → V  send to one peer     ``recv_from`` (receive from it)      ``send_to``
+``recv_from``             V → V  receive from a peer  ``send_to`` (send back to it)        ``recv_from``
 ``copy_to``               I → V  identity             ``reduce_from`` (all-reduce)         ``copy_to``
 ``reduce_from``           V → I  all-reduce           ``copy_to`` (identity)               ``reduce_from``
 ``gather_from``           V → I  all-gather           ``split_to`` (local chunk)           ``gather_from``
@@ -47,7 +49,10 @@ rank-varying compute.  The group sum is one all-reduce over the
 axis of a buffer with one slot per group, so it needs no process group of its own.
 
 ``all_to_all``'s transpose swaps its split and concat dims; ``ppermute``'s sends every pair
-back (dst → src), so ``shift(+1)``'s transpose is ``shift(-1)``.  ``leave_region``'s input is a
+back (dst → src), so ``shift(+1)``'s transpose is ``shift(-1)``.  ``send_to``/``recv_from`` are
+the point-to-point pair of pipeline stages (only the two ranks take part): a send returns a zero
+token that carries it into the loss, a receive is a function of a zero anchor, and each one's
+backward is the other in the reverse direction.  ``leave_region``'s input is a
 replicated value inside a rank-varying region (equal on every rank, hence identity forward).
 Each backward issues exactly the communication of its first-order rule above (the pairs only
 decide what the backward's *own* backward is), so first-order schedules are unchanged.
@@ -76,8 +81,10 @@ from .raw_collectives import (
     raw_all_to_all,
     raw_all_to_all_v,
     raw_ppermute,
+    raw_recv,
     raw_reduce_scatter,
     raw_replica_sum,
+    raw_send,
     raw_split,
     ring,
 )
@@ -152,21 +159,10 @@ class AxisGroup:
         return ppermute(x, ring(self.size, offset), self)
 
 
-def _identity(x: Tensor, g: AxisGroup) -> Tensor:
-    return x.view_as(x)
-
-
-def _identity_replicas(x: Tensor, replicas: Replicas, g: AxisGroup) -> Tensor:
-    return x.view_as(x)
-
-
-def _keep_on_rank0(x: Tensor, g: AxisGroup) -> Tensor:
-    return x.view_as(x) if g.rank == 0 else torch.zeros_like(x)
-
-
-# ---------------------------------------------------------------- autograd.Function pairs
+# ---------------------------------------------------------------- how a block is built
 def _shift_dims(args: tuple) -> tuple:
-    """Dims (ints) as seen with a vmapped batch dim in front: non-negative ones move by one."""
+    """The default batching rule: dims (ints) as seen with a vmapped batch dim in front, the
+    non-negative ones moved by one."""
     return tuple(a + 1 if isinstance(a, int) and not isinstance(a, bool) and a >= 0 else a for a in args)
 
 
@@ -174,16 +170,9 @@ def _same_args(*args):
     return args
 
 
-def _swap_dims(split_dim, concat_dim, group):
-    return concat_dim, split_dim, group
-
-
-def _invert_perm(perm, group):
-    return tuple((d, s) for s, d in perm), group
-
-
-def _swap_splits(dim, send, recv, group):
-    return dim, recv, send, group
+def _unbatched(args: tuple) -> tuple:
+    """The batching rule of an op that takes no dims (its raw op handles leading batch dims)."""
+    return args
 
 
 class Collective(NamedTuple):
@@ -191,7 +180,8 @@ class Collective(NamedTuple):
     ``eager`` also has the forward-mode ``jvp`` and the ``vmap`` rule; ``traced`` has neither,
     because Dynamo cannot trace a Function with a custom ``jvp`` (torch.compile would graph-break).
     ``transpose`` names the collective its backward applies, with ``transpose_args(*args)``;
-    ``types`` says whether input and output are rank-invariant or rank-varying."""
+    ``batch_args(args)`` gives the arguments with the vmapped dim moved to the front; ``types``
+    says whether input and output are rank-invariant or rank-varying."""
 
     name: str
     eager: type[torch.autograd.Function]
@@ -199,6 +189,7 @@ class Collective(NamedTuple):
     types: str  # "I→V": input and output rank-invariant (I) or rank-varying (V)
     transpose: str
     transpose_args: Callable[..., tuple]
+    batch_args: Callable[[tuple], tuple]
 
     def apply(self, x: Tensor, *args) -> Tensor:
         """Run the collective; under ``torch.compile`` the traceable twin (a constant choice at trace time).
@@ -216,12 +207,14 @@ class Collective(NamedTuple):
         return self.eager.apply_unbound(_unwrap_if_dead(x), *args)
 
 
-def _collective(
-    name: str, forward: Callable, types: str, transpose: str, transpose_args: Callable[..., tuple] = _same_args
-) -> Collective:
+def _collective(name: str, forward: Callable, types: str, transpose: str,
+                transpose_args: Callable[..., tuple] = _same_args,
+                batch_args: Callable[[tuple], tuple] = _shift_dims) -> Collective:
     """The collective ``name`` whose forward is ``forward(x, *args)`` and whose backward is the
     collective ``transpose`` applied as ``transpose(grad, *transpose_args(*args))`` (a Function
-    of this module again, so the backward has its own backward, jvp and vmap rule)."""
+    of this module again, so the backward has its own backward, jvp and vmap rule).  Its vmap
+    rule moves the batched dim of ``x`` to the front and applies ``forward`` to
+    ``batch_args(args)``; its jvp is the forward on the tangent (every collective is linear)."""
 
     def setup_context(ctx, inputs, output):
         ctx.args = inputs[1:]
@@ -236,7 +229,7 @@ def _collective(
     def vmap(info, in_dims, x, *args):
         if in_dims[0] is None:
             return eager.apply(x, *args), None
-        return eager.apply(x.movedim(in_dims[0], 0), *_shift_dims(args)), 0
+        return eager.apply(x.movedim(in_dims[0], 0), *batch_args(args)), 0
 
     cls = "".join(part.title() for part in name.split("_"))
     common = {
@@ -252,49 +245,23 @@ def _collective(
     })
     traced = type(f"{cls}Traced", (torch.autograd.Function,), common)
     eager.apply_unbound = super(torch.autograd.Function, eager).apply  # the C++ apply (see Collective.apply)
-    return Collective(name, eager, traced, types, transpose, transpose_args)
+    return Collective(name, eager, traced, types, transpose, transpose_args, batch_args)
 
 
-#: The one table of conjugate pairs.  name: (forward, its type, transpose) — the transpose is
-#: the collective its backward applies; types are "I" (rank-invariant) / "V" (rank-varying) for
-#: input → output.  The transpose's transpose is the collective itself and the transpose's type
-#: is the reverse (tests/test_collectives.py checks both; ``all_to_all`` swaps its two dims).
-_TABLE: dict[str, tuple[Callable[..., Tensor], str, str]] = {
-    "all_reduce": (raw_all_reduce, "V→V", "all_reduce"),
-    "all_gather": (raw_all_gather, "V→V", "reduce_scatter"),
-    "reduce_scatter": (raw_reduce_scatter, "V→V", "all_gather"),
-    "all_to_all": (raw_all_to_all, "V→V", "all_to_all"),
-    "ppermute": (raw_ppermute, "V→V", "ppermute"),
-    "all_to_all_v": (raw_all_to_all_v, "V→V", "all_to_all_v"),
-    "copy_to": (_identity, "I→V", "reduce_from"),
-    "reduce_from": (raw_all_reduce, "V→I", "copy_to"),
-    "gather_from": (raw_all_gather, "V→I", "split_to"),
-    "split_to": (raw_split, "I→V", "gather_from"),
-    "partial_from": (_keep_on_rank0, "I→V", "leave_region"),
-    "leave_region": (_identity, "V→I", "partial_from"),
-    "copy_to_replicas": (_identity_replicas, "I→V", "reduce_from_replicas"),
-    "reduce_from_replicas": (raw_replica_sum, "V→I", "copy_to_replicas"),
-}
+# ---------------------------------------------------------------- the collectives, one block each
+# A block is the collective (its forward, type, transpose with the transpose's arguments, and
+# batching rule, in one ``_collective`` call) and its public function; the table in the module
+# docstring lists them, ``COLLECTIVES`` (at the end) names them.
 
-#: How a collective's arguments map to its transpose's (the rest keep theirs).
-_TRANSPOSE_ARGS: dict[str, Callable[..., tuple]] = {"all_to_all": _swap_dims, "ppermute": _invert_perm,
-                                                    "all_to_all_v": _swap_splits}
-
-#: Every collective of this module by its public function's name.
-COLLECTIVES: dict[str, Collective] = {
-    name: _collective(name, forward, types, transpose, _TRANSPOSE_ARGS.get(name, _same_args))
-    for name, (forward, types, transpose) in _TABLE.items()
-}
-#: Each collective's transpose (the collective its backward applies), by name.
-TRANSPOSE: dict[str, str] = {name: c.transpose for name, c in COLLECTIVES.items()}
-(AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, AllToAllV, CopyTo, ReduceFrom, GatherFrom, SplitTo,
- PartialFrom, LeaveRegion, CopyToReplicas, ReduceFromReplicas) = COLLECTIVES.values()
+AllReduce = _collective("all_reduce", raw_all_reduce, "V→V", "all_reduce")
 
 
-# ---------------------------------------------------------------- public functional API
 def all_reduce(x: Tensor, group: AxisGroup) -> Tensor:
     """Sum over the axis; backward all-reduces (its own transpose: rank-varying in and out)."""
     return AllReduce.apply(x, group)
+
+
+AllGather = _collective("all_gather", raw_all_gather, "V→V", "reduce_scatter")
 
 
 def all_gather(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
@@ -302,14 +269,31 @@ def all_gather(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
     return AllGather.apply(x, dim, group)
 
 
+ReduceScatter = _collective("reduce_scatter", raw_reduce_scatter, "V→V", "all_gather")
+
+
 def reduce_scatter(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
     """Sum over the axis and keep this rank's chunk of ``dim``; backward is ``all_gather``."""
     return ReduceScatter.apply(x, dim, group)
 
 
+def _swap_dims(split_dim, concat_dim, group):
+    return concat_dim, split_dim, group
+
+
+AllToAll = _collective("all_to_all", raw_all_to_all, "V→V", "all_to_all", _swap_dims)
+
+
 def all_to_all(x: Tensor, split_dim: int, concat_dim: int, group: AxisGroup) -> Tensor:
     """Re-shard from ``split_dim`` to ``concat_dim``; backward is the reverse ``all_to_all``."""
     return AllToAll.apply(x, split_dim, concat_dim, group)
+
+
+def _invert_perm(perm, group):
+    return tuple((d, s) for s, d in perm), group
+
+
+Ppermute = _collective("ppermute", raw_ppermute, "V→V", "ppermute", _invert_perm)
 
 
 def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], group: AxisGroup) -> Tensor:
@@ -320,10 +304,48 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], group: AxisGroup) -> Te
     return Ppermute.apply(x, check_perm(perm, group), group)
 
 
+def _swap_splits(dim, send, recv, group):
+    return dim, recv, send, group
+
+
+AllToAllV = _collective("all_to_all_v", raw_all_to_all_v, "V→V", "all_to_all_v", _swap_splits)
+
+
 def all_to_all_v(x: Tensor, dim: int, send: Sequence[int], recv: Sequence[int], group: AxisGroup) -> Tensor:
     """Variable-split all-to-all along ``dim`` (``send[k]`` slices to rank k, ``recv[k]`` from it);
     backward is the reverse exchange (``all_to_all_v`` with the splits swapped)."""
     return AllToAllV.apply(x, dim, tuple(int(n) for n in send), tuple(int(n) for n in recv), group)
+
+
+SendTo = _collective("send_to", raw_send, "V→V", "recv_from", batch_args=_unbatched)
+
+
+def send_to(x: Tensor, peer: int, group: AxisGroup) -> Tensor:
+    """Send ``x`` to rank ``peer`` of the axis alone (not a collective of the whole axis: pipeline
+    stages) and return a zero scalar, the token that carries the send into what is differentiated
+    (a stage adds it to its loss); backward receives ``x``'s gradient from ``peer``
+    (``recv_from``).  ``peer`` calls ``recv_from`` for it, in the same order."""
+    return SendTo.apply(x, tuple(x.shape), int(peer), group)
+
+
+RecvFrom = _collective("recv_from", raw_recv, "V→V", "send_to", batch_args=_unbatched)
+
+
+def recv_from(anchor: Tensor, shape: Sequence[int], peer: int, group: AxisGroup) -> Tensor:
+    """Receive a ``shape`` tensor of ``anchor``'s dtype from rank ``peer`` of the axis, as a
+    function of ``anchor`` (a zero scalar computed from what is differentiated, so that the
+    backward reaches here); backward sends the gradient back to ``peer`` (``send_to``) and
+    gives ``anchor`` a zero."""
+    if anchor.dim() != 0:
+        raise ValueError(f"recv_from on mesh axis {group.axis!r}: anchor must be a scalar, got {tuple(anchor.shape)}")
+    return RecvFrom.apply(anchor, tuple(int(n) for n in shape), int(peer), group)
+
+
+def _identity(x: Tensor, g: AxisGroup) -> Tensor:
+    return x.view_as(x)
+
+
+CopyTo = _collective("copy_to", _identity, "I→V", "reduce_from")
 
 
 def copy_to(x: Tensor, group: AxisGroup) -> Tensor:
@@ -332,10 +354,16 @@ def copy_to(x: Tensor, group: AxisGroup) -> Tensor:
     return CopyTo.apply(x, group)
 
 
+ReduceFrom = _collective("reduce_from", raw_all_reduce, "V→I", "copy_to")
+
+
 def reduce_from(x: Tensor, group: AxisGroup) -> Tensor:
     """All-reduce forward, identity backward (``copy_to``): partial sums leaving into replicated
     compute."""
     return ReduceFrom.apply(x, group)
+
+
+GatherFrom = _collective("gather_from", raw_all_gather, "V→I", "split_to")
 
 
 def gather_from(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
@@ -344,16 +372,29 @@ def gather_from(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
     return GatherFrom.apply(x, dim, group)
 
 
+SplitTo = _collective("split_to", raw_split, "I→V", "gather_from")
+
+
 def split_to(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
     """Keep this rank's chunk of ``dim`` forward, all-gather backward (``gather_from``): a
     replicated value entering sharded compute."""
     return SplitTo.apply(x, dim, group)
 
 
+def _keep_on_rank0(x: Tensor, g: AxisGroup) -> Tensor:
+    return x.view_as(x) if g.rank == 0 else torch.zeros_like(x)
+
+
+PartialFrom = _collective("partial_from", _keep_on_rank0, "I→V", "leave_region")
+
+
 def partial_from(x: Tensor, group: AxisGroup) -> Tensor:
     """Replicate → Partial: rank 0 keeps ``x``, the others contribute zeros; identity backward
     (``leave_region``)."""
     return PartialFrom.apply(x, group)
+
+
+LeaveRegion = _collective("leave_region", _identity, "V→I", "partial_from")
 
 
 def leave_region(x: Tensor, group: AxisGroup) -> Tensor:
@@ -363,12 +404,32 @@ def leave_region(x: Tensor, group: AxisGroup) -> Tensor:
     return LeaveRegion.apply(x, group)
 
 
+def _identity_replicas(x: Tensor, replicas: Replicas, g: AxisGroup) -> Tensor:
+    return x.view_as(x)
+
+
+CopyToReplicas = _collective("copy_to_replicas", _identity_replicas, "I→V", "reduce_from_replicas")
+
+
 def copy_to_replicas(x: Tensor, replicas: Replicas, group: AxisGroup) -> Tensor:
     """Identity forward; backward sums the gradient over this rank's group of replicas
     (``reduce_from_replicas``): a ``GroupedShard`` value entering rank-varying compute."""
     return CopyToReplicas.apply(x, replicas, group)
 
 
+ReduceFromReplicas = _collective("reduce_from_replicas", raw_replica_sum, "V→I", "copy_to_replicas")
+
+
 def reduce_from_replicas(x: Tensor, replicas: Replicas, group: AxisGroup) -> Tensor:
     """Sum over this rank's group of replicas forward, identity backward (``copy_to_replicas``)."""
     return ReduceFromReplicas.apply(x, replicas, group)
+
+
+#: Every collective of this module by its public function's name: the one table of conjugate
+#: pairs.  The transpose's transpose is the collective itself and the transpose's type is the
+#: reverse (tests/test_collectives.py checks both, and that the module docstring's table agrees).
+COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
+    AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, AllToAllV, SendTo, RecvFrom, CopyTo, ReduceFrom,
+    GatherFrom, SplitTo, PartialFrom, LeaveRegion, CopyToReplicas, ReduceFromReplicas)}
+#: Each collective's transpose (the collective its backward applies), by name.
+TRANSPOSE: dict[str, str] = {name: c.transpose for name, c in COLLECTIVES.items()}

@@ -1,6 +1,6 @@
-"""Communication outside the collectives table: point-to-point tensors (pipeline stages),
-Python objects (checks, error reports), process groups of their own, and the staged gather of
-a whole mesh (one collective per mesh dim, or one over the world).
+"""Communication outside the collectives table: Python objects (checks, error reports), process
+groups of their own, and the staged gather of a whole mesh (one collective per mesh dim, or one
+over the world).
 
 Every module outside ``core/`` communicates through these or ``core.collectives`` /
 ``core.raw_collectives`` (``tests/test_layers.py`` enforces it), so timeouts, backends and
@@ -13,17 +13,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch import Tensor
-
-
-def send(x: Tensor, dst: int, group=None) -> None:
-    """Blocking send of ``x`` to global rank ``dst``."""
-    dist.send(x.contiguous(), dst=dst, group=group)
-
-
-def recv(x: Tensor, src: int, group=None) -> Tensor:
-    """Blocking receive into ``x`` from global rank ``src``; returns ``x``."""
-    dist.recv(x, src=src, group=group)
-    return x
 
 
 def all_reduce_(x: Tensor, group=None) -> Tensor:

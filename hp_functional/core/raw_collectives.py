@@ -230,6 +230,34 @@ def raw_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: Group) -> Tens
     return start_ppermute(x, perm, g)()
 
 
+def _process_group(g: Group):
+    return dist.distributed_c10d._resolve_process_group(g.group_name)
+
+
+def raw_send(x: Tensor, shape: tuple[int, ...], peer: int, g: Group) -> Tensor:
+    """Blocking send of ``x`` to rank ``peer`` of ``g``'s axis (point to point: only ``peer``
+    takes part); returns a zero token shaped like ``x``'s leading dims beyond ``shape`` (``()``,
+    or the batch under vmap).  Not traceable: ``_c10d_functional`` has no send.  It does not run
+    the pending input agreement (``run_pending``): that is a collective of the whole mesh, which
+    the peer, blocked in its receive, would not join."""
+    try:
+        dist.send(x.detach().contiguous(), group=_process_group(g), group_dst=peer)
+    except RuntimeError as exc:
+        raise collective_error(exc, "send", g) from exc
+    return x.new_zeros(x.shape[: x.dim() - len(shape)])
+
+
+def raw_recv(anchor: Tensor, shape: tuple[int, ...], peer: int, g: Group) -> Tensor:
+    """Blocking receive of a ``(*anchor.shape, *shape)`` tensor of ``anchor``'s dtype and device
+    from rank ``peer`` of ``g``'s axis (``raw_send``'s other end)."""
+    x = anchor.new_empty((*anchor.shape, *shape))
+    try:
+        dist.recv(x, group=_process_group(g), group_src=peer)
+    except RuntimeError as exc:
+        raise collective_error(exc, "recv", g) from exc
+    return x
+
+
 class Replicas(NamedTuple):
     """Groups of ``size`` consecutive ranks of an axis holding the same value (a ``GroupedShard``)."""
 

@@ -1,19 +1,7 @@
-"""GPipe as a function of the params: a pipeline step that ``torch.func.grad`` differentiates.
-
-torch's schedules run the backward themselves (``torch.autograd.backward`` on each stage's
-outputs), so they do not compose with ``torch.func``.  ``gpipe(apply_fn, stage, mesh, loss_fn,
-microbatches)`` returns ``step(params, inputs, target)``, a plain differentiable function
-on every stage: it runs the stage's forward on each micro-batch in turn, receiving its input
-from the previous stage and sending its output to the next with two differentiable
-point-to-point ops, and returns the stage's share of the loss (the mean micro-batch loss on the
-last stage, a zero that carries the sends on the others).  Differentiating it on every rank
-(``torch.func.grad(step)(params, ...)`` or ``step(...).backward()``) runs the backward
-pipeline: each send's backward receives its output's gradient from the next stage, each
-receive's backward sends its input's gradient to the previous one.
-
-The backward's order across micro-batches is autograd's: on one device the engine runs the
-ready node with the highest sequence number first, so every stage takes the micro-batches
-backward from the last one, and the sends and receives of neighbouring stages pair up.
+"""GPipe as a function of the params (``gpipe``): a pipeline step that ``torch.func.grad``
+differentiates, its stages linked by ``core.collectives.send_to``/``recv_from``, whose backwards
+are each other's (torch's schedules run their own backward, so they do not compose with
+``torch.func``).  See docs/training.md#pipeline-parallelism.
 """
 
 from __future__ import annotations
@@ -24,52 +12,9 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..core.collectives import AxisGroup, recv_from, send_to
 from ..core.errors import PlanError
-from ..core.host_comm import recv, send
-from .pipeline import Stage, pipeline_ranks
-
-
-class _Send(torch.autograd.Function):
-    """Forward: send ``x`` to ``peer``, return a zero scalar (the stage's loss term).
-    Backward: receive ``x``'s gradient from ``peer``."""
-
-    @staticmethod
-    def forward(x: Tensor, peer: int, group) -> Tensor:
-        send(x.detach(), peer, group)
-        return x.new_zeros(())
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.peer, ctx.group = inputs
-        ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-
-    @staticmethod
-    def backward(ctx, _):
-        dx = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
-        recv(dx, ctx.peer, ctx.group)
-        return dx, None, None
-
-
-class _Recv(torch.autograd.Function):
-    """Forward: receive a ``shape`` tensor from ``peer``, as a function of ``anchor`` (a zero
-    computed from the params, so that the backward reaches this node).  Backward: send the
-    received tensor's gradient back to ``peer``."""
-
-    @staticmethod
-    def forward(anchor: Tensor, shape: tuple[int, ...], dtype: torch.dtype, peer: int, group) -> Tensor:
-        x = torch.empty(shape, dtype=dtype, device=anchor.device)
-        recv(x, peer, group)
-        return x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        anchor, _, _, ctx.peer, ctx.group = inputs
-        ctx.anchor = (anchor.shape, anchor.dtype)
-
-    @staticmethod
-    def backward(ctx, dx):
-        send(dx, ctx.peer, ctx.group)
-        return torch.zeros(ctx.anchor[0], dtype=ctx.anchor[1], device=dx.device), None, None, None, None
+from .pipeline import Stage
 
 
 def _anchor(params: Mapping[str, Tensor]) -> Tensor:
@@ -98,8 +43,9 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
     """
     if not (isinstance(microbatches, int) and microbatches > 0):
         raise PlanError(f"gpipe: microbatches must be a positive int, got {microbatches!r}")
-    group = mesh.get_group(pp_axis)
-    peer = pipeline_ranks(mesh, pp_axis)
+    group = AxisGroup.from_mesh(mesh, pp_axis)
+    if group.rank != stage.index:
+        raise PlanError(f"gpipe: this rank is stage {group.rank} of mesh axis {pp_axis!r}, but its stage is {stage.index}")
     name = "input_ids" if stage.is_first else "inputs_embeds"
 
     def step(params: Mapping[str, Tensor], inputs: Tensor, target: Tensor) -> Tensor:
@@ -117,10 +63,10 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
         total = None
         for x, y in zip(chunks, targets, strict=True):
             if not stage.is_first:
-                x = _Recv.apply(anchor, (mb, seq, hidden_size), act, peer[stage.index - 1], group)
+                x = recv_from(anchor.to(act), (mb, seq, hidden_size), stage.index - 1, group)
             out = apply_fn(params, **{name: x, "use_cache": False})
             out = out if isinstance(out, Tensor) else out[0]
-            term = loss_fn(out, y) / microbatches if stage.is_last else _Send.apply(out, peer[stage.index + 1], group)
+            term = loss_fn(out, y) / microbatches if stage.is_last else send_to(out, stage.index + 1, group)
             total = term if total is None else total + term
         return total
 

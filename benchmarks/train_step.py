@@ -131,7 +131,7 @@ def hpf_variant(key: str, label: str, model, mesh: DeviceMesh, ids: Tensor, opts
     step is zero grads, forward + ``.backward()``, ``hpf.clip_grad_norm``, the optimizer."""
     plan = hpf.ShardingPlan.from_hf(model) if "tp" in mesh.mesh_dim_names else hpf.ShardingPlan({})
     apply_fn, params, info = hpf.shard(model, plan, mesh)
-    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, mesh, axis="dp", reshard_after_forward=reshard)
+    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, mesh, dp_axis="dp", reshard_after_forward=reshard)
     update = HPF_OPTIMIZERS[opts.hpf_optim](f_params, opts)
     state = {"params": f_params}
 

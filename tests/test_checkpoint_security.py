@@ -236,15 +236,15 @@ def test_save_and_export_never_delete_what_they_did_not_create(tmp_path):
 def case_export(src: str, out: str) -> None:
     from hp_functional.tools.models import build_model, tiny_config
 
-    _, params, info, _ = hpf.from_pretrained(src, mesh())
+    _, params, info, _ = hpf.from_pretrained(src, mesh=mesh())
     meta = build_model(tiny_config("llama", tie_word_embeddings=True), device="meta")
     hpf.export_hf(params, info, meta, out, max_shard_size="40KB")
-    _, again, _, _ = hpf.from_pretrained(out, mesh())  # verified against its manifest, equal
+    _, again, _, _ = hpf.from_pretrained(out, mesh=mesh())  # verified against its manifest, equal
     assert all(torch.equal(again[k], params[k]) for k in params)
 
 
 def case_from_pretrained(path: str):
-    return _outcome(hpf.from_pretrained, path, mesh())
+    return _outcome(hpf.from_pretrained, path, mesh=mesh())
 
 
 @pytest.fixture(scope="module")

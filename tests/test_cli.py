@@ -114,6 +114,37 @@ def test_lazy_package_exports_every_name():
         hp_functional.nope  # noqa: B018
 
 
+def test_public_signatures_share_one_order_and_role_named_axes():
+    """Every public function names a mesh-axis keyword by the role the axis plays there (tp_axis,
+    cp_axis, ep_axis, dp_axis, pp_axis); a bare ``axis=`` is a style's own axis only.  The
+    earlier ``axis=`` still works, with a FutureWarning, and the signature shows the new name."""
+    import inspect
+    import warnings
+
+    import torch
+
+    from hp_functional.core.collectives import AxisGroup
+
+    functions = {n: getattr(hp_functional, n) for n in hp_functional.__all__ if inspect.isfunction(getattr(hp_functional, n))}
+    functions.update({f"ShardingPlan.{m}": getattr(hp_functional.ShardingPlan, m) for m in ("__init__", "from_hf", "from_torch")})
+    bare = {n: p for n, f in functions.items() for p in inspect.signature(f).parameters if p in ("axis", "axes")}
+    assert not bare, bare
+    roles = {p for f in functions.values() for p in inspect.signature(f).parameters if p.endswith("_axis")}
+    assert roles == {"tp_axis", "cp_axis", "ep_axis", "dp_axis", "pp_axis"}, roles
+    for name, f in functions.items():  # (model or path, [stage,] plan, mesh), shard's order
+        params = list(inspect.signature(f).parameters)
+        if "plan" in params and "mesh" in params:
+            assert params.index("plan") < params.index("mesh") and params[0] in ("model", "path", "self"), (name, params)
+    group, x = AxisGroup("cp", "unused", 2, 1), torch.arange(8.0).reshape(1, 8)
+    with pytest.warns(FutureWarning, match=r"cp_shard\(axis=...\) is now cp_shard\(cp_axis=...\)"):
+        old = hp_functional.cp_shard(x, group, axis="cp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(old, hp_functional.cp_shard(x, group, cp_axis="cp"))
+    with pytest.raises(TypeError, match="both axis= and cp_axis="):
+        hp_functional.cp_shard(x, group, axis="cp", cp_axis="cp")
+
+
 # ---------------------------------------------------------------- plan
 @pytest.mark.slow
 def test_plan_subprocess_prints_placements_schedule_and_memory():

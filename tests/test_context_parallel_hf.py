@@ -45,7 +45,7 @@ def _compare(apply_fn, params, info, m, ref, ref_grads, kwargs, cp_axis="cp", ex
             grads = {k: p.grad for k, p in params.items()}
         assert all(cp_axis in info[k].axes_of(hpf.ReducedOver) for k in grads), "replicated gradients owed a cp reduction"
         with pytest.raises(hpf.PlanError, match="already summed over mesh axis"):
-            hpf.reduce_gradients(grads, info, m, axis=cp_axis, op="sum")
+            hpf.reduce_gradients(grads, info, m, dp_axis=cp_axis, op="sum")
         if extra is not None:
             grads = extra(grads)
         full = hpf.unshard(grads, info)
@@ -111,7 +111,7 @@ def case_dp_cp(state):
     kwargs = dict(input_ids=hpf.cp_shard(rows, m, 1), shift_labels=hpf.cp_shard(shift, m, 1), cp_sharded=True)
 
     def over_dp(grads):
-        return hpf.reduce_gradients(grads, info, m, axis="dp", op="mean")
+        return hpf.reduce_gradients(grads, info, m, dp_axis="dp", op="mean")
 
     dp = hpf.collectives.AxisGroup.from_mesh(m, "dp")
     diffs = _compare(apply_fn, params, info, m, ref, ref_grads, kwargs, extra=over_dp, dp=dp)

@@ -262,14 +262,14 @@ def case_dp_ep(state):
     rows = halves[m["dp"].get_local_rank()]
     worst = {}
     grads = torch.func.grad(lambda p: apply_fn(p, input_ids=rows, labels=rows).loss)(params)
-    full = hpf.unshard(hpf.reduce_gradients(grads, info, m, axis="dp"), info)
+    full = hpf.unshard(hpf.reduce_gradients(grads, info, m, dp_axis="dp"), info)
     worst["dp"] = max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters())
-    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, axis="dp", reshard_after_forward=False)
+    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, dp_axis="dp", reshard_after_forward=False)
     assert f_info["model.layers.0.mlp.experts.gate_up_proj"].axes["ep"] == Shard(0)
     grads = torch.func.grad(lambda p: f_apply(p, input_ids=rows, labels=rows).loss)(f_params)
     full = hpf.unshard(grads, f_info)
     worst["fsdp"] = max(assert_close(full[k], p.grad, f"fsdp grad {k}") for k, p in model.named_parameters())
-    errors = plan_errors({"fsdp reshard": lambda: hpf.fsdp(apply_fn, params, info, m, axis="dp"),
+    errors = plan_errors({"fsdp reshard": lambda: hpf.fsdp(apply_fn, params, info, m, dp_axis="dp"),
                           "checkpoint": lambda: hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m,
                                                           checkpoint=True)})
     return worst, errors
@@ -306,15 +306,15 @@ def case_ep_shares_dp(state):
             leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
             apply_fn(leaves, input_ids=rows, labels=rows).loss.backward()
             grads = {k: v.grad for k, v in leaves.items()}
-        mean = hpf.reduce_gradients(hpf.reduce_gradients(grads, info, m, axis="ep"), info, m, axis="edp")
+        mean = hpf.reduce_gradients(hpf.reduce_gradients(grads, info, m, dp_axis="ep"), info, m, dp_axis="edp")
         full = hpf.unshard(mean, info)
         worst[f"grads {functional}"] = max(assert_close(full[k], p.grad, k) for k, p in model.named_parameters())
-    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, axis="edp", reshard_after_forward=False)
+    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, dp_axis="edp", reshard_after_forward=False)
     f_grads = torch.func.grad(lambda p: f_apply(p, input_ids=rows, labels=rows).loss)(f_params)
-    full = hpf.unshard(hpf.reduce_gradients(f_grads, f_info, m, axis="ep"), f_info)
+    full = hpf.unshard(hpf.reduce_gradients(f_grads, f_info, m, dp_axis="ep"), f_info)
     worst["fsdp"] = max(assert_close(full[k], p.grad, f"fsdp {k}") for k, p in model.named_parameters())
     _, _, shared = hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m)
-    errors = plan_errors({"shared tokens": lambda: hpf.reduce_gradients(grads, shared, m, axis="ep"),
+    errors = plan_errors({"shared tokens": lambda: hpf.reduce_gradients(grads, shared, m, dp_axis="ep"),
                           "tokens": lambda: hpf.shard(model, hpf.ShardingPlan(
                               {"model.layers.*.mlp.experts": hpf.Experts(tokens="mine")}, ep_axis="ep"), m),
                           "ep divides": lambda: hpf.expert_mesh(dense, ep=3)})

@@ -186,12 +186,12 @@ def case_switch_dp_ep(state, root):
     worst = {}
     leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
     apply_fn(leaves, **mine).loss.backward()
-    mean = hpf.reduce_gradients({k: v.grad for k, v in leaves.items()}, info, m, axis="dp")
+    mean = hpf.reduce_gradients({k: v.grad for k, v in leaves.items()}, info, m, dp_axis="dp")
     full = hpf.unshard(mean, info)
     worst["dp"] = max(assert_close(full[k], g, f"grad {k}") for k, g in expected.items())
     _, norm = hpf.clip_grad_norm(mean, info, max_norm=1.0)  # each expert counted once, by its owner
     worst["norm"] = assert_close(norm, torch.nn.utils.get_total_norm(list(expected.values())), "grad norm")
-    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, axis="dp", reshard_after_forward=False)
+    f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, dp_axis="dp", reshard_after_forward=False)
     f_leaves = {k: v.detach().requires_grad_() for k, v in f_params.items()}
     f_apply(f_leaves, **mine).loss.backward()
     full = hpf.unshard({k: v.grad for k, v in f_leaves.items()}, f_info)

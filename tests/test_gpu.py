@@ -146,7 +146,7 @@ def test_pretrained_and_meta_models_onto_the_device(device, tmp_path):
     model.save_pretrained(tmp_path)
     ref_loss, ref_grads = _reference(model, ids)
     mesh = init_device_mesh(device, (1,), mesh_dim_names=("tp",))
-    apply_fn, params, info, _ = hpf.from_pretrained(tmp_path, mesh, hpf.ShardingPlan.from_hf(model))
+    apply_fn, params, info, _ = hpf.from_pretrained(tmp_path, hpf.ShardingPlan.from_hf(model), mesh)
     assert all(p.device.type == device and torch.equal(p, model.get_parameter(k)) for k, p in params.items())
     grads, loss = torch.func.grad_and_value(lambda p: apply_fn(p, input_ids=ids, labels=ids).loss)(params)
     _compare(loss, grads, info, ref_loss, ref_grads)

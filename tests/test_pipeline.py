@@ -73,7 +73,7 @@ def case_pipeline(state, tied: bool, other: str, weights: str | None, train: boo
     ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(3))
     rows = ids.chunk(2)[m.get_local_rank("dp")] if other == "dp" else ids
     if other == "dp":
-        apply_fn, params, info = hpf.fsdp(apply_fn, params, info, m["dp"], axis="dp")
+        apply_fn, params, info = hpf.fsdp(apply_fn, params, info, m["dp"], dp_axis="dp")
     assert_unchanged(before, snapshot(model))
     ref = model(input_ids=ids, labels=ids)
     ref.loss.backward()

@@ -68,7 +68,7 @@ def case_stages(family: str, other: str, state):
     rows = ids
     if other == "dp":
         rows = ids.chunk(m["dp"].size())[m.get_local_rank("dp")]
-        apply_fn, params, info = hpf.fsdp(apply_fn, params, info, m["dp"], axis="dp")
+        apply_fn, params, info = hpf.fsdp(apply_fn, params, info, m["dp"], dp_axis="dp")
     ref = model(input_ids=ids, labels=ids)
     ref.loss.backward()
     local_ref = model(input_ids=rows, labels=rows).loss.detach()

@@ -48,8 +48,10 @@ def _matches_full(folder: str, family: str, state) -> float:
     from hp_functional.tools.models import build_model, tiny_config
 
     plan = _plan(family, build_model(tiny_config(family, **FAMILIES[family]), device="meta"))
-    apply_fn, params, info, config = hpf.from_pretrained(folder, mesh(), plan)
+    apply_fn, params, info, config = hpf.from_pretrained(folder, plan, mesh())
     assert config.model_type == family
+    with pytest.warns(FutureWarning, match=r"is now from_pretrained\(path, plan, mesh\)"):  # the earlier order
+        assert info == hpf.from_pretrained(folder, mesh(), plan)[2]
     if family == "phi3":  # read as slices: the rank's half of gate and of up, its rows of the vocabulary
         assert info["model.layers.0.mlp.gate_up_proj.weight"].blocks and info["model.embed_tokens.weight"].is_sharded
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in params.values())
@@ -104,7 +106,7 @@ def _export_round_trip(folder: str, family: str, out: str) -> bool:
     import hp_functional as hpf
     from hp_functional.tools.models import build_model, tiny_config
 
-    apply_fn, params, info, config = hpf.from_pretrained(folder, mesh())
+    apply_fn, params, info, config = hpf.from_pretrained(folder, mesh=mesh())
     ids = _ids()
     grads = torch.func.grad(lambda p: apply_fn(p, input_ids=ids, labels=ids).loss)(params)
     trained = {k: p - 0.5 * grads[k] for k, p in params.items()}  # not the file's values any more

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import collectives as C
 from .collectives import AxisGroup
+from .deprecation import renamed_keywords
 from .errors import ShapeError
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -58,18 +59,20 @@ def _group(mesh, axis: str) -> AxisGroup:
     return mesh if isinstance(mesh, AxisGroup) else AxisGroup.from_mesh(mesh, axis)
 
 
-def cp_shard(x: Tensor, mesh, dim: int = 1, *, axis: str = "cp", layout: str = "zigzag") -> Tensor:
+@renamed_keywords(axis="cp_axis")
+def cp_shard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str = "zigzag") -> Tensor:
     """This rank's positions of the full-sequence ``x`` along ``dim`` (inverse: ``cp_unshard``).
     Local: every rank holds the whole ``x`` and keeps its part (for batches and labels)."""
-    g = _group(mesh, axis)
+    g = _group(mesh, cp_axis)
     index = cp_positions(g.rank, x.shape[dim], g.size, layout, device=x.device)
     return x.index_select(dim, index)
 
 
-def cp_unshard(x: Tensor, mesh, dim: int = 1, *, axis: str = "cp", layout: str = "zigzag") -> Tensor:
+@renamed_keywords(axis="cp_axis")
+def cp_unshard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str = "zigzag") -> Tensor:
     """The full sequence in global order from every rank's ``x`` (its ``cp_shard`` part) along
     ``dim`` (inverse: ``cp_shard``): one differentiable all-gather, then the positions sorted."""
-    g = _group(mesh, axis)
+    g = _group(mesh, cp_axis)
     seq_len = x.shape[dim] * g.size
     held = torch.cat([cp_positions(r, seq_len, g.size, layout, device=x.device) for r in range(g.size)])
     gathered = C.all_gather(x, dim, g)

@@ -34,7 +34,7 @@ sums reduced over ``tp`` once; expert memory is then ``1/(ep·tp)``.
 ``expert_mesh``): every ep rank holds its own tokens (its slice of the batch), so step 1 and the
 final gather are skipped and each rank routes all of its tokens.  The dense gradients are then
 per-rank shares as under any DP, while an expert's gradient gathers every ep rank's tokens, so
-it arrives summed over ``ep`` (its ``SummedOver`` facet); ``reduce_gradients(..., axis="ep")``
+it arrives summed over ``ep`` (its ``SummedOver`` facet); ``reduce_gradients(..., dp_axis="ep")``
 averages the dense leaves and divides the expert leaves without a collective.
 
 No token is dropped by default, so the result equals the unsharded layer.  ``capacity_factor=c``

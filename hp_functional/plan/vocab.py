@@ -26,6 +26,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..core import collectives as C
 from ..core.collectives import AxisGroup
+from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from .local import Local
 from .styles import ModuleSpec, Style, _require
@@ -95,11 +96,12 @@ def loss_parallel_root(axis: str) -> Local:
     return Local(LossParallelForward(axis), varying=False, axis=axis)
 
 
+@renamed_keywords(axis="tp_axis")
 def vocab_parallel_cross_entropy(
     local_logits: Tensor,
     labels: Tensor,
     mesh: DeviceMesh | C.AxisGroup,
-    axis: str = "tp",
+    tp_axis: str = "tp",
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
@@ -110,7 +112,7 @@ def vocab_parallel_cross_entropy(
     all-gather when None; slices may differ in size).  ``labels`` has ``local_logits.shape[:-1]``."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    g = mesh if isinstance(mesh, C.AxisGroup) else C.AxisGroup.from_mesh(mesh, axis)
+    g = mesh if isinstance(mesh, C.AxisGroup) else C.AxisGroup.from_mesh(mesh, tp_axis)
     v_local = local_logits.shape[-1]
     if vocab_start is None:
         sizes = C.raw_all_gather(torch.tensor([v_local], device=local_logits.device), 0, g).tolist()

@@ -11,7 +11,8 @@ files inside it are read, and ``export_hf``'s checksum manifest, when present, i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -21,20 +22,38 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.errors import PlanError
 from ..core.placement import ShardInfo
 from ..plan.plan import ShardingPlan
+from .apply_fn import ApplyFn
 from .shard import shard
 from .weight_sums import verify_files
 
 
 def from_pretrained(
-    path: str | os.PathLike, mesh: DeviceMesh, plan: ShardingPlan | Mapping | None = None,
+    path: str | os.PathLike, plan: ShardingPlan | Mapping | None = None, mesh: DeviceMesh | None = None,
     torch_dtype: torch.dtype | None = None, *, tp_axis: str | None = None, model_class=None, **shard_kwargs,
-) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo], object]:
-    """``(apply_fn, params, shard_info, config)`` of the HF model saved in folder ``path``.
+) -> tuple[ApplyFn, dict[str, Tensor], dict[str, ShardInfo], object]:
+    """``shard(model, plan, mesh, weights=path)`` for the HF model saved in folder ``path``.
 
-    ``torch_dtype``: the parameters' dtype (None: the config's ``dtype``, else float32); the
-    checkpoint's values are cast to it.  ``tp_axis``: the mesh axis of ``from_hf``'s plan (None:
-    ``"tp"``, or the mesh's only axis).  ``model_class``: default ``AutoModelForCausalLM``.
-    ``shard_kwargs`` go to ``shard`` (``checkpoint``, ``agree_timeout``, ...)."""
+    Args:
+        path: a local ``save_pretrained``/``export_hf`` folder.
+        plan: None for the plan the model declares (``ShardingPlan.from_hf``).
+        mesh: the device mesh (required).
+        torch_dtype: the parameters' dtype (None: the config's ``dtype``, else float32); the
+            checkpoint's values are cast to it.
+        tp_axis: the mesh axis of ``from_hf``'s plan (None: ``"tp"``, or the mesh's only axis).
+        model_class: default ``AutoModelForCausalLM``.
+        shard_kwargs: go to ``shard`` (``checkpoint``, ``agree_timeout``, ...).
+
+    Returns:
+        ``(apply_fn, params, shard_info, config)``: ``shard()``'s three results and the model's
+        config (the model itself is built here, on meta, and not returned).
+
+    The earlier order ``from_pretrained(path, mesh, plan)`` still works, with a FutureWarning."""
+    if isinstance(plan, DeviceMesh):
+        warnings.warn("from_pretrained(path, mesh, plan) is now from_pretrained(path, plan, mesh), as shard's; "
+                      "pass mesh=mesh (plan None: the model's own)", FutureWarning, stacklevel=2)
+        plan, mesh = mesh, plan
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"from_pretrained: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(path)

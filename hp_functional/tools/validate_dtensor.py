@@ -28,7 +28,6 @@ Forward only, under ``torch.no_grad``; HF models get ``use_cache=False`` unless 
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..compile.build import build_program
+from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.placement import mesh_placements, slice_local, to_dtensor
 from ..core.program import Boundary
@@ -66,6 +66,7 @@ def same_placements(a: tuple[Placement, ...], b: tuple[Placement, ...], ndim: in
     return True
 
 
+@renamed_keywords(raise_on_mismatch="raise_on_failure")
 def validate_placements(
     model: nn.Module,
     plan: ShardingPlan | Mapping,
@@ -77,16 +78,11 @@ def validate_placements(
     """Run ``model(*args, **kwargs)`` as DTensors laid out by ``plan`` (call on every rank) and
     return every planned module whose actual input/output placement differs from the declared
     ``in_src``/``out_src``, in forward order; ``raise_on_failure`` raises the first one (the
-    keyword ``validate`` takes; ``raise_on_mismatch``, its earlier name, still works with a
-    ``FutureWarning``).
+    keyword ``validate`` takes).
 
     ``args``/``kwargs`` are what ``apply_fn`` would get (this rank's local data).  The model is
     only read.
     """
-    if "raise_on_mismatch" in kwargs:
-        warnings.warn("validate_placements(raise_on_mismatch=...) is now raise_on_failure=... (as hpf.validate's)",
-                      FutureWarning, stacklevel=2)
-        raise_on_failure = kwargs.pop("raise_on_mismatch")
     found, _ = check_placements(model, plan, mesh, args, kwargs)
     if found and raise_on_failure:
         raise found[0]

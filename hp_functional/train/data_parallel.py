@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.buckets import plan_buckets as buckets_by_rule
 from ..core.collectives import AxisGroup
+from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.placement import ReducedOver, ShardInfo, SummedOver
 from ..core.raw_collectives import mesh_device, start_all_reduce, wait
@@ -42,11 +43,12 @@ def plan_buckets(grads: Mapping[str, Tensor | None], bucket_bytes: int) -> list[
     return buckets_by_rule(items, bucket_bytes)
 
 
+@renamed_keywords(axis="dp_axis")
 def reduce_gradients(
-    grads: Mapping[str, Tensor | None], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh, axis: str = "dp",
+    grads: Mapping[str, Tensor | None], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh, dp_axis: str = "dp",
     op: str = "mean", *, bucket_bytes: int = 25 * 2**20,
 ) -> dict[str, Tensor | None]:
-    """Every gradient all-reduced (``"mean"`` or ``"sum"``) over mesh axis ``axis``: one collective
+    """Every gradient all-reduced (``"mean"`` or ``"sum"``) over mesh axis ``dp_axis``: one collective
     per bucket of at most ``bucket_bytes`` (see ``plan_buckets``), never one per parameter.  Pure:
     new tensors, same keys and order, ``None`` kept.  Every check is made before the first
     collective (a collective: call on every rank of ``mesh``).
@@ -55,23 +57,23 @@ def reduce_gradients(
     >>> grads = hpf.reduce_gradients(grads, shard_info, mesh)     # = the full-batch gradient
     """
     names = mesh.mesh_dim_names or ()
-    if axis not in names:
-        raise PlanError(f"reduce_gradients: mesh axis {axis!r} is not in the mesh (axes: {list(names)})")
+    if dp_axis not in names:
+        raise PlanError(f"reduce_gradients: mesh axis {dp_axis!r} is not in the mesh (axes: {list(names)})")
     if op not in OPS:
         raise ValueError(f"reduce_gradients: op must be one of {list(OPS)}, got {op!r}")
     if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
         raise ValueError(f"reduce_gradients: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    group = AxisGroup.from_mesh(mesh, axis)
+    group = AxisGroup.from_mesh(mesh, dp_axis)
     error, leaves, summed = None, [], {}
     try:  # every local check before any collective; a failure is agreed with the other ranks, not raised alone
         leaves = check_grads(grads, shard_info, "reduce_gradients")
-        summed = _summed(leaves, axis, mesh)
+        summed = _summed(leaves, dp_axis, mesh)
     except PlanError as exc:
         error = exc
     if group.size > 1:
         device = leaves[0][1].device if leaves else mesh_device(mesh)
         row = torch.tensor(structure_words(grads, shard_info, error is not None), dtype=torch.float32, device=device)
-        order = dist.get_process_group_ranks(mesh.get_group(axis))
+        order = dist.get_process_group_ranks(mesh.get_group(dp_axis))
         agree_structure(gather_rows(row, [group], "reduce_gradients"), error, grads, shard_info, [group], order,
                         "reduce_gradients")
     elif error is not None:

@@ -1,6 +1,6 @@
 """Functional FSDP (ZeRO-3) as a transform over ``shard()``'s result (docs/training.md#functional-fsdp).
 
-``fsdp(apply_fn, params, shard_info, mesh, axis="dp")`` returns a new ``(apply_fn, params,
+``fsdp(apply_fn, params, shard_info, mesh, dp_axis="dp")`` returns a new ``(apply_fn, params,
 shard_info)``: every leaf chunked further along dim 0 of its TP shard over ``axis``
 (``RowSplit`` in ``shard_info``).  Each group of leaves (a decoder layer, or the modules between
 them, ``layout.groups``) is one bucket: one all-gather forward (``GatherParams``), one
@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..compile.agree import agree
 from ..core.collectives import AxisGroup
+from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.placement import ReducedOver, RowSplit, ShardInfo, fmt_placements, splits
 from ..core.program import Program
@@ -172,15 +173,16 @@ class FsdpLayout:
 # ---------------------------------------------------------------- the transform
 
 
+@renamed_keywords(axis="dp_axis")
 def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh,
-         axis: str | Sequence[str] = "dp", *, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+         dp_axis: str | Sequence[str] = "dp", *, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
          reduce_dtype: torch.dtype | None = None, blocks: Sequence[str] | None = None,
          ) -> tuple[ApplyFn, dict[str, Tensor], dict[str, ShardInfo]]:
-    """Shard ``shard()``'s result further over ``axis`` of ``mesh`` (ZeRO-3); mutates nothing.
+    """Shard ``shard()``'s result further over ``dp_axis`` of ``mesh`` (ZeRO-3); mutates nothing.
 
     Returns ``(apply_fn, params, shard_info)`` like ``shard()``: ``params`` holds this rank's
-    rows of every TP-local shard, and gradients w.r.t. them are the mean over ``axis`` (each
-    ``axis`` rank feeds its own slice of the batch).  ``axis`` may name several mesh axes,
+    rows of every TP-local shard, and gradients w.r.t. them are the mean over ``dp_axis`` (each
+    ``dp_axis`` rank feeds its own slice of the batch).  ``dp_axis`` may name several mesh axes,
     flattened into one group (``("dp", "cp")``: torchtitan's ``dp_shard_cp``): the sum that
     ``apply_fn``'s backward owes a parameter over one of them (a ``ReducedOver`` facet, context
     parallelism) is folded into the reduce-scatter instead of an all-reduce of its own, and the
@@ -188,7 +190,7 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
     blocks (default: the Hugging Face decoder layers).  ``reshard_after_forward``,
     ``param_dtype``, ``reduce_dtype``: see the module docstring.  Bad input raises ``PlanError``
     on every rank before any collective."""
-    axes = _axes(axis, mesh)
+    axes = _axes(dp_axis, mesh)
     runtime = _check(apply_fn, params, shard_info, mesh, axes, param_dtype, reduce_dtype)
     if reshard_after_forward:  # resharded blocks are recomputed in the backward
         check_recorded_outputs(runtime.template, "fsdp(reshard_after_forward=True)", "pass reshard_after_forward=False")

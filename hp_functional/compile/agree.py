@@ -1,19 +1,9 @@
 """Cross-rank agreement: every rank must have resolved the same plan for the same model.
 
-``shard()`` runs its local checks first (so bad input raises on every rank before any
-collective), then hashes what it decided — library versions, the mesh, the resolved plan,
-every parameter's global shape, dtype and placements, and (``values``) a checksum of every
-tensor it slices or replicates — and all-gathers the digests once (one small collective).  A
-difference raises ``PlanMismatchError`` on every rank, naming what differs and on which ranks,
-instead of a hang or silently wrong numbers several thousand steps later: ranks seeded
-differently hold different weights, and each would otherwise train its own slice of a
-different model.
-
-A checksum is exact and position-sensitive, and never copies the tensor: on the CPU the CRC-32
-of its bytes (zlib, over a zero-copy view: about 2.8 GiB/s on one core here); on an accelerator
-integer sums of its bits computed where they live (``device_checksum``).  Meta tensors have no
-values and are skipped.  ``benchmarks/agree_values.py`` measures the cost against
-``verify_values=False``.
+After its local checks ``shard()`` hashes what it decided (library versions, mesh, resolved plan,
+parameter layouts, and optionally a checksum of every tensor's values) and all-gathers the digests
+once; a difference raises ``PlanMismatchError`` on every rank, naming what differs and where.
+See docs/guarantees.md#cross-rank-agreement and docs/performance.md#the-value-check-in-shard.
 """
 
 from __future__ import annotations
@@ -46,7 +36,8 @@ def _version(dist_name: str) -> str:
 
 
 def checksum(t: Tensor) -> str:
-    """An exact, position-sensitive checksum of ``t``'s bits (see the module docstring)."""
+    """An exact, position-sensitive checksum of ``t``'s bits, without a host copy: on the CPU the
+    CRC-32 of its bytes (zlib, over a zero-copy view of a contiguous tensor); elsewhere ``device_checksum``."""
     data = t.detach().contiguous().view(-1)
     data = data.view(torch.uint8) if data.numel() else data.to(torch.uint8)
     if data.device.type == "cpu":  # zero-copy: CRC-32 over the tensor's own bytes

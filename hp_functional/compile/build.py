@@ -1,24 +1,7 @@
-"""``build_program(model, plan, mesh) -> Program``: the compiler, a short composer of named passes.
-
-Order (each pass reads what the ones before decided; none communicates, so bad input raises on
-every rank before any collective):
-
-1. ``check_mesh`` — named dims, this rank in the mesh, parameters on the mesh's device type;
-2. ``resolve_specs`` — the plan against the model's module paths, each style to its ``ModuleSpec``;
-3. ``replicate_kv_heads`` — K/V projections of attention with fewer KV heads than ranks
-   (``compile.kv_heads``);
-4. lint over those specs (errors raise together, warnings warn: ``compile.lint``), the shape
-   audit of every planned region included (``compile.lint_heads``);
-5. ``check_head_counts`` — head-count attributes the skeleton divides must divide;
-6. ``place_parameters`` — storage placements, tied and packed leaves (``compile.place``);
-7. ``analyse_regions`` — rank-varying compute and regions (``compile.regions``);
-8. ``lower_boundaries`` / ``lower_parameter_conversions`` — every src → dst to ``Step``s (``compile.lower``),
-   the latter also for the replicated parameters that ``trace_dataflow`` finds rank-varying data
-   reaching outside the planned modules (``compile.dataflow``);
-9. ``bucket_parameter_conversions`` — the ``copy_to``-only conversions bucketed (one all-reduce per
-   bucket and axis in the backward);
-
-A new parallelism adds a pass here (or a transform over the result), not branches in these.
+"""``build_program(model, plan, mesh) -> Program``: the compiler, a short composer of named passes
+(``_build`` runs them in order), and the public ``lint()``.  No pass communicates, so bad input
+raises on every rank before any collective.  A new parallelism adds a pass here (or a transform
+over the result), not branches in these.  See docs/architecture.md#the-passes.
 """
 
 from __future__ import annotations
@@ -91,6 +74,13 @@ def check_head_counts(planned: list[Planned], specs: Mapping[str, ModuleSpec], g
 
 def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: bool,
            varying_uses: Mapping[str, frozenset[str]] | None = None, real: bool = False) -> Program:
+    # Each pass reads what the ones before decided: the mesh; the specs; KV-head replication
+    # (compile.kv_heads); lint (errors raise together, warnings warn: compile.lint, with the shape
+    # audit of every planned region, compile.lint_heads); head counts; storage placements, tied and
+    # packed leaves (compile.place); regions (compile.regions); boundaries and parameter conversions
+    # (compile.lower), the latter also for the replicated parameters rank-varying data reaches outside
+    # the planned modules (compile.dataflow); the copy_to-only conversions bucketed (one all-reduce
+    # per bucket and axis in the backward).
     groups = check_mesh(model, mesh)
     planned, specs = replicate_kv_heads(model, *resolve_specs(model, plan, mesh), groups)
     if run_lint:
@@ -137,17 +127,34 @@ def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
 
 def build_program(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *,
                   varying_uses: Mapping[str, frozenset[str]] | None = None) -> Program:
-    """Compile ``plan`` for ``model`` on ``mesh`` (the passes above).  Reads ``model`` and
-    ``plan``; communicates nothing; raises ``PlanError``/``ShapeError`` naming the culprit.
-    ``varying_uses`` (leaf key → axes): what a trace of a real probe copy found, for a model whose
-    forward cannot run on meta tensors (``shard()`` passes it)."""
+    """Compile ``plan`` for ``model`` on ``mesh`` (docs/architecture.md#the-passes).  Reads
+    ``model`` and ``plan``; communicates nothing; raises ``PlanError``/``ShapeError`` naming the
+    culprit and warns ``PlanWarning`` for lint's warnings.
+
+    Args:
+        model: the model to shard (on the mesh's device type, or on meta).
+        plan: a ``ShardingPlan`` or a plain ``{pattern: style}`` dict.
+        mesh: a ``DeviceMesh`` with named dims that holds this rank.
+        varying_uses: leaf key → axes: what a trace of a real probe copy found, for a model whose
+            forward cannot run on meta tensors (``shard()`` passes it); None: trace a meta copy.
+    Returns:
+        The ``Program``: boundaries, every leaf's ``ShardInfo``, parameter conversions, axis groups.
+    """
     return _build(model, as_plan(plan), mesh, run_lint=True, varying_uses=varying_uses)
 
 
 def lint(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> list[Finding]:
-    """Every finding about ``plan`` on ``model`` and ``mesh`` (see ``compile.lint``), collected
-    rather than raised — also the errors that resolving and placing would raise.  Reads the model
-    and the plan, never mutates them, and communicates nothing."""
+    """Every finding about ``plan`` on ``model`` and ``mesh``, collected rather than raised — also
+    the errors that resolving and placing would raise.  Reads the model and the plan, never
+    mutates them, and communicates nothing (docs/tools.md#lint lists the codes).
+
+    Args:
+        model: the model the plan is for (a meta model is enough).
+        plan: a ``ShardingPlan`` or a plain ``{pattern: style}`` dict.
+        mesh: the ``DeviceMesh`` to shard over.
+    Returns:
+        A list of ``Finding(level, where, message, code)``, ``level`` being ``"error"``, ``"warning"`` or ``"note"``.
+    """
     try:
         plan = as_plan(plan)
     except PlanError as exc:

@@ -1,31 +1,10 @@
 """Pass: which replicated parameters does rank-varying data reach — wherever they sit.
 
-The region analysis (``compile.regions``) sees the module tree: a replicated parameter gets its
-gradient summed over an axis when its module is planned and varying there, or sits inside a
-region.  A parameter used *between* planned modules escapes it: a per-head ``q_norm`` applied to
-the output of a colwise ``q_proj``, the learnable scalars of an activation on colwise-sharded
-features (Apertus' xIELU).  Each rank then computes only its share of that gradient.
-
-This pass follows the data instead.  One forward of a meta copy of the model (global shapes, a
-synthesized batch, nothing communicated) carries, per tensor, the set of mesh axes on which it
-differs per rank ("taint", JAX's varying type):
-
-* a parameter stored sharded on an axis is varying there, so is everything computed from it;
-* a planned module's output leaves varying on an axis where its boundary hands it on sharded
-  or partial, and invariant where it reduces or gathers it (a rowwise all-reduce); a style with
-  a forward of its own (``Local``, ``Experts``: ``Style.own_forward``) hands its outputs on varying
-  only as its inputs did (its function communicates as it declares, which the module's own
-  forward traced here does not show);
-* an input a boundary splits (``in_dst`` sharded) and the data below a data-splitting module
-  (``ModuleSpec.data_axes``) are varying on those axes.
-
-Every operation that takes a replicated parameter together with data varying on an axis makes
-that parameter's gradient a per-rank share there.  The result: per parameter FQN, the axes on
-which it is consumed by rank-varying compute, for ``lower_parameter_conversions``; a parameter
-consumed both by varying and by invariant compute on one axis is refused by name (one
-conversion cannot give both uses their gradient).  Where no batch can be synthesized, or the
-forward cannot run on meta tensors, ``trace_dataflow`` returns None with the reason, and
-``shard()``'s numeric probe is what checks the plan.
+The region analysis (``compile.regions``) sees the module tree; a parameter used *between*
+planned modules (a per-head ``q_norm`` on a colwise ``q_proj``'s output, Apertus' xIELU scalars)
+escapes it, and each rank would compute only its share of its gradient.  This pass follows the
+data instead: one forward of a meta copy carrying, per tensor, the mesh axes on which it differs
+per rank (JAX's varying type).  See docs/guarantees.md#exact-or-refused.
 """
 
 from __future__ import annotations
@@ -140,10 +119,26 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
                    infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str], axes: Sequence[str],
                    covered: Mapping[str, set[str]], inputs: tuple[tuple, dict] | None = None, *,
                    real: bool = False) -> Dataflow:
-    """The varying uses of every parameter (see the module docstring); raises ``PlanError`` for a
-    replicated parameter used both with varying and with invariant data on an axis that the
-    module tree does not already decide (``covered``: leaf → axes its conversions already have).
-    ``real``: run ``model`` itself on real tensors (a private probe copy) instead of a meta copy."""
+    """The varying uses of every parameter: one forward (global shapes, a synthesized batch,
+    nothing communicated) carrying each tensor's varying axes, where
+
+    * a parameter stored sharded on an axis is varying there, so is everything computed from it;
+    * a planned module's output leaves varying on an axis where its boundary hands it on sharded
+      or partial, and invariant where it reduces or gathers it (a rowwise all-reduce); a style
+      with a forward of its own (``Local``, ``Experts``: ``own_forward`` False) hands its outputs
+      on varying only as its inputs did (its function communicates as it declares, which the
+      module's own forward traced here does not show);
+    * an input a boundary splits (``in_dst`` sharded) and the data below a data-splitting module
+      (``ModuleSpec.data_axes``) are varying on those axes.
+
+    Every op that takes a replicated parameter together with data varying on an axis makes that
+    parameter's gradient a per-rank share there.  A replicated parameter used both with varying
+    and with invariant data on an axis that the module tree does not already decide raises
+    ``PlanError`` (one conversion cannot give both uses their gradient).  Where no batch can be
+    synthesized or the forward fails, the result is empty with the reason in ``skipped``, and
+    ``shard()``'s numeric probe is what checks the plan.  ``covered``: leaf → axes its conversions
+    already have; ``real``: run ``model`` itself on real tensors (a private probe copy) instead
+    of a meta copy."""
     inputs = inputs or synthesize_inputs(model)
     if inputs is None:
         return Dataflow({}, f"{type(model).__name__} does not start with an embedding: no batch to trace")

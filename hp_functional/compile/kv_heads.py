@@ -1,25 +1,7 @@
 """Pass: KV-head replication — more ranks on a tensor-parallel axis than an attention module has
-KV heads (Llama-3-70B: 8 KV heads, TP 16).
-
-Each rank keeps the KV head its query heads use, replicated over the ranks that share it, as
-Megatron's and vLLM's grouped-query attention do: with ``n`` ranks and ``kv`` heads (``n % kv ==
-0``), ranks ``g·n/kv … (g+1)·n/kv − 1`` hold head ``g`` — exactly the ranks whose query heads
-(``H / n`` each, in order) belong to it.  The K/V projection's weight and bias are stored
-``GroupedShard(0, n // kv)`` and used as this rank's ``Shard(0)`` slice, so the rest of the
-compiler sees a plain Colwise; their gradients are summed over the ranks of each group in the
-backward (``lowering``: ``copy_to_replicas``), the input gradient is reduced over the whole axis
-as for any Colwise, and ``unshard``/checkpoints see the original tensor.  The attention module's
-skeleton copy holds one local KV head and ``H / n`` query heads per KV head
-(``num_key_value_groups``; the user's module and config keep theirs).
-
-A K/V projection is a planned Colwise ``nn.Linear`` (weight stored ``Shard(0)``, output left
-sharded) directly under an attention module (one holding a KV-head count, or a class named
-``*Attention``/``*Attn``) that states a KV-head count and a head dim (attributes, else its
-``config``), with ``kv_heads × head_dim`` output features: an MLP whose projection happens to
-have that width (GLM4-MoE's shared expert) is no K/V projection.  A count that neither divides nor is
-divided by the axis size raises ``PlanError`` naming the module (query heads that do not divide
-it are lint's ``heads`` error).  Packed (fused ``qkv_proj``) projections are not replicated: they raise when they would
-need it.  Communicates nothing.
+KV heads (Llama-3-70B: 8 KV heads, TP 16): each rank keeps the KV head its query heads use,
+replicated over the ranks that share it (Megatron's and vLLM's GQA).  Communicates nothing.
+See docs/whole-transformers.md#more-tp-ranks-than-kv-heads.
 """
 
 from __future__ import annotations
@@ -101,8 +83,18 @@ def _is_colwise(module: nn.Module, spec: ModuleSpec, axis: str) -> bool:
 def replicate_kv_heads(
     model: nn.Module, planned: Sequence[Planned], specs: Mapping[str, ModuleSpec], groups: Mapping[str, AxisGroup]
 ) -> tuple[list[Planned], dict[str, ModuleSpec]]:
-    """``planned`` and ``specs`` with the K/V projections that need it replicated (see the module
-    docstring), and an entry for each attention module whose skeleton copy changes attributes."""
+    """``planned`` and ``specs`` with the K/V projections that need it replicated, and an entry
+    for each attention module whose skeleton copy changes attributes.
+
+    A K/V projection is a planned Colwise ``nn.Linear`` (weight ``Shard(0)``, output left sharded)
+    directly under an attention module that states a KV-head count and a head dim, with
+    ``kv_heads × head_dim`` output features.  With ``n`` ranks and ``kv`` heads, its weight and bias
+    are stored ``GroupedShard(0, n // kv)`` and used as this rank's ``Shard(0)`` slice, so the rest
+    of the compiler sees a plain Colwise: the gradients are summed over each group's ranks in the
+    backward (``copy_to_replicas``), the input gradient is reduced over the whole axis as for any
+    Colwise.  A count that neither divides nor is divided by the axis size, or a packed projection
+    that would need replication, raises ``PlanError``; query heads that do not divide the axis are
+    lint's ``heads`` error."""
     modules = dict(model.named_modules())
     specs, parents = dict(specs), {}
     for p in planned:

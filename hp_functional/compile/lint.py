@@ -1,58 +1,9 @@
 """Plan lint: findings about a plan resolved against a model, read off the specs the compiler built.
 
-``build_program`` runs ``lint_specs`` (and ``shadowed``) right after resolving the plan: errors
-raise one ``PlanError`` listing them all (on every rank, before any collective); warnings go
-through ``warnings.warn`` as ``PlanWarning`` (only when there is no error).  The public
-``lint(model, plan, mesh)`` (``compile.build``) returns every finding instead — including the
-errors that resolving and placing raise (collected, not raised).  Nothing here builds a program,
-mutates the model or the plan, or communicates.
-
-An *error* means the plan cannot be applied or would certainly compute something else than the
-model; a *warning* means it runs but is probably not what was meant; a *note* says what a check
-could not see (``hpf.lint`` only).  A Linear that is meant
-to stay replicated beside sharded siblings is marked with an explicit ``NoParallel()`` entry,
-which silences ``unreduced`` and ``replicated``.
-
-=====================  =======  ==============================================================
-code                   level    finding
-=====================  =======  ==============================================================
-``mesh``               error    the mesh is not a DeviceMesh with named dims
-``entry``              error    a pattern matches no module, names an axis not in the mesh, or
-                                an unsupported HF style string
-``conflict``           error    equally specific patterns give one module different styles
-``style``              error    a style that does not fit its module (Colwise on an Embedding,
-                                a ModuleSpec naming a missing parameter), a special handler
-                                that matches no parameter, a loss-parallel head not Colwise
-``argument``           error    PrepareInput/ModuleSpec names a forward argument the module
-                                does not have
-``heads``              error    a Colwise would cut an attention head in two: its local output
-                                features are not a multiple of the parent's ``head_dim``
-                                (fewer heads than ranks)
-``head-attr``          error    the shape audit (``compile.lint_heads``): a planned region
-                                (the parent of sharded projections) run on meta copies at
-                                global and at local shapes has an op whose local result is not
-                                the global one divided along the dim the plan says, fed by an
-                                integer attribute (``self.n_heads``) to divide (or not)
-``shape``              error    the same, with no integer attribute to blame
-``not-audited``        note     a region the shape audit could not run or compare (its
-                                arguments cannot be synthesized, its forward fails on meta
-                                tensors, or takes another path at local shapes)
-``unreduced``          error    an unplanned Linear registered after Colwise siblings takes
-                                their output width, and no Rowwise reduces their Shard(-1)
-                                outputs (q/k/v colwise, o_proj left out)
-``placement``          error    standalone only: a dim not divisible by its axis, tied weights
-                                with conflicting layouts, bad packed blocks, bad placements, a
-                                rank outside the mesh (``shard()`` raises these itself)
-``sharded-output``     warning  a Colwise output stays Shard(-1) (no gather) and no sibling
-                                Rowwise consumes it
-``unsharded-input``    warning  a Rowwise expects a Shard(-1) input and no sibling Colwise
-                                produces it (use ``Rowwise(input_layout=Replicate())``)
-``replicated``         warning  an unplanned Linear has the weight shape of a sharded sibling
-                                (forgotten?)
-``sequence-parallel``  warning  SequenceParallel modules, but no other entry splits or gathers
-                                the sequence dim on that axis
-``shadowed``           warning  every module a pattern matches is taken by a more specific one
-=====================  =======  ==============================================================
+``build_program`` runs ``lint_specs`` (and ``shadowed``) right after resolving the plan and
+``enforce``s the result; the public ``lint()`` (``compile.build``) returns every finding instead.
+Nothing here builds a program, mutates the model or the plan, or communicates.  The codes, their
+levels and what each finds: docs/tools.md#lint.
 """
 
 from __future__ import annotations
@@ -79,8 +30,10 @@ from .lint_heads import audit_regions
 
 @dataclass(frozen=True)
 class Finding:
-    """One lint result: ``level`` error or warning, the module/pattern it names, why, and a
-    short ``code`` (see the module docstring)."""
+    """One lint result: its ``level``, the module/pattern it names, why, and a short ``code``
+    (docs/tools.md#lint).  An *error*: the plan cannot be applied or would certainly compute
+    something else than the model; a *warning*: it runs but is probably not what was meant; a
+    *note*: what a check could not see (``hpf.lint`` only)."""
 
     level: Literal["error", "warning", "note"]
     where: str
@@ -240,7 +193,9 @@ class _Family:
 
 
 def _siblings(f: _Family) -> list[Finding]:
-    """Colwise/Rowwise pairs among the direct children of ``f.parent``."""
+    """Colwise/Rowwise pairs among the direct children of ``f.parent``: ``unreduced`` is an
+    unplanned Linear registered after Colwise siblings whose input width is their output width,
+    when no Rowwise consumes their Shard(-1) outputs (q/k/v colwise, o_proj left out)."""
     findings: list[Finding] = []
     modules, specs, by_fqn = f.modules, f.specs, f.by_fqn
     join = (lambda n: f"{f.parent}.{n}") if f.parent else (lambda n: n)

@@ -1,25 +1,7 @@
 """The shape audit (lint ``head-attr``/``shape``): every planned region run at global and at local
-shapes on meta tensors, op by op.
-
-A *region* is the parent of planned projections (``nn.Linear``, HF ``Conv1D``, fused/packed ones)
-whose output stays sharded or whose input arrives sharded: the attention module around
-q/k/v/o, the MLP around gate/up/down.  Its forward is run twice on meta copies (``plan.
-auto_audit``; the model is read, never run or mutated): at global shapes, and at the local shapes
-and skeleton attributes the plan gives (divided head counts, KV-head replication), the planned
-projections opaque with their boundaries applied.  The first op whose local result is not the
-global result divided along the dim its inputs say is an error naming the region, the op and the
-integer attributes that fed it, with the fix (``Heads(attrs=...)``): a ``view`` that torch would
-refuse, a ``-1`` that lands the division on the sequence, a head cut in two, a slice or matmul
-over a divided dim.
-
-The region's arguments are those its first call received in one forward of a meta copy of the
-whole model (``plan.trace``) on synthesized ``input_ids`` (1, 8) — when the model starts with an
-embedding — else, for a forward that takes one tensor, a (1, 4, width) meta tensor.  A region
-whose arguments cannot be synthesized, or whose forward fails at global shapes on meta, is
-reported as a ``note`` (``not-audited``), never skipped silently: ``hpf.lint`` lists them.
-Identical layers are run once, and a model built and sharded again with the same classes,
-shapes, attributes and config is traced and audited once per process (a small bounded memo).
-Nothing here communicates.
+shapes on meta tensors (``plan.auto_audit``), op by op; a region it cannot run is a ``not-audited``
+note, never skipped silently.  The model is read, never run or mutated; nothing communicates.
+See docs/guarantees.md#exact-or-refused-the-shape-audit.
 """
 
 from __future__ import annotations
@@ -137,7 +119,9 @@ def audit_regions(model: nn.Module, mesh: DeviceMesh, planned: Sequence[Planned]
                   skip: Sequence[str] = (), rules: Mapping[str, Mapping] | None = None,
                   named: Collection[str] = ()) -> tuple[list[Found], list[tuple[str, str]]]:
     """(errors as ``(module, code, message)``, regions not audited as ``(module, why)``) of every
-    region (see the module docstring); ``skip``: planned modules left out (the output head: its
+    region (the parent of planned projections whose output stays sharded or whose input arrives
+    sharded), each run at global and at local shapes with those projections opaque, identical
+    layers once; ``skip``: planned modules left out (the output head: its
     logits are the loss's, checked by ``loss_parallel``); ``rules``: parameter FQN → per-axis
     placement of the plan's special handlers (per-head parameters); ``named``: regions another
     lint check already refuses (not run again)."""

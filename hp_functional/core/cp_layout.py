@@ -51,7 +51,17 @@ def cp_ranges(rank: int, seq_len: int, cp: int, layout: str = "zigzag") -> tuple
 
 
 def cp_positions(rank: int, seq_len: int, cp: int, layout: str = "zigzag", device=None) -> Tensor:
-    """The global positions rank ``rank`` holds, in its local order (a 1-D ``int64`` tensor)."""
+    """The global positions rank ``rank`` holds, in its local order.
+
+    Args:
+        rank: the rank's index on the ``cp`` axis.
+        seq_len: the full sequence length (divisible by ``2·cp`` for zigzag, ``cp`` for contiguous).
+        cp: the size of the ``cp`` axis.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+        device: where the result lives (None: torch's default device).
+    Returns:
+        A 1-D ``int64`` tensor of ``seq_len // cp`` global positions.
+    """
     return torch.cat([torch.arange(r.start, r.stop, device=device) for r in cp_ranges(rank, seq_len, cp, layout)])
 
 
@@ -62,7 +72,17 @@ def _group(mesh, axis: str) -> AxisGroup:
 @renamed_keywords(axis="cp_axis")
 def cp_shard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str = "zigzag") -> Tensor:
     """This rank's positions of the full-sequence ``x`` along ``dim`` (inverse: ``cp_unshard``).
-    Local: every rank holds the whole ``x`` and keeps its part (for batches and labels)."""
+    Local: every rank holds the whole ``x`` and keeps its part (for batches and labels).
+
+    Args:
+        x: the full sequence, alike on every rank of the axis.
+        mesh: the ``DeviceMesh`` (or an ``AxisGroup`` of the axis).
+        dim: the sequence dim of ``x``.
+        cp_axis: the mesh axis of context parallelism (``axis=``: its earlier name, with a ``FutureWarning``).
+        layout: ``"zigzag"`` or ``"contiguous"``.
+    Returns:
+        A new tensor holding this rank's ``x.shape[dim] // cp`` positions along ``dim``, in local order.
+    """
     g = _group(mesh, cp_axis)
     index = cp_positions(g.rank, x.shape[dim], g.size, layout, device=x.device)
     return x.index_select(dim, index)
@@ -71,7 +91,18 @@ def cp_shard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str 
 @renamed_keywords(axis="cp_axis")
 def cp_unshard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str = "zigzag") -> Tensor:
     """The full sequence in global order from every rank's ``x`` (its ``cp_shard`` part) along
-    ``dim`` (inverse: ``cp_shard``): one differentiable all-gather, then the positions sorted."""
+    ``dim`` (inverse: ``cp_shard``): one differentiable all-gather, then the positions sorted.
+    A collective: call on every rank of the axis.
+
+    Args:
+        x: this rank's part, in ``cp_shard``'s local order.
+        mesh: the ``DeviceMesh`` (or an ``AxisGroup`` of the axis).
+        dim: the sequence dim of ``x``.
+        cp_axis: the mesh axis of context parallelism (``axis=``: its earlier name, with a ``FutureWarning``).
+        layout: the layout ``x`` was cut with.
+    Returns:
+        The full tensor (``cp`` times ``x``'s length along ``dim``), the same on every rank.
+    """
     g = _group(mesh, cp_axis)
     seq_len = x.shape[dim] * g.size
     held = torch.cat([cp_positions(r, seq_len, g.size, layout, device=x.device) for r in range(g.size)])

@@ -107,7 +107,15 @@ def mesh_barrier(mesh) -> None:
 def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, Tensor]:
     """Gather every local shard back to its full tensor on every rank (a collective: call on
     every rank; one all-gather per mesh dim and dtype, plus one for the layouts; inverse:
-    ``slice_local``)."""
+    ``slice_local``).  Peak memory: the whole model on every rank (``iter_full`` streams it).
+
+    Args:
+        params: this rank's local shards by key, all on one mesh (``shard()``'s ``params``, optimizer
+            state, ``hpf.buffers``).
+        shard_info: the ``ShardInfo`` of each key of ``params``.
+    Returns:
+        A dict of full (global-shape) tensors in ``params``' key order, on the mesh's device.
+    """
     out: dict[str, Tensor] = {}
     for bucket in iter_full(params, shard_info, plan_buckets(params, shard_info, 1 << 62), "unshard"):
         out |= bucket

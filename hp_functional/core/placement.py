@@ -385,7 +385,15 @@ def boxes(info: ShardInfo) -> list[Box]:
 
 
 def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
-    """The local shard of ``full`` as a new tensor that owns its storage (inverse: ``gather.unshard``)."""
+    """The local shard of ``full`` as a new tensor that owns its storage (inverse: ``gather.unshard``).
+    Local: no communication.
+
+    Args:
+        full: the global tensor (``info.global_shape``), alike on every rank.
+        info: the ``ShardInfo`` saying which boxes of ``full`` this rank holds.
+    Returns:
+        A new tensor of ``info.local_shape`` (``full``'s dtype and device), this rank's shard.
+    """
     local = full.new_empty(info.local_shape)
     with torch.no_grad():
         for box in boxes(info):
@@ -412,7 +420,16 @@ def to_full(local: Tensor, placements: Sequence[Placement], groups: Sequence[Axi
 
 
 def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, DTensor]:
-    """Wrap the local shards as DTensors (no copy, no communication)."""
+    """Wrap the local shards as DTensors (no copy, no communication).  Layouts DTensor cannot
+    express raise ``PlanError`` (use ``unshard``): packed parameters, ``GroupedShard``,
+    ``StackedShard``, and some ``hpf.fsdp`` row splits over flattened axes.
+
+    Args:
+        params: this rank's local shards by key (``shard()``'s ``params``).
+        shard_info: the ``ShardInfo`` of each key.
+    Returns:
+        A dict of ``DTensor``s by key, each over its info's mesh and placements, sharing storage with ``params``.
+    """
     packed = [k for k in params if is_packed(shard_info[k])]
     if packed:
         raise PlanError(f"to_dtensor: packed parameters {packed[:3]} have no DTensor layout; use unshard()")

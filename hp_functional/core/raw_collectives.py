@@ -39,11 +39,16 @@ def mesh_device(mesh) -> torch.device:
 def set_timeout(seconds: float, mesh=None) -> None:
     """Every collective issued from now on over this rank's process groups fails after ``seconds``
     instead of the group's timeout (torch's default: 30 min for gloo, 10 min for NCCL), as does
-    ``apply_fn``'s input agreement.  ``mesh``: only that mesh's axes; None: every group this
-    rank is in (the default group, every mesh axis, DCP's).  Call on every rank after building
-    the meshes (groups created later keep the timeout they were created with).  A failure
-    raises ``CollectiveError`` naming the collective, the mesh axis and the module; on NCCL the
-    watchdog may abort the process instead, as torch documents for its timeout."""
+    ``apply_fn``'s input agreement.  Call on every rank after building the meshes (groups created
+    later keep the timeout they were created with).  A failure raises ``CollectiveError`` naming
+    the collective, the mesh axis and the module; on NCCL the watchdog may abort the process
+    instead, as torch documents for its timeout.
+
+    Args:
+        seconds: the new timeout, a positive number (else ``ValueError``).
+        mesh: only that ``DeviceMesh``'s axes; None: every group this rank is in (the default
+            group, every mesh axis, DCP's).
+    """
     if not (isinstance(seconds, (int, float)) and seconds > 0):
         raise ValueError(f"set_timeout: seconds must be a positive number, got {seconds!r}")
     timeout = timedelta(seconds=float(seconds))

@@ -1,25 +1,10 @@
 """``auto_plan(model, mesh)``: a tensor-parallel plan for a model that declares none, read off
 the model's module types, its structure and one forward traced on a meta copy (``plan.trace``).
 
-The roles, first match wins (``docs/auto-plan.md`` has the table and the reasons):
-
-1. MoE routers and experts — a ``PlanError`` (auto_plan does not plan experts: ``hpf.Experts``) unless
-   ``allow_uncovered``, which leaves them replicated;
-2. the token embedding (``get_input_embeddings()``, else the ``nn.Embedding`` fed by the inputs)
-   — ``VocabEmbedding``; other embeddings (positions, token types) stay replicated;
-3. the output head (``get_output_embeddings()``, else a projection the model returns), tied or
-   not — ``Colwise(gather_output=True)`` (vocab-sharded logits under ``loss_parallel``);
-4. every other projection (``nn.Linear``, HF ``Conv1D``) — paired colwise → rowwise within its
-   block, packed when the block splits its output, head counts found by the shape audit
-   (``plan.auto_blocks``);
-5. norms — replicated (``SequenceParallel`` on the residual stream with ``sequence_parallel``);
-   those between a colwise and a rowwise projection (per-head q/k norms) replicated with their
-   gradients all-reduced;
-6. biases follow their projection's style; per-head parameters are sharded by head;
-7. anything else with a 2-D weight or >= 1% of the parameters — a ``PlanError`` naming it and
-   its shape unless ``allow_uncovered``; smaller parameters stay replicated.
-
-Nothing here communicates: every error is raised on every rank alike, before any collective.
+Every module takes the role of the first rule that matches; the rules numbered in the comments
+below (1-7: MoE, embeddings, head, projections, norms, biases, the rest) are the table of
+docs/auto-plan.md#roles.  Nothing here communicates: every error is raised on every rank alike,
+before any collective.
 """
 
 from __future__ import annotations
@@ -45,13 +30,24 @@ EXPERTS = re.compile(r"expert", re.IGNORECASE)
 def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequence_parallel: bool = False,
               loss_parallel: bool = False, overrides: Mapping[str, object] | None = None,
               allow_uncovered: bool = False, example_inputs=None) -> AutoPlan:
-    """A ``ShardingPlan`` for ``model`` on ``mesh``'s ``tp_axis`` (see the module docstring).
+    """A ``ShardingPlan`` for ``model`` on ``mesh``'s ``tp_axis`` (docs/auto-plan.md).
 
-    ``example_inputs``: what one forward takes (a tensor, a tuple of arguments or a dict of keyword
-    arguments; shapes and dtypes only, moved to meta) — default ``input_ids`` of shape (1, 8)
-    when the model starts with an embedding.  ``overrides``: ``{path or pattern: style or None}``
-    merged into the generated plan (a style wins, ``None`` clears, a key that matches no module
-    is a ``PlanError``).  The result's ``coverage`` / ``explain()`` list every parameter."""
+    Args:
+        model: the model to plan; only read (a meta model works).
+        mesh: the device mesh; only the size of ``tp_axis`` is used.
+        tp_axis: the mesh axis to shard over.
+        sequence_parallel: also shard the residual stream's sequence between the blocks (Megatron-SP, ``plan.auto_sp``).
+        loss_parallel: keep the head's logits vocab-sharded and compute HF's causal-LM loss on them (needs
+            ``get_output_embeddings()``).
+        overrides: ``{path or pattern: style or None}`` merged into the generated plan (a style wins, ``None``
+            clears, a key that matches no module is a ``PlanError``).
+        allow_uncovered: leave MoE blocks, unpaired projections and parameters no rule covers replicated
+            instead of raising ``PlanError``.
+        example_inputs: what one forward takes (a tensor, a tuple of arguments or a dict of keyword arguments;
+            shapes and dtypes only, moved to meta); None: ``input_ids`` of shape (1, 8) when the model starts
+            with an embedding.
+    Returns:
+        an ``AutoPlan``: the plan, with ``coverage`` / ``explain()`` listing every parameter's role."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if tp_axis not in names:
         raise PlanError(f"auto_plan: mesh axis {tp_axis!r} is not in the mesh (axes: {list(names)})")

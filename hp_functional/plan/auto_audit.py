@@ -1,28 +1,9 @@
 """The shape audit: a module run at global and at local shapes on meta tensors, op by op.
 
-``record(module, args, kwargs, ...)`` runs one forward of a meta copy of ``module`` (``trace.
-meta_copy``: the module is only read) under a ``TorchFunctionMode`` that records every torch op
-with a tensor result — its name, its tensor inputs' and outputs' shapes, and the ``(owner,
-attribute)`` pairs whose integers (``self.num_heads``, as ``trace.TracedInt``) were among its
-arguments.  The planned children (projections) are *opaque*: their inner ops are not recorded,
-and at local shapes their output takes the layout the boundary hands on (a gathered output is
-whole again, ``Shard(d)`` divided on ``d``).  ``compare(global, local, n)`` then walks both
-records in step and returns the first op whose local result is not the global result divided
-along the dimension its inputs say:
-
-* ``raises``: the op raises at local shapes only (``view`` of a wrong size);
-* ``shape``: an output differs from the global one other than by dims divided by factors whose
-  product divides ``n`` (one dim, or KV heads and their groups where KV heads are replicated);
-* ``view``: a ``view``/``reshape``/``flatten``/``unflatten`` whose division does not land on the
-  outermost dim of the group its divided input dim becomes (a ``-1`` landing on the sequence, a
-  head count kept global so that every head's features are cut), computed from the global shapes;
-* ``lost``: a divided input and an undivided result (``x[..., :q]`` with a global offset, a sum
-  over the divided dim);
-* ``contract``: a matmul, ``linear`` or attention over a divided dim (partial sums).
-
-What it cannot see: values (a softmax or norm over a divided dim keeps every shape), ops that are
-not torch functions, and modules whose forward cannot be run on meta tensors.  Nothing here
-communicates.
+``record`` runs one forward of a meta copy of a module (only read) and records its torch ops,
+its planned children opaque; ``compare`` walks a global and a local record in step and returns
+the first op whose local result is not the global result divided.  Nothing here communicates.
+What it covers and cannot see: docs/guarantees.md#exact-or-refused-the-shape-audit.
 """
 
 from __future__ import annotations
@@ -98,6 +79,11 @@ def record(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[s
            attrs: Mapping[str, int] | None = None, opaque: Mapping[str, Callable] | None = None,
            outputs: dict[str, list] | None = None) -> tuple[list[Op], bool]:
     """(the ops of one forward of a meta copy of ``module``, whether it ran to the end).
+
+    Every torch op with a tensor result is recorded (``Op``), with the ``(owner, attribute)`` pairs whose
+    integers (``trace.TracedInt``) were among its arguments.  Planned children are opaque: their inner
+    ops are not recorded, and at local shapes their output takes the layout the boundary hands on (a
+    gathered output whole again, ``Shard(d)`` divided on ``d``).
 
     ``shapes``: parameter shapes by name below ``module``; ``attrs``: ``"sub.attr"`` → value;
     ``opaque``: relative path of a planned child → its ``Handoff`` (None: the global run, inputs
@@ -241,7 +227,18 @@ def _view(g: Op, m: Op, din, dout) -> tuple[str, str] | None:
 
 
 def compare(glob: list[Op], local: list[Op], n: int) -> Mismatch | None:
-    """The first op at which ``local`` is not ``glob`` divided (see the module docstring)."""
+    """The first op at which ``local`` is not ``glob`` divided, with the rule it breaks; None: none.
+
+    * ``raises``: the op raises at local shapes only (``view`` of a wrong size);
+    * ``shape``: an output differs from the global one other than by dims divided by factors whose
+      product divides ``n`` (one dim, or KV heads and their groups where KV heads are replicated);
+    * ``view``: a ``view``/``reshape``/``flatten``/``unflatten`` whose division does not land on the
+      outermost dim of the group its divided input dim becomes (a ``-1`` landing on the sequence, a
+      head count kept global so that every head's features are cut), computed from the global shapes;
+    * ``lost``: a divided input and an undivided result (``x[..., :q]`` with a global offset, a sum
+      over the divided dim);
+    * ``contract``: a matmul, ``linear`` or attention over a divided dim (partial sums);
+    * ``count``: the local forward makes fewer or more ops."""
     for i, g in enumerate(glob):
         if i >= len(local):
             return Mismatch(i, g, None, "count", "the local forward stops before it")

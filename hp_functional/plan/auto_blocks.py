@@ -1,28 +1,8 @@
 """``auto_plan``'s blocks: the projections of one module paired colwise → rowwise from a traced
-forward, their packing, and the head counts the skeleton must hold divided.
-
-A *block* is the parent of one or more projections (``nn.Linear``, HF ``Conv1D``).  Inside it,
-a projection whose output reaches another projection of the block — through plain tensor ops and
-parameter-free or norm modules of the block, never through a third projection — is colwise; the
-one it reaches is rowwise.  A projection that is both (a chain of three) takes the role its name
-says and is an error if the name says nothing; a name that contradicts the trace is an error;
-a projection that is neither is *unpaired*.  A colwise output that the block splits or slices
-into pieces along its last dim (``split``, ``chunk``, ``qkv[..., :q]``) is packed with those
-pieces as blocks (``Colwise(packed=...)``); a view of it into ``(..., 2|3, H, D)`` packs 2 or 3.
-
-Head counts: the integer attributes (``self.n_heads``, ``self.split_size``…) that fed a shape
-call inside the block, and its 1-D parameters as long as a head count (per-head scales), are the
-candidates; every subset, smallest first (names that say "heads" first among equals), is tried by
-running the block alone at the local shapes the styles give and comparing it op by op with the
-global run (``plan.auto_heads``, ``plan.auto_audit``).  The first subset with which every op's
-local result is its global result divided as the plan says is the plan (``Heads(attrs=...)``,
-``shard_heads``); identical layers are searched once.  When none does (heads sliced with numbers
-from a config, Phi-3's ``qkv``, GPT-BigCode's one K/V head in a fused ``c_attn``), the block is *gathered*:
-its colwise outputs are all-gathered and its rowwise ones split their replicated input locally
-(HF's ``colwise_gather_output`` / ``rowwise_split_input``).  Heads that do not divide the axis are a ``PlanError`` naming the
-module (query heads, and head-count attributes by name); KV projections with fewer heads than
-ranks (the axis size a multiple of them) stay plain Colwise, with the head-count attributes named
-like heads divided, for the compiler's KV-head replication pass to take over.
+forward, their packing, and the head counts the skeleton must hold divided (searched with the
+shape audit: ``plan.auto_heads``, ``plan.auto_audit``).  The rules and how ambiguity is resolved:
+docs/auto-plan.md#pairing-and-how-ambiguity-is-resolved and
+docs/auto-plan.md#head-counts-found-by-the-shape-audit.
 """
 
 from __future__ import annotations
@@ -65,8 +45,9 @@ class Block:
     """What ``plan_block`` decided for one block: ``styles`` per module path (projections, per-head
     norms, ``Heads`` on the modules whose head counts are divided), ``roles`` per module path (for
     the coverage report), ``heads`` (owner path → attributes divided), ``per_head`` parameter FQNs
-    sharded by head, ``gathered`` (see the module docstring), and what to report: ``uncovered``
-    modules, ``notes`` and ``errors``."""
+    sharded by head, ``gathered`` (no head subset localises the block: its colwise outputs are
+    all-gathered and its rowwise inputs split locally, HF's ``colwise_gather_output`` /
+    ``rowwise_split_input``), and what to report: ``uncovered`` modules, ``notes`` and ``errors``."""
 
     path: str
     styles: dict[str, Style] = field(default_factory=dict)
@@ -159,7 +140,9 @@ def check_heads(trace: ModelTrace, cols: list[str], n: int, axis: str) -> list[s
 def plan_block(trace: ModelTrace, model: nn.Module, block: str, members: list[str], n: int, axis: str,
                cache: dict) -> Block:
     """Rule 4 of ``auto_plan`` for the projections ``members`` of ``block`` (see the module
-    docstring); ``cache`` holds the head search of identical layers, so it runs once per kind."""
+    docstring); ``cache`` holds the head search of identical layers, so it runs once per kind.
+    KV projections with fewer heads than ranks (the axis size a multiple of them) stay plain
+    ``Colwise``, their head-count attributes divided by name, for the compiler's KV-head pass."""
     modules, out = dict(model.named_modules()), Block(block)
     roles, between, unpaired = pair(trace, block, modules, members)
     for p in unpaired:

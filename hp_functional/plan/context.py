@@ -1,24 +1,10 @@
 """Context parallelism: the sequence sharded over a ``cp`` mesh axis.
 
-Two plan pieces, both on the plan's ``cp_axis`` (``ShardingPlan(..., cp_axis="cp")`` or
-``ShardingPlan.from_hf(model, cp_axis="cp", cp_strategy=...)``):
-
-* ``ContextParallel`` on each attention module: its ``scaled_dot_product_attention`` calls
-  attend over the whole sequence (``core.ring_attention``: ring or all-gather), and the
-  skeleton's config copy selects HF's ``sdpa`` attention (the user's config keeps its own);
-* the root entry ``context_parallel_root`` (added by the plan): ``apply_fn`` takes the full
-  batch ``[B, S]`` and each rank keeps its positions (``core.cp_layout``; ``cp_sharded=True``:
-  the batch is already this rank's part), passes the *global* ``position_ids`` (rotary
-  embeddings), shifts the labels globally (the label of each rank's last token lives on
-  another rank) and returns the mean loss over the whole sequence.
-
-Everything else (embeddings, norms, MLPs, the head) is per-token and runs unchanged on the
-local chunk, so CP composes with the TP entries of the same plan on a ``(cp, tp)`` mesh and
-with data parallelism on ``(dp, cp)``.  The logits come back in the layout's order
-(``hpf.cp_unshard(out.logits, mesh, 1)`` gives global order).  Parameters are replicated over
-``cp``; the root declares ``data_axes=(cp,)``, so every replicated parameter's gradient (each
-rank's tokens' share) is summed over ``cp`` inside ``apply_fn``'s backward, bucketed: the
-gradient of what ``apply_fn`` returns is its gradient.
+Two plan pieces on the plan's ``cp_axis``: ``ContextParallel`` on each attention module (its SDPA
+calls attend over the whole sequence: ``core.ring_attention``) and the root entry
+``context_parallel_root``, added by the plan, which keeps each rank's positions, passes the global
+``position_ids``, shifts the labels globally and returns the loss over the whole sequence.  The
+rest runs unchanged on the local chunk.  See docs/context-parallel.md.
 """
 
 from __future__ import annotations
@@ -104,7 +90,7 @@ def _shifted(labels: Tensor, ignore: int = IGNORE) -> Tensor:
 
 @dataclass(frozen=True)
 class ContextParallelForward:
-    """The ``Local`` fn of the root of a CP plan (see the module docstring).  ``vocab_axis``:
+    """The ``Local`` fn of the root of a CP plan (docs/context-parallel.md#what-each-rank-computes).  ``vocab_axis``:
     the TP axis of a ``loss_parallel`` plan (the logits arrive vocab-sharded)."""
 
     axis: str

@@ -1,46 +1,10 @@
 """Expert parallelism: a mixture-of-experts layer's routed experts sharded over an ``ep`` axis.
 
-``Experts`` on an experts module (HF's fused ``[num_experts, ...]`` tensors: Mixtral's
-``MixtralExperts``, Qwen2-MoE's ``Qwen2MoeExperts``, any module called as
-``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``) stores every
-``[num_experts, ...]`` parameter ``Shard(0)``: rank ``r`` of the axis holds experts
-``r·E/ep … (r+1)·E/ep − 1``.  The router stays replicated.  One call, on every rank:
-
-1. the ``T`` tokens (replicated over ``ep``) are split: each rank routes ``T / ep`` of them
-   (``split_to``, backward all-gather);
-2. each rank sorts its (token, expert) assignments by expert and exchanges the counts per
-   expert (one small all-to-all), so every rank knows how many rows it sends and receives;
-3. **dispatch**: the rows go to the ranks owning their experts (``all_to_all_v``, a
-   variable-split all-to-all whose backward is the reverse exchange);
-4. the owner runs the module's own forward on what it received, as ``top_k = 1`` with unit
-   weights: the experts' math is the model's (grouped by expert, one matmul per local expert);
-5. **combine**: the results go back (``all_to_all_v`` again), are weighted by the routing
-   weights and summed per token in the original order; the tokens are gathered back
-   (``gather_from``).
-
-The older form, a container of expert modules (an ``nn.ModuleList``, or an ``nn.ModuleDict``
-keyed ``expert_<i>`` as HF's Switch Transformers), is the same stack one module at a time: each
-expert's parameters are stored ``StackedShard(i, E)`` (held whole by the rank owning expert ``i``,
-an empty shard elsewhere, so every rank has the same leaves), and the container's own forward is
-called with global expert ids on the rows it received.  The routing may also arrive as a one-hot
-mask ``[T, k, E]`` (Switch); its empty rows are assignments the router dropped.
-
-``tp_axis`` adds TP inside every expert (HF's ``moe_tp_experts``): the fused ``gate_up_proj``
-``[E, 2I, H]`` is colwise over ``tp`` (dim 1, packed, so each rank holds matching gate and up
-rows), ``down_proj`` ``[E, H, I]`` rowwise (dim 2), and the experts' output leaves as partial
-sums reduced over ``tp`` once; expert memory is then ``1/(ep·tp)``.
-
-``tokens="local"``: ``ep`` shares ranks with ``dp`` (the expert mesh ``(edp, ep)``, see
-``expert_mesh``): every ep rank holds its own tokens (its slice of the batch), so step 1 and the
-final gather are skipped and each rank routes all of its tokens.  The dense gradients are then
-per-rank shares as under any DP, while an expert's gradient gathers every ep rank's tokens, so
-it arrives summed over ``ep`` (its ``SummedOver`` facet); ``reduce_gradients(..., dp_axis="ep")``
-averages the dense leaves and divides the expert leaves without a collective.
-
-No token is dropped by default, so the result equals the unsharded layer.  ``capacity_factor=c``
-keeps at most ``ceil(c · T_local · k / E)`` assignments per expert from each rank (the first
-ones in token order; deterministic) and drops the rest — their expert term is zero, as in
-Switch/GShard; ``on_drop(fqn, count)`` receives the number dropped on this rank per call.
+``Experts`` on an experts module stores its ``[num_experts, ...]`` parameters ``Shard(0)`` (a
+container of expert modules: ``StackedShard(i, E)``) and, per call, splits the tokens over ``ep``,
+sends each row to its expert's owner (``all_to_all_v``), runs the module's own forward there and
+combines the weighted results back (``dispatch_combine``); the router stays replicated.  TP inside
+the experts, ``tokens="local"`` (``expert_mesh``) and capacity: see docs/experts.md.
 """
 
 from __future__ import annotations
@@ -150,7 +114,7 @@ def _connected(out: Tensor, rows: Tensor, module: nn.Module) -> Tensor:
 def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: Tensor, top_k_index: Tensor,
                      top_k_weights: Tensor, *, axis: str, fqn: str, stacked: int, capacity_factor: float | None,
                      on_drop: OnDrop | None, call: ExpertsCall = CALLS["routed"]) -> Tensor:
-    """This rank's tokens through their experts on whichever ranks own them (module docstring).
+    """This rank's tokens through their experts on whichever ranks own them (docs/experts.md#what-experts-does).
     ``top_k_index`` is ``[T, k]`` expert ids, or a one-hot mask ``[T, k, E]`` (HF's Switch), and
     the module is called back the same way, through ``call.run`` (``plan.experts_calls``).
     ``stacked``: the number of experts of a container of expert modules, called with global
@@ -192,7 +156,7 @@ def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: T
 
 @dataclass(frozen=True)
 class Experts(Style):
-    """Routed experts sharded over the plan's ``ep_axis`` (see the module docstring).
+    """Routed experts sharded over the plan's ``ep_axis`` (see the module docstring and docs/experts.md).
 
     >>> plan = hpf.ShardingPlan({"model.layers.*.mlp.experts": hpf.Experts()}, ep_axis="ep")
     """
@@ -203,7 +167,7 @@ class Experts(Style):
     on_drop: OnDrop | None = None
     tp_axis: str | None = None
     axis: str | None = None  # None: the plan's ep_axis
-    tokens: str = "replicated"  # or "local": ep shares ranks with dp (module docstring)
+    tokens: str = "replicated"  # or "local": ep shares ranks with dp (docs/experts.md#ep-sharing-ranks-with-dp)
     call: str | ExpertsCall | None = None  # the calling convention (plan.experts_calls); None: from the forward
     tp_partial: bool = False  # TP inside: leave the output a partial sum over tp (the caller reduces it)
     axis_role = "ep"
@@ -329,6 +293,15 @@ def expert_mesh(mesh: DeviceMesh, ep: int, *, dp_axis: str = "dp", names: tuple[
     ``(D / ep, ep)``, ep innermost so each ep group is consecutive ranks of the dp axis; the other
     axes stay.  For ``Experts(tokens="local")``: the batch is still split over all ``D`` ranks.
     A collective (new process groups): call on every rank.
+
+    Args:
+        mesh: the mesh holding ``dp_axis``.
+        ep: the expert-parallel degree; must divide the size of ``dp_axis``.
+        dp_axis: the axis to split.
+        names: the two new axis names, outer (size ``D / ep``) then inner (size ``ep``): distinct, and not other
+            axes of ``mesh``.
+    Returns:
+        a new ``DeviceMesh`` with ``dp_axis`` replaced by the two ``names`` axes in its place.
 
     >>> m = hpf.expert_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), ep=2)  # ("edp", "ep") = (2, 2)
     """

@@ -1,29 +1,10 @@
-"""How ``hpf.Experts`` calls an experts module: its calling convention (docs/experts.md).
+"""How ``hpf.Experts`` calls an experts module: its calling convention (docs/experts.md#calling-conventions).
 
-``Experts`` routes each rank's tokens to the ranks owning their experts and calls the module's
-own forward there on the rows it received (``plan.experts``); what it needs from the module is
-how to read the routing from the forward's arguments and how to call the forward back on a set
-of rows for its local experts.  Two conventions are built in, picked from the forward's
-positional arity unless ``Experts(call=...)`` names one:
-
-* ``"routed"`` — Hugging Face's fused experts (Mixtral, Qwen2-MoE, ...):
-  ``forward(hidden [T, H], top_k_index [T, k] (or a one-hot mask [T, k, E]), top_k_weights [T, k])``
-  returns ``[T, H]``, each token's weighted sum over its experts.  TP inside the experts: the
-  fused ``gate_up_proj [E, 2I, H]`` Shard(1) in two packed blocks, ``down_proj [E, H, I]`` Shard(2).
-* ``"sorted"`` — torchtitan's ``GroupedExperts``: ``forward(x [N, H], num_tokens_per_expert [E])``
-  with the rows already grouped by expert in expert order (the first ``counts[0]`` rows go to
-  expert 0, the next ``counts[1]`` to expert 1, ...), returning one output row per input row,
-  unweighted (the MoE block weights and combines them itself).  TP inside: ``w1``, ``w3``
-  ``[E, I, H]`` Shard(1), ``w2 [E, H, I]`` Shard(2).
-
-A user's own experts module either follows one of the two (its forward's positional arguments
-decide: three → ``"routed"``, two → ``"sorted"``), or is planned with an ``ExpertsCall`` of its
-own: a subclass saying which forward arguments carry tokens (``token_args``: dim 0 is the token
-dim, split over ``ep`` when the ep ranks hold the same tokens), how to read ``(hidden, expert
-index [T, k], weight [T, k])`` from them (``routing``), how to call the forward on rows of its
-local experts (``run``) and, for TP inside the experts, how each stacked weight is sharded
-(``tp_layouts``).  Its forward must compute each row independently of the others (the rows of
-one call are split across ranks); the output is the token-wise weighted sum of ``run``'s rows.
+``Experts`` calls the module's own forward on the rows each rank received (``plan.experts``), so it
+must know how to read the routing from the forward's arguments and how to call the forward back on
+rows of its local experts.  Built in: ``"routed"`` (HF's fused experts, ``RoutedCall``) and
+``"sorted"`` (torchtitan's ``GroupedExperts``, ``SortedCall``), picked from the forward's positional
+arity (three, two) unless ``Experts(call=...)`` names one; any other is an ``ExpertsCall`` subclass.
 """
 
 from __future__ import annotations
@@ -40,7 +21,9 @@ __all__ = ["CALLS", "ExpertsCall", "RoutedCall", "SortedCall", "experts_call"]
 
 
 class ExpertsCall:
-    """The calling-convention protocol (see the module docstring); subclass it for your own."""
+    """The calling-convention protocol (see the module docstring); subclass it for your own.  The
+    forward must compute each row independently of the others (the rows of one call are split
+    across ranks); the output is the token-wise weighted sum of ``run``'s rows."""
 
     name = "custom"
     #: the forward's positional arguments the boundary carries, and those whose dim 0 is the tokens
@@ -74,7 +57,9 @@ class ExpertsCall:
 
 
 class RoutedCall(ExpertsCall):
-    """HF's ``forward(hidden, top_k_index, top_k_weights)`` (see the module docstring)."""
+    """HF's ``forward(hidden [T, H], top_k_index [T, k] (or a one-hot mask [T, k, E]), top_k_weights [T, k])``
+    returning ``[T, H]``, each token's weighted sum over its experts; TP inside: the fused ``gate_up_proj
+    [E, 2I, H]`` Shard(1) in two packed blocks, ``down_proj [E, H, I]`` Shard(2)."""
 
     name = "routed"
 
@@ -98,7 +83,9 @@ class RoutedCall(ExpertsCall):
 
 
 class SortedCall(ExpertsCall):
-    """torchtitan's ``forward(x, num_tokens_per_expert)`` on rows grouped by expert (module docstring)."""
+    """torchtitan's ``forward(x [N, H], num_tokens_per_expert [E])`` on rows grouped by expert in expert
+    order, one unweighted output row per row (the MoE block weights and combines them itself); TP inside:
+    ``w1``, ``w3`` ``[E, I, H]`` Shard(1), ``w2 [E, H, I]`` Shard(2)."""
 
     name = "sorted"
     n_args = 2

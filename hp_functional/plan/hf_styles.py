@@ -1,31 +1,10 @@
 """Hugging Face ``tp_plan`` strings → styles (``ShardingPlan.from_hf``); other strings raise
 naming the style and the module.
 
-An HF plan names modules and, for styles that act on bare parameters, parameters
-(``experts.gate_up_proj: "packed_rowwise"``, ``self_attn.sinks: "colwise"``).  ``hf_entries``
-turns one into plan entries on modules only, as transformers 5.25 applies it
-(``transformers/distributed/tensor_parallel.py``):
-
-* a parameter entry shards that parameter as the HF style does for its rank (``colwise``: the
-  second-to-last dim, a 1-D one its only dim; ``rowwise``: the last dim, a ``bias``
-  replicated; ``packed_colwise``/``packed_rowwise``: the same dims, each of the two packed
-  halves sharded separately; ``replicate``); it belongs to its owner's entry, which must be
-  ``local_params`` (the owner's forward on local shards) or ``moe_tp_experts`` (the same, and
-  the output is a partial sum reduced once, the hidden states' and routing weights' gradients
-  reduced at the entry) — ``LocalParams``;
-* ``unit_colwise`` is ``colwise``: with fewer KV heads than ranks the heads are replicated per
-  group of ranks (``compile.kv_heads``), HF's unit mesh;
-* ``mla_kv_a_proj`` (MLA's shared latent + ``k_rot`` projection): the projection stays
-  replicated and its attention module becomes a rank-varying region (``mla_region``): the
-  ``k_rot`` slice reaches every rank's heads, so its gradient and the hidden states' are summed
-  over the ranks once at the attention's entry;
-* an entry that matches no module or parameter of this model is dropped, as HF drops it (a
-  family's generic plan names dense-MLP paths that an all-MoE configuration lacks); the plan
-  says so in ``ShardingPlan.explain()``.
-
-On a mesh without ``ep`` the routed experts that HF's plan leaves whole (Mixtral, OLMoE,
-Qwen3-MoE) get ``moe_tp_experts`` too (``tp_experts``): the fused ``gate_up_proj`` packed
-colwise, ``down_proj`` rowwise, as ``Experts(tp_axis=)`` does inside each ep shard.
+``hf_entries`` reads an HF plan as transformers 5.25 applies it
+(``transformers/distributed/tensor_parallel.py``): parameter entries, ``unit_colwise``,
+``mla_kv_a_proj``, entries that match nothing; ``tp_experts`` plans the routed experts HF leaves
+whole on a mesh without ``ep``.  See docs/whole-transformers.md#hf-plans-as-transformers-applies-them.
 """
 
 from __future__ import annotations
@@ -143,9 +122,10 @@ def _chunks_gate_up(module: nn.Module) -> bool:
 
 def tp_experts(model: nn.Module, entries: Mapping[str, object], ep_plan: Mapping[str, str], prefix: str,
                unplanned: dict[str, str]) -> dict[str, object]:
-    """Routed-experts entries for a mesh without ``ep`` (see the module docstring): experts named by
-    the config's ``ep_plan`` (``ep_dispatch_experts``), else found by their stacked weights, that
-    no entry plans yet; those of another layout are left whole, and why goes to ``unplanned``."""
+    """Routed-experts entries for a mesh without ``ep`` (``moe_tp_experts``: the fused ``gate_up_proj``
+    packed colwise, ``down_proj`` rowwise, as ``Experts(tp_axis=)`` does inside each ep shard) for the
+    experts named by the config's ``ep_plan`` (``ep_dispatch_experts``), else found by their stacked
+    weights, that no entry plans yet; those of another layout are left whole, and why goes to ``unplanned``."""
     modules = dict(model.named_modules())
     named = [prefix + p for p, s in ep_plan.items() if s == "ep_dispatch_experts"]
     found = [n for n, m in modules.items() if n and (any(path_matches(p, n) for p in named)
@@ -165,8 +145,8 @@ def tp_experts(model: nn.Module, entries: Mapping[str, object], ep_plan: Mapping
 
 
 def hf_entries(model: nn.Module, raw: Mapping[str, object]) -> tuple[dict[str, object], dict[str, str]]:
-    """``raw`` (an HF ``tp_plan``, full paths) as plan entries on modules (see the module
-    docstring), and the dropped entries with why."""
+    """``raw`` (an HF ``tp_plan``, full paths) as plan entries on modules, and the dropped entries
+    with why (docs/whole-transformers.md#hf-plans-as-transformers-applies-them)."""
     modules = dict(model.named_modules())
     params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     entries, owned, dropped = {}, {}, {}

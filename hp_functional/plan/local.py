@@ -1,28 +1,11 @@
 """``Local``: a plan entry whose forward is written by hand with explicit collectives —
 ``shard_map`` for modules (JAX's ``shard_map``, torch's experimental ``local_map``).
 
-``Local(fn, in_dst=..., out_src=..., params=...)`` on a module runs ``fn(module, axes, *args,
-**kwargs)`` on every rank instead of the module's forward: ``module`` is the private skeleton's
-copy holding this rank's shards (its children keep their own plan entries), ``axes`` maps every
-mesh axis name to its ``AxisGroup`` (``size``, ``rank`` and the collectives bound to it:
-``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``ppermute``, ``shift``).
-The arguments arrive converted from ``in_src`` to ``in_dst`` and what ``fn`` returns is
-converted from ``out_src`` to ``out_dst`` by the same boundary contract (``ModuleSpec``) and
-lowering table as every other style; ``fn`` adds only the collectives it calls.
-
-A ``Local`` is a rank-varying region on its axis (as everything inside ``shard_map``): the
-gradients of its Replicate inputs and of the replicated parameters ``fn`` uses are per-rank
-partial sums, all-reduced once at the entry, and a Replicate output leaves through
-``leave_region``.  So every collective bound on ``axes`` takes and gives rank-varying values
-(``all_reduce``'s backward is an all-reduce again), and any mix of them inside ``fn`` has exact
-gradients.  The cheapest final reduction is declared, not called: ``out_src=Partial()`` is
-all-reduced once on the way out with nothing in the backward (Megatron's *g*), where calling
-``all_reduce`` and declaring Replicate costs one more all-reduce in the backward.
-
-``check=True`` verifies, on every call, that each output declared Replicate is the same on
-every rank of its axis (one all-gather per output): a partial sum left unreduced or a
-rank-dependent value raises ``ReplicationError`` naming the module and the output — JAX's
-``check_vma`` as a run-time check.  ``hpf.validate`` turns it on for every ``Local`` entry.
+``fn(module, axes, *args, **kwargs)`` runs on every rank instead of the module's forward, on the
+skeleton's copy holding this rank's shards, its arguments and results converted by the same
+boundary contract as every other style.  A ``Local`` is a rank-varying region, so any mix of the
+collectives bound on ``axes`` has exact gradients; ``check=True`` verifies declared Replicate
+outputs at run time.  See docs/local.md.
 """
 
 from __future__ import annotations
@@ -64,7 +47,7 @@ def _per_axis(layouts: Mapping[Any, Layout], axis: str, what: str) -> dict[Any, 
 
 @dataclass(frozen=True, eq=False)
 class Local(Style):
-    """A hand-written local forward with declared boundaries (see the module docstring).
+    """A hand-written local forward with declared boundaries (see the module docstring, docs/local.md).
 
     ``in_src``/``in_dst``: placement of forward argument (position or name) as it arrives / as
     ``fn`` receives it; ``out_src``/``out_dst``: of an output ("output" or a tuple index) as

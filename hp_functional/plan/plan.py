@@ -132,17 +132,27 @@ class ShardingPlan:
                 ep_tokens: str = "replicated") -> ShardingPlan:
         """The plan a Hugging Face model declares (``model._tp_plan``, else the config's
         ``base_model_tp_plan`` under ``base_model_prefix``).  An unsupported HF style raises
-        naming the style and the module pattern.  ``cp_axis``: context parallelism too, with
-        ``ContextParallel(cp_strategy)`` on every attention module; then the TP entries apply
-        only when the mesh has ``tp_axis``.  ``ep_axis``: expert parallelism too, from the config's
-        ``base_model_ep_plan`` (``plan.experts.hf_ep_entries``: ``Experts`` on the routed experts,
-        TP on shared experts); the TP entries again apply only when the mesh has ``tp_axis``;
-        ``ep_tokens="local"`` when ``ep`` shares ranks with ``dp`` (``Experts(tokens=)``).
+        naming the style and the module pattern.
 
         HF's entries are read as transformers applies them (``plan.hf_styles.hf_entries``):
         parameter entries go to their module's ``local_params``/``moe_tp_experts`` entry, an
         entry that matches nothing in this model is dropped and noted (``explain()``); without
-        ``ep_axis`` the routed experts HF leaves whole get TP inside them (``tp_experts``)."""
+        ``ep_axis`` the routed experts HF leaves whole get TP inside them (``tp_experts``).
+
+        Args:
+            model: the HF model; only read.
+            tp_axis: the mesh axis of HF's TP entries; with ``cp_axis`` or ``ep_axis`` they apply only when
+                the mesh has it.
+            loss_parallel: keep the logits vocab-sharded and compute HF's causal-LM loss on them.
+            cp_axis: context parallelism too: ``ContextParallel(cp_strategy)`` on every attention module.
+            cp_strategy: ``"ring"`` or ``"allgather"`` (``ContextParallel``).
+            cp_layout: how the sequence is cut over ``cp_axis``: ``"zigzag"`` (load-balanced) or ``"contiguous"``.
+            ep_axis: expert parallelism too, from the config's ``base_model_ep_plan`` (``plan.experts.hf_ep_entries``:
+                ``Experts`` on the routed experts, TP on shared experts).
+            ep_tokens: ``"replicated"`` (the ep ranks hold one batch) or ``"local"`` (``ep`` shares ranks with
+                ``dp``: ``Experts(tokens=)``).
+        Returns:
+            a new ``ShardingPlan`` (a ``PlanError`` when the model declares no plan and ``cp_axis`` is None)."""
         raw = dict(getattr(model, "_tp_plan", None) or {})
         prefix = getattr(model, "base_model_prefix", "")
         prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
@@ -179,12 +189,19 @@ class ShardingPlan:
                    loss_parallel: bool = False, ep_axis: str | None = None, ep_tokens: str = "replicated") -> ShardingPlan:
         """The plan a ``parallelize_module(model, mesh, plan)`` call states: torch's styles
         (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``,
-        ``PrepareModuleOutput``, ``PrepareModuleInputOutput``), one style alone meaning the root,
-        and torchtitan's ``NoParallel`` and MoE styles, recognised by their shape
-        (``plan.torch_moe_styles``).  ``tp_axis`` names the mesh axis ``parallelize_module`` was
-        given; ``ep_axis`` the one its expert-parallel styles were (``ep_tokens``: whether the ep
-        ranks hold one batch, ``"replicated"``, or each its own, ``"local"``).  A style or layout
-        that cannot be expressed raises naming the pattern and the style (``plan.torch_styles``)."""
+        ``PrepareModuleOutput``, ``PrepareModuleInputOutput``) and torchtitan's ``NoParallel`` and
+        MoE styles, recognised by their shape (``plan.torch_moe_styles``).  A style or layout that
+        cannot be expressed raises naming the pattern and the style (``plan.torch_styles``).
+
+        Args:
+            plan: ``parallelize_module``'s plan, ``{pattern: style}`` (other values, this library's styles or
+                HF strings, are kept), or one style alone, meaning the root module.
+            tp_axis: the mesh axis ``parallelize_module`` was given.
+            loss_parallel: keep the logits vocab-sharded and compute HF's causal-LM loss on them.
+            ep_axis: the mesh axis the expert-parallel styles were given.
+            ep_tokens: ``"replicated"`` (the ep ranks hold one batch) or ``"local"`` (each its own).
+        Returns:
+            a new ``ShardingPlan`` with every torch style converted once."""
         entries = {"": plan} if isinstance(plan, ParallelStyle) else plan
         entries = {p: from_torch_style(s, f"plan entry {p!r}", tp_axis=tp_axis, ep_tokens=ep_tokens)
                    if isinstance(s, ParallelStyle) else s for p, s in entries.items()}

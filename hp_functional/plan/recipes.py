@@ -20,7 +20,12 @@ def llama_sp_plan(tp_axis: str = "tp") -> ShardingPlan:
     between the norms; attention and the MLP are entered with one all-gather (backward: one
     reduce-scatter) and left with a reduce-scatter.  The split happens at ``model.layers.0``'s
     input rather than at the embedding because HF computes position ids and the causal mask from
-    the embedding output's shape."""
+    the embedding output's shape.
+
+    Args:
+        tp_axis: the mesh axis the plan shards over.
+    Returns:
+        a new ``ShardingPlan`` for the HF Llama module paths (``model.layers.*``, ``lm_head``)."""
     L = "model.layers.*"
     return ShardingPlan({
         "model.embed_tokens": VocabEmbedding(),
@@ -48,9 +53,14 @@ def megatron_plan(model: nn.Module, partial_exit: bool = True) -> ShardingPlan:
     HF plan reaches the same count through shared input conversions; this form also covers blocks
     whose projections take different tensors, and shows how regions are written.)
 
-    ``partial_exit``: o_proj/down_proj keep their partial sums and the block's output is reduced
-    where it leaves (all-reduce forward, identity backward) — one all-reduce per block each way;
-    without it the block leaves replicated and its Rowwise all-reduces in the backward too."""
+    Args:
+        model: the HF Llama-family model whose ``from_hf`` plan is the base (only read).
+        partial_exit: o_proj/down_proj keep their partial sums and the block's output is reduced where it
+            leaves (all-reduce forward, identity backward) — one all-reduce per block each way; False: the block
+            is only entered as a region (``PrepareInput``), leaves replicated, and its Rowwise all-reduces in
+            the backward too.
+    Returns:
+        a new ``ShardingPlan`` on the base plan's ``tp_axis``."""
     base = ShardingPlan.from_hf(model)
     entries, axis = dict(base.entries), base.tp_axis
     for block, arg, out_proj in (("self_attn", "hidden_states", "o_proj"), ("mlp", "x", "down_proj")):

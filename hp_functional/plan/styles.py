@@ -340,7 +340,11 @@ class FixedRule:
 
 def default_handlers() -> dict[str, ParamHandler]:
     """A new dict of the built-in special handlers; extend a copy and pass it to the plan
-    (``ShardingPlan(..., handlers={**default_handlers(), "mine": fn})``) — nothing global changes."""
+    (``ShardingPlan(..., handlers={**default_handlers(), "mine": fn})``) — nothing global changes.
+
+    Returns:
+        handler name → ``ParamHandler``: ``shard_heads`` (Shard(0)), ``shard_last`` (Shard(-1)), ``replicate``,
+        ``packed_2`` / ``packed_3`` (Shard(0) in 2 or 3 packed blocks)."""
     return {
         "shard_heads": FixedRule(ParamRule(Shard(0))),  # per-head vectors: sinks, A_log, dt_bias
         "shard_last": FixedRule(ParamRule(Shard(-1))),

@@ -1,26 +1,10 @@
 """torchtitan's ``ParallelStyle`` subclasses as plan values, recognised by what they are.
 
-torchtitan (0.2.x) hands ``parallelize_module`` a few styles of its own next to torch's:
-``NoParallel`` (a module computed replicated: the MoE router's gate, DeepSeek's ``wkv_a``),
-and for the routed experts ``TensorParallel`` (TP inside every expert), ``ExpertParallel``
-(experts sharded over ``ep``, tokens exchanged all-to-all) and ``ExpertTensorParallel`` (both).
-They live in torchtitan, which this library does not import, so they are matched by the shape
-of their class — its name in the MRO and the attributes/hooks the style has — never by identity:
-
-* ``NoParallel``: ``input_layout``, ``desired_input_layout`` and ``output_layout`` placements →
-  ``PrepareInputOutput``: argument 0 re-placed ``input_layout → desired_input_layout``, the
-  (replicated) output re-placed onto ``output_layout``; the parameters stay replicated;
-* ``TensorParallel`` (``_partition_fn`` and ``_prepare_input_fn``, no token dispatch) →
-  ``ExpertsTP``: the stacked expert weights sharded as the experts' calling convention says
-  (``plan.experts_calls``), the tokens taken replicated (their gradient reduced at the entry)
-  and the output left a partial sum, reduced by the MoE block's own ``PrepareModuleOutput``;
-* ``ExpertParallel`` (``_token_dispatch``/``_token_combine``) → ``Experts(tokens=ep_tokens)``
-  on the plan's ``ep_axis``; ``ExpertTensorParallel`` → the same with ``tp_axis=tp_axis,
-  tp_partial=True``.  torchtitan's EP borrows data-parallel ranks (each rank its own tokens:
-  ``ep_tokens="local"``); the default ``"replicated"`` splits one batch over the ep ranks.
-
-``DeepEPExpertParallel`` and ``ReordererSequenceParallel`` (EP borrowing the TP ranks) are
-refused by name with what to plan instead.
+torchtitan's styles (``NoParallel``, and for the routed experts ``TensorParallel``,
+``ExpertParallel`` and ``ExpertTensorParallel``) live in torchtitan, which this library does not
+import, so they are matched by the shape of their class — names in its MRO, the attributes and
+hooks the style has — never by identity (``behaviour_style``).  See
+docs/torchtitan.md#what-from_torch-recognises.
 """
 
 from __future__ import annotations
@@ -86,9 +70,19 @@ def _no_parallel(style: ParallelStyle, where: str, placement, both) -> Style:
 
 
 def behaviour_style(style: ParallelStyle, where: str, *, tp_axis: str, ep_tokens: str, placement, both) -> Style | None:
-    """The style here for a torchtitan style recognised by its class's shape (module docstring),
-    None when ``style`` is none of them.  ``placement(p, where, what)`` checks a placement,
-    ``both(inputs, outputs)`` builds a ``PrepareInputOutput``; ``ep_tokens``: ``Experts(tokens=)``."""
+    """The style here for a torchtitan style recognised by its class's shape, None when ``style``
+    is none of them:
+
+    * ``NoParallel`` (``input_layout``, ``desired_input_layout``, ``output_layout`` placements) →
+      ``PrepareInputOutput``: argument 0 ``input_layout → desired_input_layout``, the (replicated)
+      output onto ``output_layout``; the parameters stay replicated;
+    * ``ExpertParallel`` (``_token_dispatch``/``_token_combine``) → ``Experts(tokens=ep_tokens)`` on the
+      plan's ``ep_axis``; ``ExpertTensorParallel`` → the same with ``tp_axis=tp_axis, tp_partial=True``;
+    * MoE ``TensorParallel`` (``_partition_fn`` and ``_prepare_input_fn``, no token dispatch) → ``ExpertsTP``;
+    * the ``_REFUSED`` ones raise naming what to plan instead.
+
+    ``placement(p, where, what)`` checks a placement, ``both(inputs, outputs)`` builds a
+    ``PrepareInputOutput``; ``ep_tokens``: ``Experts(tokens=)``."""
     names = _mro(style)
     refused = next((n for n in _REFUSED if n in names), None)
     if refused is not None:

@@ -1,29 +1,10 @@
 """Torch's own ``ParallelStyle`` objects (``torch.distributed.tensor.parallel``) as plan values.
 
-A dict written for ``parallelize_module`` — ``{pattern: ColwiseParallel(...), ...}`` — is a plan
-as it stands: ``ShardingPlan`` converts each torch style once, when the plan is built
-(``from_torch_style``), into the style here with the same placements, so nothing downstream
-knows torch's styles exist.  The conversion (docs/plan-language.md, "Torch's own styles"):
-
-* ``ColwiseParallel(input_layouts, output_layouts)`` → ``TorchColwise``: a ``Colwise`` on an
-  ``nn.Linear``; on an ``nn.Embedding`` the table is Shard(1) (embedding dim), output Shard(-1);
-* ``RowwiseParallel(input_layouts, output_layouts)`` → ``TorchRowwise``: a ``Rowwise`` on an
-  ``nn.Linear``; on an ``nn.Embedding`` a ``VocabEmbedding`` (table Shard(0), partial rows
-  reduced onto ``output_layouts``);
-* ``SequenceParallel(sequence_dim)`` → ``SequenceParallel(seq_dim)``;
-* ``PrepareModuleInput`` / ``PrepareModuleOutput`` → ``PrepareInput`` / ``PrepareOutput``
-  (positions and keyword names as keys; a ``None`` layout leaves that argument alone); the
-  input side also localises the module's head counts (``TorchPrepareInput``: torch's module sees
-  global DTensor shapes, the skeleton here local ones);
-  ``PrepareModuleInputOutput`` → ``PrepareInputOutput``, both at once.
-
-``use_local_output`` (and ``use_local_input``) changes nothing: outputs here are always plain
-tensors holding the declared placement, which the next module's declared input layout takes as
-it is — what torch's DTensor would carry to it.  Any other ``ParallelStyle`` (a subclass
-included: it may override ``_apply``), a placement other than ``Replicate()``, ``Shard(d)`` or
-``Partial()`` (sum), and a layout pair the lowering cannot express raise ``PlanError`` naming the
-plan entry's pattern and the torch style.  torchtitan's own styles (``NoParallel`` and the MoE
-ones) are recognised by their class's shape instead (``plan.torch_moe_styles``).
+A dict written for ``parallelize_module`` is a plan as it stands: ``ShardingPlan`` converts each
+torch style once, when the plan is built (``from_torch_style``), into the style here with the
+same placements, so nothing downstream knows torch's styles exist.  torchtitan's own styles are
+recognised by their class's shape instead (``plan.torch_moe_styles``).  The conversion table, why
+``use_local_output`` changes nothing, and what raises: docs/plan-language.md#torchs-own-styles.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Trace one forward of a meta copy of a model: who consumes whose output, and which integer
 attributes of which module fed a ``view``/``reshape``/``split``.
 
-``trace_model(model, inputs)`` deep-copies the model with every parameter and buffer mapped to
-a meta tensor (the user's model, config and attributes are only read), replaces every integer
-attribute of every module of the copy by a ``TracedInt`` — an ``int`` that remembers the
-``(module path, attribute)`` it was computed from, through ``+ - * // %`` — and runs one forward
-under a ``TorchFunctionMode`` with forward hooks on every module:
-
-* every tensor carries its *sources*: the modules whose outputs it derives from through plain
-  tensor ops (a module's output starts afresh with that module alone), so a module's inputs name
-  its producers (``o_proj`` consumes ``q_proj``, ``k_proj``, ``v_proj``);
-* every shape call (``view``, ``reshape``, ``unflatten``, ``split``, ``chunk``, ``__getitem__``)
-  is recorded with the innermost running module, the sources of its input, its shapes and the
-  attributes whose ``TracedInt`` appeared in its arguments — exact, not a comparison of values
-  (``seq_len == head_dim`` cannot fool it).
-
-The recorded arguments of each module's first call are what ``plan.auto_audit`` runs a module
-alone with, at global and at local shapes.  Nothing here communicates.
+``trace_model`` replaces every integer attribute of the copy by a ``TracedInt`` (an ``int`` that
+remembers the attribute it came from) and records each tensor's source modules and every shape
+call — provenance, not a comparison of values.  The user's model is only read; nothing here
+communicates.  See docs/auto-plan.md#the-trace.
 """
 
 from __future__ import annotations
@@ -264,7 +252,7 @@ class ModelTrace:
 
 def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
     """One forward of a meta copy of ``model`` on ``inputs`` (``(args, kwargs)``, moved to meta)
-    with the recording described in the module docstring.  Code that refuses meta tensors (flex
+    with the recording described in docs/auto-plan.md#the-trace.  Code that refuses meta tensors (flex
     attention checks the device) is traced again on fake CPU tensors (``FakeTensorMode``: shapes
     and devices, no storage, nothing computed); the meta error is raised if that fails too."""
     try:

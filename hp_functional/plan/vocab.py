@@ -6,11 +6,7 @@
   without ``labels``, then HF's causal-LM loss on the vocab-sharded logits
   (``vocab_parallel_cross_entropy``), so the full logits never exist.
 
-The cross entropy: per row, the max is agreed across ranks (a detached all-gather: any common
-shift is exact), the sum of exponentials and the target logit (fetched by the rank that owns it,
-zero elsewhere) are summed with ``reduce_from`` — the loss is replicated, so each rank's partial
-term receives the full gradient.  Everything is built from the public collectives, so it works
-under ``.backward()``, ``torch.func.grad`` and ``vmap``.
+See docs/whole-transformers.md ("Vocab-parallel embedding", "Loss parallel").
 """
 
 from __future__ import annotations
@@ -108,8 +104,19 @@ def vocab_parallel_cross_entropy(
     vocab_start: int | None = None,
 ) -> Tensor:
     """``F.cross_entropy(full_logits, labels)`` where each rank holds ``local_logits[..., V_r]``,
-    its contiguous slice of the vocabulary starting at ``vocab_start`` (found with one tiny
-    all-gather when None; slices may differ in size).  ``labels`` has ``local_logits.shape[:-1]``."""
+    its contiguous slice of the vocabulary (slices may differ in size); the full logits never exist.
+
+    Args:
+        local_logits: this rank's vocabulary slice of the logits, ``[..., V_r]`` (computed in fp32 at least).
+        labels: global token ids, shaped ``local_logits.shape[:-1]``.
+        mesh: the mesh, or the ``AxisGroup`` of the vocabulary axis itself.
+        tp_axis: the mesh axis the vocabulary is sharded over (unused when ``mesh`` is an ``AxisGroup``).
+        ignore_index: labels equal to it contribute zero loss and are left out of the mean.
+        reduction: ``"mean"`` (over the labels not ignored), ``"sum"`` or ``"none"`` (per position).
+        label_smoothing: as ``F.cross_entropy``'s (mixes in the mean over the whole vocabulary).
+        vocab_start: the global id of this rank's first column; None: found with one tiny all-gather.
+    Returns:
+        the loss, replicated over ``tp_axis``: a scalar, or shaped like ``labels`` under ``reduction="none"``."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     g = mesh if isinstance(mesh, C.AxisGroup) else C.AxisGroup.from_mesh(mesh, tp_axis)
@@ -121,6 +128,10 @@ def vocab_parallel_cross_entropy(
         vocab_size = None
     logits = local_logits if local_logits.dtype == torch.float64 else local_logits.float()  # fp32 at least
 
+    # The row max is agreed across ranks by a detached all-gather (any common shift is exact); the sum of
+    # exponentials and the target logit (fetched by the rank that owns it, zero elsewhere) are summed with
+    # reduce_from: the loss is replicated, so each rank's partial term receives the full gradient.  Only public
+    # collectives, so this works under .backward(), torch.func.grad and vmap.
     local_max = logits.detach().amax(-1, keepdim=True)
     shift = C.all_gather(local_max, -1, g).amax(-1)  # detached: the same constant on every rank
     sum_exp = C.reduce_from(torch.exp(logits - shift.unsqueeze(-1)).sum(-1), g)

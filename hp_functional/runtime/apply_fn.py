@@ -1,24 +1,11 @@
 """``apply_fn``: the per-call path — check the params pytree, convert, bind, run the skeleton.
 
 Everything here runs on every step, so it does no plan or placement work: ``shard()`` decided
-all of it and hands over a ``Program``.  Binding is ``torch.func.functional_call`` with its
-per-call setup done once: ``functional_call(..., tie_weights=True)`` walks every named
-parameter and buffer of the module on each call to find tied weights and resolves every dotted
-name to its submodule; here the tied groups are known (``Program.leaf_of``) and the
-(submodule ``_parameters`` dict, name) slots are resolved once, so a call is one dict store
-per slot, the forward, and one store per slot to put the meta placeholders back.
-
-Re-entrancy: binding writes the skeleton's slots, so two calls at once on one skeleton would
-read each other's parameters.  On a mesh of one rank (no collective pairs with another
-process) a call from another thread runs on a skeleton of its own, built from the pristine
-template on that thread's first call (``rebuild``) and kept for the thread's life: concurrent
-calls are exact and run in parallel.  On a multi-rank mesh the call's collectives must pair
-with the same call's on every other rank, and two threads' collectives cannot be ordered alike
-on every rank (a lock would serialise them in a different order per rank), so only the thread
-that built the ``apply_fn`` (the one that called ``shard()``) may call it: any other thread
-gets ``ReentrancyError`` at once, on every rank alike.  The inputs are agreed across the ranks
-that must see them alike (``runtime.inputs``) just before the call's first collective, so every
-local check of the call (a sequence the plan cannot split) raises before it.
+all of it and hands over a ``Program``.  Binding is ``torch.func.functional_call``'s swap with its
+per-call walk done once: the tied groups (``Program.leaf_of``) and the (submodule ``_parameters``
+dict, name) slots are resolved in ``make_apply_fn``, so a call is one dict store per slot, the
+forward, and one store per slot to put the meta placeholders back.  See
+docs/performance.md#the-per-call-path and, for threads, docs/guarantees.md#re-entrancy-threads.
 """
 
 from __future__ import annotations
@@ -75,7 +62,13 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     """``apply_fn(params, *args, buffers=None, **kwargs)``: check, convert, bind into the skeleton,
     forward; with ``buffers`` (``runtime.state``) it returns ``(output, buffers after the call)``.
     ``cache``: the boundaries' per-call conversion cache, emptied after every call; ``rebuild``:
-    a new ``apply_fn`` on a fresh skeleton, for another thread (see the module docstring)."""
+    a new ``apply_fn`` on a fresh skeleton, for another thread.
+
+    Binding writes the skeleton's slots, so two calls at once on one skeleton would read each
+    other's parameters.  On a one-rank mesh a call from another thread runs on a skeleton of its
+    own (``rebuild`` on that thread's first call, kept for the thread's life); on a multi-rank mesh
+    (or without ``rebuild``) only the building thread may call (``ThreadGuard``).  The inputs are agreed (``runtime.inputs``)
+    just before the call's first collective, so every local check of the call raises before it."""
     keys = tuple(program.infos)
     key_set = frozenset(keys)
     shapes = tuple(torch.Size(program.infos[k].local_shape) for k in keys)
@@ -148,8 +141,10 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
 
 
 class ThreadGuard:
-    """Refuses calls from threads other than the one that created it, with a message saying why
-    (an ``apply_fn`` whose collectives span several ranks; see the module docstring)."""
+    """Refuses calls from threads other than the one that created it, with a message saying why:
+    an ``apply_fn`` whose collectives span several ranks must pair them with the same call's on
+    every other rank, and two threads' calls cannot be ordered alike on every rank (a lock would
+    serialise them in a different order per rank)."""
 
     def __init__(self, ranks: int, what: str):
         self.owner, self.ranks, self.what = threading.get_ident(), ranks, what

@@ -1,42 +1,8 @@
-"""Activation checkpointing, decided once in ``shard(..., checkpoint=...)``.
-
-A checkpointed block runs its forward without keeping its activations and recomputes them in
-the backward, with the block's parameters bound, to get the gradients.
-
-Why not ``torch.utils.checkpoint`` (which is what Hugging Face's ``gradient_checkpointing_enable``
-installs on the decoder layers):
-
-* it recomputes by calling the module again during the backward; by then ``apply_fn`` has put
-  the meta placeholders back into its private skeleton (parameters are bound only for the
-  call), so the recompute meets meta tensors: ``RuntimeError: Tensor on device cpu is not on
-  the expected device meta!``;
-* it does not compose with ``torch.func``: the non-reentrant variant packs its inputs through
-  saved-tensor hooks (``torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor
-  hooks``) and the reentrant one is an ``autograd.Function`` without ``setup_context`` (``In
-  order to use an autograd.Function with functorch transforms ... it must override the
-  setup_context staticmethod``).
-
-So a block is a differentiable function of its leaves: ``Recompute``, an ``autograd.Function``
-with ``setup_context``, takes the block's parameter tensors and its tensor inputs; its forward
-runs the block under ``no_grad`` and saves only those leaves; its backward binds them into the
-block's ``_parameters`` slots of the skeleton (putting back what was there afterwards),
-replays the RNG state of the forward (dropout masks are equal), recomputes and returns the
-vector-Jacobian product.  Inside a ``torch.func`` transform (or for a double backward) that
-product comes from ``torch.func.vjp``; a plain first-order ``.backward()`` uses
-``torch.autograd.grad`` on detached leaves instead, which, unlike ``torch.func.vjp``, also works
-while saved-tensor hooks are active (``torch.autograd.graph.save_on_cpu``).  ``vmap`` gets a
-generated rule, so ``vmap(grad(...))`` works too.
-
-Blocks hold our own collectives: every rank recomputes the same blocks in the same order, so
-the collectives of the recompute match across ranks.  The boundaries' per-call conversion cache
-(``runtime.boundary``) is set aside while a block runs and restored afterwards, so a
-conversion made without grad in the forward is never reused outside the block, and a recompute
-(which runs after ``apply_fn`` has returned) leaves no entries behind.
-
-Limits: a block that updates buffers in its forward (batch-norm statistics) updates them again
-in the recompute; forward-mode AD (``torch.func.jvp``) through a checkpointed block is not
-supported; a KV cache passed to a checkpointed block is dropped in a differentiated call, as
-Hugging Face does (the recompute would write it twice).
+"""Activation checkpointing, decided once in ``shard(..., checkpoint=...)``: a checkpointed block
+runs its forward without keeping its activations and recomputes them in the backward, as a
+differentiable function of its leaves (``Recompute``), since ``torch.utils.checkpoint`` meets the
+skeleton's meta placeholders and does not compose with ``torch.func``.
+See docs/transforms.md#activation-checkpointing (why, and the limits).
 """
 
 from __future__ import annotations
@@ -237,7 +203,10 @@ class _Call:
 
     def run(self, leaves: Sequence[Tensor]) -> tuple[list, object]:
         """The block on ``leaves`` (its parameter tensors, then its tensor inputs): the flat
-        output and its structure."""
+        output and its structure.  The boundaries' per-call conversion cache is set aside while
+        the block runs and restored afterwards, so a conversion made without grad in the forward
+        is never reused outside the block, and a recompute (after ``apply_fn`` has returned)
+        leaves no entries behind."""
         block = self.block
         n = len(block.keys)
         flat = list(self.flat)
@@ -265,9 +234,17 @@ class _Call:
 
 
 class Recompute(torch.autograd.Function):
-    """A checkpointed block as a function of its leaves (see the module docstring):
+    """A checkpointed block as a function of its leaves (its parameter tensors, then its tensor
+    inputs), an ``autograd.Function`` with ``setup_context`` so that ``torch.func`` takes it:
     forward — the block under ``no_grad``, saving only the leaves;
-    backward — the block recomputed on the saved leaves, and its vector-Jacobian product."""
+    backward — the leaves bound into the block's ``_parameters`` slots of the skeleton (what was
+    there put back afterwards), the forward's RNG state replayed (equal dropout masks), the block
+    recomputed, and its vector-Jacobian product: from ``torch.func.vjp`` inside a ``torch.func``
+    transform (or a double backward); a plain first-order ``.backward()`` uses
+    ``torch.autograd.grad`` on detached leaves instead, which also works while saved-tensor hooks
+    are active (``torch.autograd.graph.save_on_cpu``).  ``vmap`` gets a generated rule, so
+    ``vmap(grad(...))`` works too.  Blocks hold our own collectives: every rank recomputes the
+    same blocks in the same order, so the recompute's collectives match across ranks."""
 
     generate_vmap_rule = True
 

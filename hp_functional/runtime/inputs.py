@@ -1,25 +1,7 @@
-"""Run-time agreement of ``apply_fn``'s inputs across the ranks that must see them alike.
-
-A plan that replicates its input over a mesh axis (TP, sequence parallel, context parallel on
-the full batch: every boundary but those of experts holding their own tokens,
-``ModuleSpec.summed_axes``) needs the *same* tensors on every rank of that axis.  A batch that
-differs in shape makes gloo abort inside a collective (no Python exception); one that differs
-in values gives a silently wrong loss.  So each call's input signature — every tensor
-argument's shape and dtype, every plain scalar's value, by argument — is compared across the
-ranks of each such axis once per new signature, just before the call's first collective
-(so the call's local checks raise first; cached: steady state adds nothing but the
-signature's computation), and with ``HPF_CHECK_INPUTS=1`` (or ``apply_fn.input_check.values =
-True``) a checksum of every tensor's values on every call.  A difference raises
-``InputMismatchError`` on every rank of the axis, naming the argument, the axis and the ranks,
-before any collective of the call (a forward without collectives agrees before returning).
-
-The comparison goes through the process group's key-value store (``c10d.Store``), not a
-collective: a rank whose signature is new waits there for its peers, within the timeout
-(``hpf.set_timeout``), so a peer that skipped the check (a signature it agreed before) makes it
-raise rather than pair a check with a collective of the forward.  Exchanges are numbered per
-process group, so every rank of an axis must call its ``apply_fn``s in the same order (as any
-collective requires).  Under ``torch.compile`` the check is not traced (the compiled graph is
-specialised to the shapes it was traced with).
+"""Run-time agreement of ``apply_fn``'s inputs across the ranks that must see them alike: each new
+input signature (and with ``HPF_CHECK_INPUTS=1`` every call's values) is compared over the
+process group's key-value store just before the call's first collective; a difference raises
+``InputMismatchError`` on every rank of the axis.  See docs/guarantees.md#run-time-agreement-of-apply_fns-inputs.
 """
 
 from __future__ import annotations
@@ -134,7 +116,8 @@ class InputAgreement:
 
     def check(self, args: tuple, kwargs: dict, key=None) -> None:
         """Raise ``InputMismatchError`` on every rank of an axis whose ranks were given different
-        inputs (see the module docstring); ``key``: the signature to remember once agreed."""
+        inputs (every tensor argument's shape and dtype, every plain scalar's value, by argument;
+        with ``values`` a checksum of every tensor too); ``key``: the signature to remember once agreed."""
         described: list[tuple[str, str]] = []
         for i, a in enumerate(args):
             _describe(a, f"argument {self.names[i]!r}" if i < len(self.names) else f"positional argument {i}",
@@ -151,7 +134,12 @@ class InputAgreement:
 
 
 def _exchange(group, payload: bytes, axis: str) -> list[bytes]:
-    """Every rank of ``group``'s ``payload`` (in group rank order), through the store."""
+    """Every rank of ``group``'s ``payload`` (in group rank order), through the store, not a
+    collective: a rank whose signature is new waits there for its peers within the timeout
+    (``hpf.set_timeout``), so a peer that skipped the check (a signature it agreed before) makes it
+    raise rather than pair a check with a collective of the forward.  Exchanges are numbered per
+    process group, so every rank of an axis must call its ``apply_fn``s in the same order (as any
+    collective requires)."""
     name = group.group_name
     seq = _SEQUENCE.get(name, 0)
     _SEQUENCE[name] = seq + 1

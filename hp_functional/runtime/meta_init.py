@@ -1,14 +1,6 @@
-"""Initialising a model built on the meta device, module by module, with seeded generators.
-
-``init_values(model, seed, keep)`` runs each module's own init — Hugging Face's
-``_init_weights(module)`` (the nearest ``PreTrainedModel`` above it, as HF dispatches), else
-torch's ``reset_parameters()`` — on a private copy of that one module whose own parameters are
-fresh full-size CPU tensors, under a generator seeded by ``(seed, module path)``; ``keep`` then
-takes what it needs (``shard()``: this rank's slice) and the full tensors are dropped before
-the next module.  Because each module's values depend only on the seed and its path, they are
-the same at any world size, mesh, plan or device, and equal to ``init_weights(model, seed)``
-on the unsharded model.  Peak memory: one module's full parameters (the largest is usually
-the embedding).  ``docs/weights.md`` says which inits this reproduces and which it does not.
+"""Initialising a model built on the meta device, module by module, with seeded generators: the
+same values at any world size, mesh, plan or device.  Which inits this reproduces and which it
+does not: docs/weights.md#a-meta-model-without-weights-per-shard-initialisation.
 """
 
 from __future__ import annotations
@@ -29,9 +21,14 @@ def module_seed(seed: int, fqn: str) -> int:
 
 
 def init_values(model: nn.Module, seed: int, keep: Callable[[str, Tensor], Tensor | None]) -> dict[str, Tensor]:
-    """``keep(name, full)`` of every meta parameter, initialised module by module (see the
-    module docstring).  A tied group is initialised once, by the module of its first name in
-    ``named_parameters`` order, and kept under that name."""
+    """``keep(name, full)`` of every meta parameter, initialised module by module: each module's
+    own init — Hugging Face's ``_init_weights(module)`` (the nearest ``PreTrainedModel`` above it, as
+    HF dispatches), else torch's ``reset_parameters()`` — runs on a private copy of that one module
+    whose own parameters are fresh full-size CPU tensors, under a generator seeded by ``(seed,
+    module path)``; ``keep`` takes what it needs (``shard()``: this rank's slice, None: nothing)
+    and the full tensors are dropped before the next module (peak: one module's parameters).  A
+    tied group is initialised once, by the module of its first name in ``named_parameters``
+    order, and kept under that name."""
     first: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), name)
@@ -64,8 +61,15 @@ def init_values(model: nn.Module, seed: int, keep: Callable[[str, Tensor], Tenso
 
 def init_weights(model: nn.Module, seed: int = 0) -> dict[str, Tensor]:
     """The full values ``shard(meta_model, plan, mesh, seed=seed)`` slices, for an unsharded
-    reference: every meta parameter (tied groups once, under their first name), initialised
-    module by module with seeded generators, on the CPU.  Reads ``model``, never writes it."""
+    reference.  Reads ``model``, never writes it.
+
+    Args:
+        model: a model whose parameters (some or all) are on the meta device.
+        seed: the seed that, with each module's path, seeds its generator (as ``shard(seed=)``).
+    Returns:
+        A dict FQN → full CPU tensor for every meta parameter (tied groups once, under their first
+        name), initialised module by module by its own init.
+    """
     return init_values(model, seed, lambda name, full: full)
 
 

@@ -96,35 +96,39 @@ def shard(
 ) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
-    Returns ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns
-    what ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups
-    once) to this rank's local shard; ``shard_info`` says where each shard sits.  ``plan`` is a
-    ``ShardingPlan`` or a plain ``{pattern: style}`` dict.  All checks are local and raise on
-    every rank before any collective; then one small all-gather agrees on a fingerprint of the
-    result and (``verify_values``) on a checksum of every parameter and buffer, so ranks holding
-    different weights raise ``PlanMismatchError`` naming the first tensor that differs.  A rank
-    that does not arrive within ``agree_timeout`` seconds raises too (None: the process group's
-    timeout).
+    All checks are local and raise on every rank before any collective; then one small
+    all-gather agrees on a fingerprint of the result and (``verify_values``) on a checksum of every
+    parameter and buffer, so ranks holding different weights raise ``PlanMismatchError`` naming
+    the tensors that differ.  docs/architecture.md#the-passes lists the steps.
 
-    ``verify`` (default True): the shard-time proof — the plan is run on a small private copy of
-    the model (one block of each kind, random init, a synthetic batch) against the same copy
-    unsharded, loss and every gradient, on the real ranks; a mismatch raises ``PlanError``
-    (``runtime.probe``; ``apply_fn.runtime.checks`` says what ran).  False skips it.
-
-    ``weights`` (a safetensors file, a folder with ``model.safetensors`` or a sharded
-    checkpoint's index): the values come from there, each rank reading only its slices (build
-    ``model`` under ``torch.device("meta")`` so no rank ever holds it whole; ``docs/weights.md``).
-    Without ``weights``, parameters on the meta device are initialised by their module's own
-    init with generators seeded by ``(seed, module path)`` (``runtime.meta_init``); meta buffers
-    are recomputed by their module's init either way; ``seed=None`` keeps meta tensors on meta
-    (shapes only, as ``explain`` and ``simulate`` use them).
-
-    ``checkpoint`` (activation checkpointing: a block keeps no activations in the forward and
-    is recomputed in the backward; works under ``.backward()`` and ``torch.func`` transforms):
-    None — follow the model: the decoder layers on which Hugging Face's
-    ``gradient_checkpointing_enable()`` was called, else none; False — none; True — every Hugging
-    Face decoder layer; module-path patterns (``["model.layers.*"]``); or ``ActivationCheckpoint(blocks=...,
-    preserve_rng=...)``.  A pattern that matches no module raises ``PlanError``.
+    Args:
+        model: the ``nn.Module`` to shard (on the mesh's device type, or on meta); only read.
+        plan: a ``ShardingPlan`` or a plain ``{pattern: style}`` dict.
+        mesh: a ``DeviceMesh`` with named dims that holds this rank.
+        weights: a safetensors file, a folder with ``model.safetensors`` or a sharded checkpoint's
+            index: the values come from there, each rank reading only its slices (build ``model``
+            under ``torch.device("meta")`` so no rank ever holds it whole; docs/weights.md).
+        seed: without ``weights``, meta parameters are initialised by their module's own init with
+            generators seeded by ``(seed, module path)`` (``runtime.meta_init``; meta buffers are
+            recomputed by their module's init either way); None: keep meta tensors on meta
+            (shapes only, as ``explain`` and ``simulate`` use them; no probe).
+        agree_timeout: seconds to wait for every rank at the agreement before raising; None: the
+            process group's timeout.
+        verify_values: include the value checksums in the agreement (False: fingerprint only).
+        checkpoint: activation checkpointing (a block keeps no activations in the forward and is
+            recomputed in the backward; works under ``.backward()`` and ``torch.func``): None —
+            follow the model (the decoder layers on which Hugging Face's
+            ``gradient_checkpointing_enable()`` was called, else none); False — none; True — every
+            Hugging Face decoder layer; module-path patterns (``["model.layers.*"]``); or an
+            ``ActivationCheckpoint``.  A pattern that matches no module raises ``PlanError``.
+        verify: the shard-time proof — the plan run on a small private copy of the model (one
+            block of each kind, random init, a synthetic batch) against the same copy unsharded,
+            loss and every gradient, on the real ranks; a mismatch raises ``PlanError``
+            (``runtime.probe``; ``apply_fn.runtime.checks`` says what ran).  False skips it.
+    Returns:
+        ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns what
+        ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups once)
+        to this rank's local shard; ``shard_info`` says where each shard sits (a ``ShardInfo`` per key).
     """
     program = build_program(model, plan, mesh)
     checks = {"dataflow": program.dataflow_skipped or "traced on meta tensors"}

@@ -1,15 +1,7 @@
-"""Model state (buffers) through ``apply_fn``: a second pytree next to ``params``.
-
-``buffers, buffer_info = hpf.buffers(apply_fn)`` gives the skeleton's buffers as new tensors keyed
-by FQN (every buffer, as ``torch.func.functional_call`` takes them; tied buffers once) and a
-``ShardInfo`` per buffer (replicated on every mesh axis: the skeleton keeps buffers whole).
-``out, buffers = apply_fn(params, *args, buffers=buffers, **kwargs)`` binds them for the call
-(missing keys keep the skeleton's own) and returns the output with the state after the forward:
-a buffer updated in place (a router's token counts, BatchNorm's running statistics) or
-reassigned comes back new; the tensors passed in are never written (each is cloned inside the
-call, which also makes an in-place update legal under ``torch.func.grad``/``vmap``, where
-updating a captured tensor is not).  Without ``buffers=`` a call is as before: the skeleton's
-own buffers, output only.  ``docs/training.md#buffers``.
+"""Model state (buffers) through ``apply_fn``: a second pytree next to ``params`` —
+``hpf.buffers(apply_fn)`` and ``apply_fn(params, *args, buffers=...)``, which binds a clone of
+each for the call and returns ``(output, buffers after the forward)``.
+See docs/training.md#buffers-model-state.
 """
 
 from __future__ import annotations
@@ -80,10 +72,17 @@ class BufferSlots:
 
 
 def buffers(apply_fn) -> tuple[dict[str, Tensor], dict[str, ShardInfo]]:
-    """``(buffers, buffer_info)`` of an ``apply_fn`` from ``hpf.shard`` or ``hpf.fsdp``: new tensors
-    holding its skeleton's buffers as they are now (the model's at ``shard()`` unless calls
-    without ``buffers=`` updated them) and their layout (replicated).  ``save``/``load``/``unshard``
-    take them merged with the params: ``hpf.save(path, params | buffers, shard_info | buffer_info)``."""
+    """The buffers of an ``apply_fn`` as a pytree to pass as ``apply_fn(..., buffers=)``.
+    ``save``/``load``/``unshard`` take them merged with the params:
+    ``hpf.save(path, params | buffers, shard_info | buffer_info)``.
+
+    Args:
+        apply_fn: an ``apply_fn`` from ``hpf.shard`` or ``hpf.fsdp`` (anything else: ``PlanError``).
+    Returns:
+        ``(buffers, buffer_info)``: new tensors keyed by FQN (tied buffers once) holding its skeleton's
+        buffers as they are now (the model's at ``shard()`` unless calls without ``buffers=`` updated
+        them), and a ``ShardInfo`` per buffer, replicated on every mesh axis.
+    """
     slots = getattr(apply_fn, "buffer_slots", None)  # an ApplyFn's (runtime.apply_fn: this module is below it)
     if not isinstance(slots, BufferSlots):
         raise PlanError("hpf.buffers: apply_fn is not one that hpf.shard() or hpf.fsdp() returned")

@@ -1,23 +1,9 @@
 """``explain``: what ``shard()`` decided — placements, the communication schedule and memory.
 
-* ``render_program(program)``: per planned module, its parameters' placements and the lowered steps.
-* ``schedule``: every collective one training step issues, in execution order, forward and
-  backward, attributed to the planned module that issues it.  It is *measured*, not derived:
-  ``shard()`` and one forward + backward of ``apply_fn`` run under ``FakeTensorMode`` (no memory
-  is allocated, nothing is communicated, so it works on meta models, on any rank alone and under
-  the fake process group of ``simulate``), while a dispatch mode records every
-  ``torch.ops._c10d_functional`` collective.  Forward collectives belong to the innermost
-  planned module running; backward ones to the module whose forward created the autograd node
-  that runs them (autograd sequence numbers).  Parameter-gradient reductions are listed under
-  the module that owns the parameter; those after the forward under ``(loss)`` (a loss-parallel
-  plan's loss is a ``Local`` on the root module: under ``""``).
-* ``memory``: per-rank parameter bytes, sharded vs replicated (shards are even, so every rank
-  holds the same amounts).
-
-``bytes`` of a collective is the size of the unsharded buffer it moves (NCCL-tests' "size"):
-an all-reduce's tensor, an all-gather's output, a reduce-scatter's input, an all-to-all's
-input.  On a ring each rank sends (n-1)/n of it for all-gather/reduce-scatter, 2(n-1)/n for
-an all-reduce.
+``render_program`` lists per planned module its parameters' placements and lowered steps;
+``explain`` also *measures* one training step's collectives (forward and backward, on fake
+tensors, recorded by ``tools.record``) and per-rank parameter memory.  What is attributed to
+which module, and how bytes count: docs/tools.md#explain (and ``record.ScheduleRow``).
 """
 
 from __future__ import annotations
@@ -95,7 +81,8 @@ class Schedule:
 
 @dataclass(frozen=True)
 class Memory:
-    """Parameter bytes held by each rank (gradients take as much again)."""
+    """Parameter bytes held by each rank (gradients take as much again); shards are even, so every
+    rank holds the same amounts."""
 
     sharded: int  # local shards of parameters sharded on some mesh axis
     replicated: int  # parameters replicated on every axis
@@ -150,15 +137,25 @@ def explain(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *args, batch: int | None = None,
     seq: int | None = None, dtype: torch.dtype | None = None, backward: bool = True, **kwargs,
 ) -> Explanation:
-    """Compile ``plan`` for ``model`` on ``mesh`` and, given example inputs (``*args, **kwargs``
-    as ``apply_fn`` takes them, this rank's local data; or ``batch=``/``seq=`` for HF
-    ``input_ids``/``labels``), measure one step's communication schedule on fake tensors (the
-    model is not touched).  Without a process group, or under ``simulate``, nothing is allocated
-    or communicated; under a real one ``shard()`` agrees across ranks once (call ``explain`` on
-    every rank, as ``shard``) and allocates the local shards (build the model on meta to avoid
-    that).  ``dtype`` casts the parameters (and so the activations) for the byte counts.  The
-    backward starts from ``scalar_loss`` of the output (HF's ``loss``, else the first output
-    tensor's sum).  ``str()`` of the result is the readable report."""
+    """Compile ``plan`` for ``model`` on ``mesh`` and, given example inputs, measure one step's
+    communication schedule on fake tensors (the model is not touched).  Without a process group, or
+    under ``simulate``, nothing is allocated or communicated; under a real one ``shard()`` agrees
+    across ranks once (call ``explain`` on every rank, as ``shard``) and allocates the local shards
+    (build the model on meta to avoid that).
+
+    Args:
+        model: the unsharded model; only read.
+        plan: a ``ShardingPlan`` or a ``{pattern: style}`` dict.
+        mesh: the device mesh.
+        args, kwargs: example inputs as ``apply_fn`` takes them (this rank's local data).
+        batch, seq: instead (or on top), HF ``input_ids``/``labels`` of zeros, ``[batch, seq]`` (defaults 1 and 16
+            when only one is given); ``kwargs`` win over them.
+        dtype: cast the parameters (and so the activations) to it for the byte counts; None: their own.
+        backward: also run the backward, from ``scalar_loss`` of the output (HF's ``loss``, else the first
+            output tensor's sum).
+    Returns:
+        an ``Explanation`` (program, memory, and the schedule when inputs were given); its ``str()`` is the
+        readable report."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)

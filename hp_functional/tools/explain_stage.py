@@ -73,10 +73,22 @@ def _p2p(stage: Stage, microbatches: int, nbytes: int, axis: str, dtype: torch.d
 
 def explain_stage(model: nn.Module, stage: Stage, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, batch: int,
                   seq: int, microbatches: int, pp_axis: str = "pp", dtype: torch.dtype | None = None) -> StageExplanation:
-    """The communication of ``stage`` (from ``pipeline_split``) in one step of ``batch`` sequences
-    of ``seq`` tokens cut into ``microbatches`` (see the module docstring); the model is not
-    touched.  Call it on every rank, as ``shard_stage``.  The activation between stages is the
-    hidden state ``[batch / microbatches, seq, config.hidden_size]``."""
+    """The communication of ``stage`` in one step of ``batch`` sequences of ``seq`` tokens cut into
+    ``microbatches`` (see the module docstring); the model is not touched.  Call it on every rank,
+    as ``shard_stage``.  The activation between stages is the hidden state
+    ``[batch / microbatches, seq, config.hidden_size]``.
+
+    Args:
+        model: the whole unsharded HF model; only read.
+        stage: this rank's stage (from ``pipeline_split``; its index must be this rank's on ``pp_axis``).
+        plan: the whole model's plan (``ShardingPlan`` or ``{pattern: style}``), cut to the stage here.
+        mesh: the mesh including ``pp_axis``; the stage is sharded over the other axes.
+        batch, seq: sequences per step and tokens per sequence.
+        microbatches: micro-batches per step; must divide ``batch``.
+        pp_axis: the pipeline mesh axis (the one the p2p transfers are attributed to).
+        dtype: the parameters' and activations' dtype for the byte counts; None: the model's.
+    Returns:
+        a ``StageExplanation``: one micro-batch's ``Explanation``, the step's p2p transfers and the step totals."""
     if not (isinstance(microbatches, int) and microbatches > 0 and batch % microbatches == 0):
         raise PlanError(f"explain_stage: microbatches={microbatches!r} must divide batch={batch}")
     sub = stage_mesh(mesh, stage, pp_axis)

@@ -14,13 +14,17 @@ _OPS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
 
 @dataclass(frozen=True)
 class ScheduleRow:
-    """One collective of the schedule: who issues it, in which pass, on which axis, how big."""
+    """One collective of the schedule: who issues it, in which pass, on which axis, how big.
+
+    ``bytes`` is the size of the unsharded buffer it moves (NCCL-tests' "size"): an all-reduce's tensor,
+    an all-gather's output, a reduce-scatter's input, an all-to-all's input.  On a ring each rank sends
+    (n-1)/n of it for all-gather/reduce-scatter, 2(n-1)/n for an all-reduce."""
 
     module: str  # planned module FQN, "(loss)", "(parameters)" or "(unplanned)"
     direction: str  # "fwd" or "bwd"
     op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, ppermute (point-to-point: one peer each way)
     axis: str
-    bytes: int  # size of the unsharded buffer (see explain's module docstring)
+    bytes: int  # size of the unsharded buffer (see the class docstring)
     dtype: str
 
 

@@ -1,29 +1,9 @@
 """``simulate``: look at a plan at a world size this machine cannot host (8, 64, ...) in one process.
 
-``simulate(fn, world_size=64, mesh_shape=(8, 8))`` starts torch's *fake* process group (every
-collective "succeeds" without communicating; this process plays rank ``rank``), builds the
-mesh, calls ``fn(mesh)`` and tears the process group down again.  What that supports:
-
-* **plans, shapes and memory**: ``build_program``/``shard``/``lint`` run unchanged (they only
-  read the mesh), on a model built on the meta device (``with torch.device("meta"):``) so a
-  7B-shaped model allocates nothing;
-* **the communication schedule**: ``explain(model, plan, mesh, batch=, seq=)`` runs one forward
-  and backward on fake tensors and records every collective (see ``explain``);
-* **not real numbers**: with the fake process group every collective returns garbage.
-
-``local_tensors=True`` additionally runs ``fn`` under ``torch.distributed._local_tensor.
-LocalTensorMode(world_size)``, where a ``LocalTensor`` holds one value per simulated rank and
-collectives compute the real result across them.  What works under it (tested in
-``tests/test_simulate.py``): this package's collectives whose forward and backward are both
-rank-independent — ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
-``copy_to``, ``reduce_from`` — on any mesh axis of an N-D mesh, forward, ``.backward()`` and
-``torch.func.grad``, with real numbers; ``gather_from`` forward only (its backward is a split).
-What does not: ``split_to``, ``partial_from`` and ``leave_region`` (and so
-``Rowwise(input_layout=Replicate())``, ``Rowwise`` biases, ``PrepareInput`` Replicate → Shard)
-take the rank as a Python int (the fake group's ``rank``) and give every simulated rank that
-rank's slice; likewise ``shard()`` slices parameters and ``VocabEmbedding`` picks its vocabulary
-range for one rank.  So a whole sharded model does **not** produce real numbers under
-LocalTensorMode; numerics need real ranks (``hp-functional check``, the test pools).
+``simulate(fn, world_size=64, mesh_shape=(8, 8))`` runs ``fn(mesh)`` on torch's *fake* process
+group (this process plays one rank; every collective "succeeds" without communicating and returns
+garbage): plans, shapes, lint, the schedule and memory of a meta model work, real numbers do not.
+See docs/tools.md#simulate.
 """
 
 from __future__ import annotations
@@ -51,10 +31,22 @@ def simulate(
     local_tensors: bool = False,
     device_type: str = "cpu",
 ) -> T:
-    """``fn(mesh)`` on a ``mesh_shape`` mesh (default ``(world_size,)``) of a fake ``world_size``
-    process group, as rank ``rank``; returns what ``fn`` returns.  Mesh dims are named
-    ``mesh_dim_names`` (default ``("tp",)``, ``("dp", "tp")``, ``("dp", "cp", "tp")``).
-    Refuses to run when a real process group is already initialised (it would be replaced)."""
+    """``fn(mesh)`` on a mesh of a fake ``world_size`` process group, as rank ``rank``; the group is
+    destroyed afterwards.  Refuses to run when a process group is already initialised (it would be
+    replaced).
+
+    Args:
+        fn: called once with the mesh.
+        world_size: the simulated number of ranks.
+        mesh_shape: the mesh's shape, whose product must be ``world_size``; None: ``(world_size,)``.
+        mesh_dim_names: its dim names; None: ``("tp",)``, ``("dp", "tp")`` or ``("dp", "cp", "tp")`` by its rank
+            (required for 4 or more dims).
+        rank: which rank this process plays.
+        local_tensors: also run ``fn`` under ``LocalTensorMode(world_size)`` (real per-rank values for some
+            collectives only: docs/tools.md#simulate).
+        device_type: the mesh's device type.
+    Returns:
+        what ``fn`` returns."""
     if dist.is_initialized():
         raise RuntimeError("simulate() needs no process group initialised: it starts (and destroys) a fake one; "
                            "call it outside torchrun/spawned ranks or after destroy_process_group()")
@@ -74,6 +66,13 @@ def simulate(
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         if not local_tensors:
             return fn(mesh)
+        # Under LocalTensorMode a LocalTensor holds one value per simulated rank, and the collectives whose forward
+        # and backward are both rank-independent (all_reduce, all_gather, reduce_scatter, all_to_all, copy_to,
+        # reduce_from; gather_from forward only) give real results on any axis of an N-D mesh, under .backward()
+        # and torch.func.grad (tests/test_simulate.py).  split_to, partial_from and leave_region (so
+        # Rowwise(input_layout=Replicate()), Rowwise biases, PrepareInput Replicate → Shard) take the fake group's
+        # rank as a Python int and give every simulated rank that rank's slice; so do shard()'s parameter slicing
+        # and VocabEmbedding's vocabulary range.  A whole sharded model gives no real numbers here: use real ranks.
         from torch.distributed._local_tensor import LocalTensorMode
 
         with LocalTensorMode(world_size):

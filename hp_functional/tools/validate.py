@@ -1,25 +1,11 @@
 """``validate``: run a plan beside the unsharded model and report where the two differ.
 
-``validate(model, plan, mesh, *args, **kwargs)`` runs ``model(*args, **kwargs)`` on a private
-deep copy (the reference) and the sharded ``apply_fn`` on the same inputs, backpropagates one
-scalar through each, and compares:
-
-* every planned module's output, made full with the placement the plan declares for it
-  (``out_dst``, else ``out_src``, else Replicate per axis: Shard(d) all-gathered, Partial
-  all-reduced).  An output the plan does not declare (a ``PrepareInput`` module) is taken as
-  Replicate when it has the reference's shape, else as Shard(d) on the one dim that is 1/n of it;
-* every parameter's gradient, gathered with ``unshard``;
-* that every replicated parameter's gradient is bit-identical across the ranks of each axis the
-  plan acts on (other axes, e.g. ``dp``, may legitimately see other data);
-* that every output a ``Local`` entry declares Replicate is the same on every rank of its axis
-  (``Local(check=...)``, turned on here): a partial sum its ``fn`` left unreduced or a
-  rank-dependent value is reported naming the module and the output.
-
-Output hooks go on the private copy *before* ``shard()`` reads it, so the private skeleton
-inherits them; the user's model is never touched.  Everything local (arguments, the plan, the
-reference run) happens before the first collective, and the ranks agree on a hash of what they
-will gather before gathering anything, so a disagreement raises everywhere instead of hanging.
-``mode="dtensor"`` checks declared placements against DTensor propagation (``validate_dtensor``).
+The reference runs on a private deep copy of the model, the sharded ``apply_fn`` on the same
+inputs; every planned module's output (made full with its declared placement), every gradient,
+the bit-identity of replicated gradients across the plan's axes and ``Local`` outputs declared
+Replicate are compared.  Everything local happens before the first collective, and the ranks
+agree on what they will gather first, so a disagreement raises everywhere instead of hanging.
+``mode="dtensor"``: ``validate_dtensor``.  See docs/tools.md#validate.
 """
 
 from __future__ import annotations
@@ -67,14 +53,24 @@ def validate(
 ) -> ValidationReport:
     """Check ``plan`` against the unsharded ``model`` on ``model(*args, **kwargs)`` (call on every rank).
 
-    A tensor fails when ``max|Δ| > atol + tolerance * max|reference|``.  The loss is
-    ``loss_fn(output)``, else HF's ``output.loss``, else the sum of the first output tensor (on a
-    sharded output, the sum of the local piece: its gradients are still those of the full sum).
-    ``check_axes``: the axes on which replicated gradients must be bit-identical (default: the
-    axes the plan acts on).  ``mode="dtensor"`` runs ``validate_placements`` instead.  Returns a
-    ``ValidationReport``; ``raise_on_failure`` raises it as ``ValidationError`` (or
-    ``PlacementMismatchError``).  Makes one private copy of the model; dropout must be off or
-    seeded alike (both runs start from the same CPU RNG state).
+    Makes one private copy of the model; dropout must be off or seeded alike (both runs start from
+    the same CPU and device RNG states).
+
+    Args:
+        model: the unsharded model; only read (the reference runs on a deep copy).
+        plan: a ``ShardingPlan`` or a ``{pattern: style}`` dict.
+        mesh: the device mesh, with named dims.
+        args, kwargs: the inputs, as both the model and ``apply_fn`` take them.
+        mode: ``"numeric"`` (compare outputs and gradients) or ``"dtensor"`` (``validate_placements``, forward only).
+        loss_fn: ``output -> scalar`` to backpropagate; None: HF's ``output.loss``, else the sum of the first
+            output tensor (on a sharded output, the sum of the local piece: its gradients are still those of
+            the full sum).
+        tolerance, atol: a tensor fails when ``max|Δ| > atol + tolerance * max|reference|``.
+        check_axes: the axes on which replicated gradients must be bit-identical; None: the axes the plan acts on.
+        raise_on_failure: raise the failed report as ``ValidationError`` (``PlacementMismatchError`` in
+            ``"dtensor"`` mode) instead of returning it.
+    Returns:
+        a ``ValidationReport`` (in numeric mode the same on every rank: each value is the worst over the mesh).
     """
     _check_arguments(mesh, mode, loss_fn, tolerance, atol, check_axes)
     plan = as_plan(plan)
@@ -260,6 +256,7 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
     apply_fn, params, infos = shard(ref, plan, mesh, verify=False)
     program = apply_fn.program
     axes, groups = list(mesh.mesh_dim_names), program.groups
+    # replicated gradients must be bit-identical over the axes the plan acts on; other axes (dp) may see other data
     check = list(check_axes) if check_axes is not None else [
         a for a in axes if any(a == b.planned.axis or a in b.spec.axes for b in program.boundaries)
     ]

@@ -1,28 +1,6 @@
 """DTensor mode of ``validate``: run the planned layouts with DTensor placement propagation as
-the reference for what each planned module really produces (upstream's ``validate_mode``).
-
-A private skeleton of the model gets every parameter as a DTensor with the placements
-``shard()`` decided (the local shards wrapped without communication); each planned module's
-arguments are wrapped (plain tensors: as the plan's ``in_src`` declares) or checked (DTensors:
-their placements against ``in_src``) and redistributed to ``in_dst``, as ``PrepareModuleInput``
-does; the module's *own* forward then runs under DTensor dispatch, and its outputs' actual
-placements are compared with the declared ``out_src`` before being redistributed to ``out_dst``.
-Plain tensors that meet DTensors (rotary tables, masks) count as replicated.
-
-Checkable: every style whose compute is the module's own forward — ``Colwise``, ``Rowwise``,
-``SequenceParallel``, ``Replicate``, ``PrepareInput``/``PrepareOutput``, ``Heads`` (DTensor
-works on global shapes, so no head counts are divided) and ``ModuleSpec``.  ``VocabEmbedding``
-is checked with DTensor's own embedding rule standing in for the style's masked local lookup
-(a broken ``local_forward`` is numeric mode's job).  Not checkable: ``Local`` entries (their
-compute is a hand-written ``fn``, not the module's forward: numeric mode and its replication
-check cover them), packed parameters (DTensor has no layout for them; rejected up front), the
-vocab-parallel ``labels=`` loss of
-``loss_parallel`` plans (rejected up front: pass no labels), ``param_dst`` (DTensor decides how
-a Rowwise bias meets the partial sums itself) and forwards DTensor cannot dispatch (a
-``PlanError`` names the innermost planned module).  DTensor may reduce a Partial value earlier
-than the plan does, through an op it does not treat as linear (Gemma's embedding times a tensor
-scale): that reads as a mismatch (expected Partial, actual Replicate) — confirm with numeric mode.
-Forward only, under ``torch.no_grad``; HF models get ``use_cache=False`` unless the caller says.
+the reference for what each planned module really produces (upstream's ``validate_mode``),
+forward only.  What is checked and what is not: ``check_placements``; docs/tools.md#validate.
 """
 
 from __future__ import annotations
@@ -75,13 +53,19 @@ def validate_placements(
     raise_on_failure: bool = True,
     **kwargs: Any,
 ) -> list[PlacementMismatchError]:
-    """Run ``model(*args, **kwargs)`` as DTensors laid out by ``plan`` (call on every rank) and
-    return every planned module whose actual input/output placement differs from the declared
-    ``in_src``/``out_src``, in forward order; ``raise_on_failure`` raises the first one (the
-    keyword ``validate`` takes).
+    """Run ``model(*args, **kwargs)`` as DTensors laid out by ``plan`` (call on every rank), forward
+    only, and find every planned module whose actual input/output placement differs from the
+    declared ``in_src``/``out_src``.
 
-    ``args``/``kwargs`` are what ``apply_fn`` would get (this rank's local data).  The model is
-    only read.
+    Args:
+        model: the unsharded model; only read.
+        plan: a ``ShardingPlan`` or a ``{pattern: style}`` dict.
+        mesh: the device mesh.
+        args, kwargs: what ``apply_fn`` would get (this rank's local data).
+        raise_on_failure: raise the first mismatch instead of returning the list (the keyword ``validate``
+            takes; note the default here is True).
+    Returns:
+        the ``PlacementMismatchError`` of every mismatch, in forward order (empty: all placements agree).
     """
     found, _ = check_placements(model, plan, mesh, args, kwargs)
     if found and raise_on_failure:
@@ -92,7 +76,21 @@ def validate_placements(
 def check_placements(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, args: tuple, kwargs: dict
 ) -> tuple[list[PlacementMismatchError], int]:
-    """``validate_placements`` without raising: (mismatches in forward order, placements compared)."""
+    """``validate_placements`` without raising: (mismatches in forward order, placements compared).
+
+    A private skeleton gets every parameter as a DTensor with ``shard()``'s placements; each planned
+    module's arguments are wrapped (plain tensors, as ``in_src`` declares) or checked (DTensors) and
+    redistributed to ``in_dst``, its own forward runs under DTensor dispatch, and its outputs' actual
+    placements are compared with ``out_src`` before going to ``out_dst``.  Plain tensors that meet
+    DTensors (rotary tables, masks) count as replicated; HF models get ``use_cache=False`` unless given.
+
+    Checkable: every style whose compute is the module's own forward (``Heads`` too: DTensor works on
+    global shapes, so no head count is divided); ``VocabEmbedding`` through DTensor's own embedding rule
+    (a broken ``local_forward`` is numeric mode's job).  Not checked: ``Local`` entries (skipped),
+    ``param_dst`` (DTensor decides how a Rowwise bias meets the partial sums).  Rejected up front: packed
+    parameters, ``labels=`` under ``loss_parallel``.  A forward DTensor cannot dispatch is a ``PlanError``
+    naming the innermost planned module.  DTensor may reduce a Partial earlier than the plan does (Gemma's
+    scaled embedding): that reads as a mismatch (expected Partial, actual Replicate)."""
     plan = as_plan(plan)
     program = build_program(model, plan, mesh)  # local: a bad plan raises here, on every rank
     packed = sorted(k for k, i in program.infos.items() if i.blocks)

@@ -1,17 +1,7 @@
-"""What ``hpf.load`` trusts of a checkpoint on disk: nothing it has not checked first.
-
-- DCP's ``.metadata`` (a pickle) is read by a restricted unpickler that admits only DCP's own
-  metadata classes, ``torch.Size``, dtypes and layouts (``read_metadata``): a pickle that names
-  anything else is refused before it can run.  Its file names must be plain names in the
-  checkpoint directory and its checksum the one the marker recorded.
-- ``SummingWriter``: every rank hashes each chunk it wrote (read back from the page cache); the
-  checksums travel with DCP's own gathered write results to rank 0, which records them in the
-  completion marker (``save``'s ``_commit``).
-- ``VerifyingReader`` reads each chunk whole, compares its checksum before deserialising it,
-  then reads a tensor with ``torch.load(weights_only=True)`` and hands a byte item over raw (never
-  unpickled).  A failure inside DCP's read step is gathered by DCP onto every rank, so every rank
-  raises; ``as_checkpoint_error`` turns DCP's ``CheckpointException`` (a ``BaseException``) into
-  our ``CheckpointError``.
+"""What ``hpf.load`` trusts of a checkpoint on disk: nothing it has not checked first.  ``read_metadata``
+unpickles DCP's ``.metadata`` with DCP's metadata types only; ``SummingWriter`` checksums every chunk at
+save; ``VerifyingReader`` checks each chunk before deserialising it; ``as_checkpoint_error`` turns DCP's
+``CheckpointException`` into ``CheckpointError``.  See docs/checkpoints.md#trust-model.
 """
 
 from __future__ import annotations
@@ -112,8 +102,9 @@ class _Summed:
 
 
 class SummingWriter(FileSystemWriter):
-    """DCP's file writer, plus a checksum of every chunk; after ``finish`` (rank 0),
-    ``sums`` maps ``chunk_key`` to the checksum of every rank's chunks."""
+    """DCP's file writer, plus a checksum of every chunk by the rank that wrote it, carried to rank 0 in
+    DCP's own gathered write results; after ``finish`` (rank 0), ``sums`` maps ``chunk_key`` to the
+    checksum of every rank's chunks (for the marker: ``marker_sums``)."""
 
     sums: dict | None = None
 

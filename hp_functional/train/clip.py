@@ -1,21 +1,9 @@
 """Gradient clipping by the norm of the *global* gradient, with one small collective for the whole pytree.
 
-Every leaf's local shard contributes its p-th-power sum (its max for ``inf``), but only on the
-ranks that *own* it: the ranks whose coordinate is 0 on every mesh axis the leaf is replicated
-on. One all-gather over the mesh (a few numbers per rank, summed in mesh order) then counts each
-sharded piece once and each replicated leaf once (not once per replica), so ``total_norm``
-equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Tied weights are already one
-leaf; FSDP leaves (``Shard``/``_StridedShard`` on ``dp``, possibly uneven or empty) are pieces
-like any other. Owner masking is exact (no 1/n weights), and replicas are assumed equal, as they
-are after ``reduce_gradients``.
-
-Before the norm is trusted, the ranks agree on the gradients' structure: each rank's local
-checks (keys, shapes) and a digest of which keys have a gradient (not ``None``) travel with its
-norm in the one collective (an all-gather of a few numbers per rank, summed in mesh order, so
-every rank computes the same total).  A rank whose check failed, or a ``None`` (or missing key)
-on some ranks only, raises on every rank — never a silently wrong norm, and never a rank that
-skips the collective while the others pair theirs with its next one.  ``reduce_gradients``
-agrees the same way (``agree_structure``) before its buckets.
+Each leaf's local shard contributes its p-th-power sum (its max for ``inf``) on the ranks that own it
+(``_owns``) only, so ``total_norm`` equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model;
+replicas are assumed equal, as they are after ``reduce_gradients``.  The same all-gather agrees on the
+gradients' structure (``agree_structure``, which ``reduce_gradients`` shares).  See docs/training.md#clipping.
 """
 
 from __future__ import annotations
@@ -85,7 +73,8 @@ def _common_mesh(leaves: list[tuple[str, Tensor, ShardInfo]], where: str) -> Dev
 
 def _owns(info: ShardInfo, coord: list[int]) -> bool:
     """Whether this rank counts the leaf: coordinate 0 on every axis the leaf is replicated on,
-    and the first rank of its group on an axis it is ``GroupedShard`` on."""
+    and the first rank of its group on an axis it is ``GroupedShard`` on.  Exact masking (no 1/n
+    weights): each sharded piece and each replicated leaf is counted once, not once per replica."""
     return all(owns(p, c) for c, p in zip(coord, info.placements, strict=True))
 
 
@@ -203,7 +192,7 @@ def _mesh_of(shard_info: Mapping[str, ShardInfo], where: str) -> DeviceMesh | No
 
 def _global_norm(grads: Mapping[str, Tensor | None], shard_info: Mapping[str, ShardInfo], norm_type: float,
                  foreach: bool | None, where: str) -> tuple[Tensor, list[tuple[str, Tensor, ShardInfo]]]:
-    """(the global norm, the checked leaves); see the module docstring for the agreement."""
+    """(the global norm, the checked leaves); the ranks agree on the structure first (``agree_structure``)."""
     p = float(norm_type)
     if not (p > 0 or p == math.inf):
         raise ValueError(f"{where}: norm_type must be positive or inf, got {norm_type!r}")
@@ -243,9 +232,21 @@ def clip_grad_norm(
 ) -> tuple[dict[str, Tensor | None], Tensor]:
     """``(clipped_grads, total_norm)``: every gradient scaled by ``min(1, max_norm / (total_norm + 1e-6))``,
     where ``total_norm`` is the norm of the global gradient — what ``torch.nn.utils.clip_grad_norm_``
-    returns on the unsharded model.  Pure: new tensors, same keys and order, ``None`` kept as
-    ``None``.  One all-gather of a few numbers per rank (a collective: call on every rank); a
-    ``None`` or a missing key on some ranks only raises on every rank.
+    returns on the unsharded model.  Pure.  One all-gather of a few numbers per rank (a collective:
+    call on every rank); a ``None`` or a missing key on some ranks only raises on every rank.
+
+    Args:
+        grads: FQN -> this rank's local gradient or None, keyed like ``shard_info``.
+        shard_info: each leaf's layout (``shard()``'s or ``fsdp``'s); every leaf on one mesh.
+        max_norm: the global norm to clip to (as torch's).
+        norm_type: p of the p-norm: positive, or ``inf`` for the largest absolute value.
+        error_if_nonfinite: raise ``RuntimeError`` (on every rank) when the total norm is NaN or inf, as torch does.
+        foreach: use torch's ``_foreach`` kernels (None: where the device has them, as torch; True where it has not
+            raises).
+
+    Returns:
+        ``(clipped_grads, total_norm)``: new tensors with the same keys and order (``None`` kept), and the 0-dim
+        global norm, the same on every rank (in the gradients' promoted dtype, at least float32).
 
     >>> grads = torch.func.grad(loss_fn)(params)
     >>> grads, norm = hpf.clip_grad_norm(grads, shard_info, max_norm=1.0)

@@ -1,19 +1,8 @@
 """Plain data parallel over the params pytree: bucketed all-reduce of the gradients over one mesh axis.
 
-Gradients of leaves replicated on ``axis`` (``dp``) differ per rank when each rank sees its own
-slice of the batch; their mean over the axis is the full-batch gradient.  On slow-per-message
-backends (gloo: ~1-2 ms per collective whatever its size) the number of collectives decides the
-step time, so leaves are flattened into buckets of at most ``bucket_bytes`` per (device, dtype)
-and each bucket is one all-reduce; all buckets are issued before the first wait, so a backend
-that overlaps them can.  Leaves *sharded* on ``axis`` belong to ``hpf.fsdp`` (reduce-scatter),
-except those whose gradient already arrives summed over it (a ``SummedOver`` facet: experts when
-``ep`` shares ranks with ``dp``, every ep rank routing its own tokens): no collective, and
-``"mean"`` divides them by the axis size like the rest.
-
-Before the buckets, the ranks of the axis agree on the gradients' structure (one all-gather of
-four numbers per rank, ``clip.agree_structure``): the buckets are planned from the leaves that
-have a gradient, so a ``None`` (or a key missing) on one rank only would pair different buckets
-across ranks; instead every rank raises, naming the key and the ranks.
+Buckets, not one collective per leaf: on slow-per-message backends (gloo: ~1-2 ms per collective
+whatever its size) the number of collectives decides the step time.  Leaves sharded on ``dp_axis``
+are ``hpf.fsdp``'s, except a ``SummedOver`` one.  See docs/training.md#data-parallel-without-fsdp.
 """
 
 from __future__ import annotations
@@ -49,9 +38,22 @@ def reduce_gradients(
     op: str = "mean", *, bucket_bytes: int = 25 * 2**20,
 ) -> dict[str, Tensor | None]:
     """Every gradient all-reduced (``"mean"`` or ``"sum"``) over mesh axis ``dp_axis``: one collective
-    per bucket of at most ``bucket_bytes`` (see ``plan_buckets``), never one per parameter.  Pure:
-    new tensors, same keys and order, ``None`` kept.  Every check is made before the first
-    collective (a collective: call on every rank of ``mesh``).
+    per bucket of at most ``bucket_bytes`` per (device, dtype) (see ``plan_buckets``), all issued
+    before the first wait, never one per parameter.  Pure.  Every check is made before the first
+    collective, and the ranks of ``dp_axis`` agree on which keys have a gradient (``agree_structure``):
+    a ``None`` on some ranks only raises on every rank.  A collective: call on every rank of ``mesh``.
+
+    Args:
+        grads: FQN -> this rank's local gradient or None, keyed like ``shard_info``.
+        shard_info: each leaf's layout; a leaf sharded on ``dp_axis`` is ``hpf.fsdp``'s (``PlanError``) unless its
+            gradient arrives summed over it (``SummedOver``: no collective, only divided for ``"mean"``).
+        mesh: the mesh holding ``dp_axis``.
+        dp_axis: the mesh axis whose ranks each saw their own slice of the batch.
+        op: ``"mean"`` (the full-batch gradient) or ``"sum"``.
+        bucket_bytes: the most bytes one all-reduce carries (a larger leaf is a bucket of its own).
+
+    Returns:
+        The reduced gradients: new tensors, same keys and order, ``None`` kept.
 
     >>> grads = torch.func.grad(loss_fn)(params, batch_slice)   # this dp rank's slice of the batch
     >>> grads = hpf.reduce_gradients(grads, shard_info, mesh)     # = the full-batch gradient

@@ -1,16 +1,7 @@
-"""Distributed checkpoints through ``torch.distributed.checkpoint`` (DCP), DTensor-free.
-
-``save`` writes every tensor as its *global* tensor: each rank hands DCP only its local shard, one
-chunk per ``Box`` of ``boxes(info)`` (so packed and ``hpf.fsdp`` row-split layouts, which DTensor
-cannot express, save like plain ones); DCP keeps one copy of a box that several ranks hold.
-``load`` reads those chunks into the boxes of a *target* ``shard_info`` (any mesh, plan or world
-size: resharding is DCP's chunk overlap, not a gather).  A save is crash safe: it writes
-``<path>.hpf-partial``, and rank 0 renames it onto ``path`` once every rank has written and a
-completion marker, with every chunk's checksum, is on disk (``latest`` only sees completed
-checkpoints); it replaces or deletes only directories it made (``ckpt_files``).  ``load``
-executes nothing from disk and verifies every chunk before use (``ckpt_integrity``); ``extra`` is
-JSON plus tensors (``ckpt_extra``).  Inverses side by side: ``save``/``load``;
-docs/checkpoints.md has the layout, the guarantees, the trust model and their limits.
+"""Distributed checkpoints through ``torch.distributed.checkpoint`` (DCP), DTensor-free: ``save`` / ``load`` /
+``latest``.  Each rank writes its local shard's boxes as chunks of the *global* tensor, and ``load`` reads them
+into any target layout.  Helpers: ``ckpt_files`` (crash-safe directories), ``ckpt_integrity`` (checksums,
+nothing executed from disk), ``ckpt_extra`` (``extra`` as JSON plus tensors).  See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -240,12 +231,25 @@ def _commit(tmp: str, path: str, world: int, writer: SummingWriter) -> None:
 
 def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], *,
          opt_state: Any = None, extra: Any = None, async_save: bool = False) -> SaveHandle:
-    """Write ``params`` (and ``opt_state``, and this rank's ``extra``: JSON-like data and tensors,
-    see ``ckpt_extra``) as a checkpoint of global tensors at ``path``; a collective (every rank
-    calls it).  Each rank writes its own boxes, nothing is gathered.  ``path`` must be new, empty
-    or an earlier checkpoint (anything else: ``CheckpointError``, before anything is written).
-    ``async_save=True`` copies the shards to CPU memory, writes them in a thread and returns a
-    handle whose ``wait()`` every rank must call.  Inverse: ``load``."""
+    """Write ``params`` (and ``opt_state``, and this rank's ``extra``) as a checkpoint of global tensors
+    at ``path``; a collective (every rank calls it).  Each rank writes its own boxes, nothing is
+    gathered; the checkpoint appears at ``path`` only once complete.  Inverse: ``load``.
+
+    Args:
+        path: the checkpoint directory: new, empty or an earlier checkpoint (anything else: ``CheckpointError``,
+            before anything is written).
+        params: FQN -> this rank's local shard, with ``shard_info``'s keys and local shapes.
+        shard_info: each leaf's layout; every leaf's mesh must hold this rank.
+        opt_state: an optimizer state pytree of tensors (``opt.init(params)``'s), each leaf stored under
+            ``optim/<its pytree path>`` (None: no state).
+        extra: this rank's own JSON-like data and tensors (step, RNG state; see ``ckpt_extra``), encoded now, so a
+            later change to it is not saved.
+        async_save: copy the shards to CPU memory, write them in a thread and return at once.
+
+    Returns:
+        A ``SaveHandle``: every rank must call its ``wait()`` (a sync save's is already finished), which returns
+        ``path`` once the checkpoint is visible.
+    """
     global _pending
     path = os.fspath(path)
     if path.endswith(SCRATCH) or path.endswith(OLD):
@@ -309,8 +313,15 @@ def _marker(path: str) -> dict | None:
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint directly under ``root`` (newest by its marker's time), or
-    None; directories being written (``*.hpf-partial``) and without a marker are ignored."""
+    """The newest complete checkpoint directly under ``root`` (newest by its marker's time); directories
+    being written (``*.hpf-partial``) and without a marker are ignored.  No collective.
+
+    Args:
+        root: the folder holding checkpoint directories (one that does not exist holds none).
+
+    Returns:
+        The checkpoint's path, or None when there is none.
+    """
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
@@ -365,11 +376,21 @@ def _check_saved(path: str, metadata, key: str, info: ShardInfo, dtype: torch.dt
 # ---------------------------------------------------------------- load
 def load(path: str | os.PathLike, shard_info: Mapping[str, ShardInfo], *, opt_state: Any = None,
          params: Mapping[str, Tensor] | None = None) -> Loaded:
-    """Read the checkpoint at ``path`` into fresh local shards laid out by ``shard_info`` (any mesh,
-    plan or world size); a collective.  ``opt_state``: a template (``opt.init(params)``) giving the
-    state's structure, dtypes and devices; ``params``: an optional template whose dtypes and devices
-    the loaded params take (else the saved dtype, on the mesh's device).  Neither is written to.
-    ``extra`` is this rank's own when the world size is the saved one, else rank 0's.  Inverse: ``save``."""
+    """Read the checkpoint at ``path`` into fresh local shards laid out by ``shard_info``; a collective.
+    Every chunk is verified before use.  Inverse: ``save``.
+
+    Args:
+        path: a complete checkpoint directory (``latest(root)`` finds the newest).
+        shard_info: the target layout: any mesh, plan or world size.
+        opt_state: a template (``opt.init(params)``) giving the state's structure, dtypes (the saved ones) and
+            devices; None loads no optimizer state.  Not written to.
+        params: a template (the target ``shard()``'s params) whose devices the loaded params take, its dtypes the
+            saved ones (None: the saved dtype, on the mesh's device).  Not written to.
+
+    Returns:
+        ``Loaded(params, opt_state, extra)``: new local shards, the state (None without a template), and this
+        rank's ``extra`` when the world size is the saved one, else rank 0's.
+    """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"load: {path!r} is not a directory")

@@ -71,11 +71,23 @@ def _check(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], mo
 def export_hf(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], model: nn.Module,
               out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> Path:
     """Write the full model to ``out_dir`` as Hugging Face safetensors plus ``model.config``
-    (a collective: call on every rank).  ``model`` gives the names and config (it may be on
-    the meta device; meta persistent buffers are recomputed by their module's init);
-    ``dtype`` casts floating tensors on the way out.  ``out_dir`` must be new, empty or an
-    earlier export (anything else: ``CheckpointError`` on every rank, before anything is
-    written).  Returns ``out_dir``."""
+    (a collective: call on every rank), so ``AutoModelForCausalLM.from_pretrained(out_dir)``
+    reloads it.  The inverse of ``hpf.from_pretrained``.
+
+    Args:
+        params, shard_info: the sharded pytree and its layouts (``shard()``'s or ``fsdp``'s), covering every
+            parameter of ``model``.
+        model: the model they came from, for the names, tied keys, persistent buffers and config; it may be
+            on the meta device (meta persistent buffers are recomputed by their module's init).
+        out_dir: the folder to write: new, empty or an earlier export (anything else: ``CheckpointError`` on
+            every rank, before anything is written).
+        max_shard_size: the size cap of one safetensors part, in the params' own dtype (``"5GB"``, ``"500MiB"`` or
+            bytes; 1 GB = 10^9 B, as HF; a larger tensor is a part alone); past it, parts plus an index.
+        dtype: the dtype floating tensors are cast to on the way out, also written in the config (None: theirs).
+
+    Returns:
+        ``out_dir`` as a ``Path``, once the export is visible there.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)

@@ -1,12 +1,12 @@
 """Functional FSDP (ZeRO-3) as a transform over ``shard()``'s result (docs/training.md#functional-fsdp).
 
 ``fsdp(apply_fn, params, shard_info, mesh, dp_axis="dp")`` returns a new ``(apply_fn, params,
-shard_info)``: every leaf chunked further along dim 0 of its TP shard over ``axis``
+shard_info)``: every leaf chunked further along dim 0 of its TP shard over ``dp_axis``
 (``RowSplit`` in ``shard_info``).  Each group of leaves (a decoder layer, or the modules between
 them, ``layout.groups``) is one bucket: one all-gather forward (``GatherParams``), one
 reduce-scatter of its gradients backward.  ``reshard_after_forward`` frees gathered blocks and
 gathers again for the backward (a saved-tensor hook under ``.backward()``, a recompute under
-``torch.func``); ``axis=("dp", "cp")`` folds the cp sum into the reduce-scatter;
+``torch.func``); ``dp_axis=("dp", "cp")`` folds the cp sum into the reduce-scatter;
 ``apply_fn.fsdp.no_sync()`` defers reductions; ``param_dtype``/``reduce_dtype`` are FSDP2's
 mixed precision.  The why of each choice is in the docs page, not repeated here.
 """
@@ -180,16 +180,30 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
          ) -> tuple[ApplyFn, dict[str, Tensor], dict[str, ShardInfo]]:
     """Shard ``shard()``'s result further over ``dp_axis`` of ``mesh`` (ZeRO-3); mutates nothing.
 
-    Returns ``(apply_fn, params, shard_info)`` like ``shard()``: ``params`` holds this rank's
-    rows of every TP-local shard, and gradients w.r.t. them are the mean over ``dp_axis`` (each
-    ``dp_axis`` rank feeds its own slice of the batch).  ``dp_axis`` may name several mesh axes,
-    flattened into one group (``("dp", "cp")``: torchtitan's ``dp_shard_cp``): the sum that
-    ``apply_fn``'s backward owes a parameter over one of them (a ``ReducedOver`` facet, context
-    parallelism) is folded into the reduce-scatter instead of an all-reduce of its own, and the
-    mean is over the other axes.  ``blocks``: module-path patterns of the
-    blocks (default: the Hugging Face decoder layers).  ``reshard_after_forward``,
-    ``param_dtype``, ``reduce_dtype``: see the module docstring.  Bad input raises ``PlanError``
-    on every rank before any collective."""
+    Gradients w.r.t. the new params are the mean over ``dp_axis`` (each ``dp_axis`` rank feeds its own
+    slice of the batch): one reduce-scatter per group of leaves (a block, or a run of modules between
+    blocks).  Bad input raises ``PlanError`` on every rank before any collective.
+
+    Args:
+        apply_fn, params, shard_info: the three values of one ``shard()`` call (not already fsdp'd).
+        mesh: a mesh with ``dp_axis`` that contains ``shard()``'s mesh (same axis sizes).
+        dp_axis: the mesh axis to shard over (the leaves must not be sharded on it already), or several,
+            flattened into one group (``("dp", "cp")``: torchtitan's ``dp_shard_cp``): the sum ``apply_fn``'s
+            backward owes a parameter over one of them (``ReducedOver``, context parallelism) is folded into
+            the reduce-scatter, and the mean is over the others.
+        reshard_after_forward: free each block's gathered parameters after its forward and gather them again
+            for its backward (False: keep them until the backward).
+        param_dtype: the dtype each bucket is cast to before its all-gather, the compute's (FSDP2's mixed
+            precision; None: the leaves').  The leaves keep theirs (master weights).
+        reduce_dtype: the dtype gradients are reduce-scattered in (None: the leaves'); cast back after.
+        blocks: module-path patterns of the blocks, one bucket each (None: the Hugging Face decoder layers;
+            none for other models).
+
+    Returns:
+        ``(apply_fn, params, shard_info)`` like ``shard()``'s: ``params`` holds this rank's rows of every
+        TP-local shard, ``shard_info`` the composed layout (a ``RowSplit`` facet), and ``apply_fn.fsdp`` the
+        ``FsdpLayout`` (``no_sync()``, ``collectives_per_step()``).
+    """
     axes = _axes(dp_axis, mesh)
     runtime = _check(apply_fn, params, shard_info, mesh, axes, param_dtype, reduce_dtype)
     if reshard_after_forward:  # resharded blocks are recomputed in the backward

@@ -1,19 +1,5 @@
-"""``as_module(apply_fn, params)``: the functional pair as an ``nn.Module``, for module-based tools.
-
-``torch.optim``, ``torch.compile``, ``state_dict()`` and FSDP2's ``fully_shard`` want an
-``nn.Module`` that owns ``nn.Parameter`` s.  ``as_module`` builds one without a copy: its
-parameters are the pytree's leaves (new ``nn.Parameter`` objects on the same storage), laid out
-as a tree of small containers that mirrors the FQNs, so ``m.get_submodule("model.layers.0")``
-exists and ``m.named_parameters()`` yields the pytree's keys.  Inverse: ``m.params()``.
-
-The forward reads every parameter from its container at call time
-(``container._parameters[name]``), which is the slot FSDP2 swaps
-(``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``: ``FSDPParam._setattr_on_modules`` ->
-``unsafe_setattr_param`` stores the sharded DTensor parameter, then in the pre-forward hook the
-unsharded ``nn.Parameter``, straight into ``module._parameters``).  ``apply_fn`` binds all of its
-parameters at once, so a container that carries forward hooks (``fully_shard`` on a block) is
-*called* around the whole ``apply_fn`` call: its pre-forward hook unshards it before, its
-post-forward hook reshards it after and registers the pre-backward unshard on the outputs.
+"""``as_module(apply_fn, params)``: the functional pair as an ``nn.Module``, for module-based tools
+(``torch.optim``, ``torch.compile``, ``state_dict()``, FSDP2's ``fully_shard``).  See docs/training.md#fsdp2-interop.
 """
 
 from __future__ import annotations
@@ -66,6 +52,13 @@ class FunctionalModule(nn.Module):
         DTensors on its mesh between steps (``.full_tensor()`` gives this rank's TP-local shard)."""
         return {fqn: node._parameters[name] for fqn, node, name in self._slots}
 
+    # The forward reads every parameter from its container at call time (``container._parameters[name]``),
+    # which is the slot FSDP2 swaps (torch/distributed/fsdp/_fully_shard/_fsdp_param.py:
+    # ``FSDPParam._setattr_on_modules`` -> ``unsafe_setattr_param`` stores the sharded DTensor parameter, then in
+    # the pre-forward hook the unsharded ``nn.Parameter``, straight into ``module._parameters``).  ``apply_fn``
+    # binds all of its parameters at once, so a container that carries forward hooks (``fully_shard`` on a block)
+    # is *called* around the whole ``apply_fn`` call: its pre-forward hook unshards it before, its post-forward
+    # hook reshards it after and registers the pre-backward unshard on the outputs.
     def forward(self, *args, **kwargs):
         """``apply_fn(self.params(), *args, **kwargs)``, inside the calls of every container that
         carries forward hooks (outermost first in module order)."""
@@ -98,11 +91,9 @@ def as_module(apply_fn: Callable, params: Mapping[str, Tensor]) -> FunctionalMod
     Its ``nn.Parameter`` s share storage with ``params``' leaves (``requires_grad`` kept): an
     in-place update of one shows in the other, so ``torch.optim.AdamW(m.parameters())`` steps the
     pytree itself; gradients land on the module's parameters (``p.grad``), not the pytree's
-    tensors.  Neither ``params`` nor its tensors' attributes are changed.  Each FQN's container path
-    is its prefix (``m.get_submodule("model.layers.0")``), containers named ``0..n-1`` are
-    ``ModuleList`` s, and ``m.named_parameters()`` follows the pytree's order when that is a module
-    order (as ``shard()`` returns it).  The module holds ``apply_fn`` (whose skeleton is private),
-    never the user's model.
+    tensors.  Each FQN's container path is its prefix (``m.get_submodule("model.layers.0")``),
+    containers named ``0..n-1`` are ``ModuleList`` s, and ``m.named_parameters()`` follows the
+    pytree's order when that is a module order (as ``shard()`` returns it).
 
     FSDP2: ``fully_shard`` each block (``m.get_submodule("model.layers.0")``), then ``m``, over the
     data-parallel mesh.  FSDP2 then owns sharded copies (``params`` is no longer updated: use
@@ -110,6 +101,15 @@ def as_module(apply_fn: Callable, params: Mapping[str, Tensor]) -> FunctionalMod
     before ``apply_fn`` runs and they stay unsharded until the forward ends, and again through the
     backward: the step's peak holds the whole TP-local model; the savings are between steps
     (parameters, gradients, optimizer state sharded over data parallel).
+
+    Args:
+        apply_fn: ``apply_fn(params, *args, **kwargs)``, e.g. ``shard()``'s (then its keys are checked against
+            ``params``); the module holds it (its skeleton is private), never the user's model.
+        params: FQN -> plain tensor (the pytree ``shard()`` returned, not DTensors); neither the dict nor its
+            tensors' attributes are changed.
+
+    Returns:
+        A ``FunctionalModule`` whose parameters mirror the FQNs; ``m.params()`` gives the pytree back.
     """
     if not isinstance(params, Mapping):
         raise PlanError(f"as_module: params must be a dict FQN -> tensor (the pytree shard() returned), "

@@ -1,41 +1,11 @@
-"""Functional optimizers over the params pytree, in optax's shape.
+"""Functional optimizers over the params pytree, in optax's shape: pure ``init``/``update`` equal to
+``torch.optim.AdamW``/``SGD`` op for op, schedules, masks and groups by FQN, and where the state sits
+(``state_info``).  See docs/training.md#optimizers (and why not torchopt).
 
 >>> opt = hpf.optim.adamw(hpf.optim.warmup_cosine(3e-4, 100, 10_000), weight_decay=0.1,
 ...                       mask=hpf.optim.decay_mask())
 >>> state = opt.init(params)
 >>> params, state = opt.update(grads, state, params)
-
-* **Pure.**  ``update`` returns new params and a new state and never writes to its inputs, so it
-  composes with ``torch.func``: ``torch.func.grad`` differentiates through an update (meta-learning,
-  with respect to the params or to a tensor ``lr``).  Autograd records it like any torch op: params
-  that are autograd leaves with ``requires_grad`` come back with history, so a training loop
-  should hold params without ``requires_grad`` (``torch.func.grad`` needs none) or detach them.
-* **The state is a pytree** (``AdamWState(step, mu, nu)``, ``SGDState(step, momentum)``,
-  ``PartitionState(states)``): NamedTuples of tensors and of dicts keyed exactly like the params,
-  so optree and torch's pytree flatten it and a checkpoint saves it like the params.
-  ``state_info(state, shard_info)`` says where each state leaf sits: a moment shares its
-  parameter's ``ShardInfo``; ``step`` is replicated.
-* **The step convention is torch's and optax's.**  ``step`` counts the updates taken (0-dim int64,
-  on the CPU like torch's default).  The k-th update (k = 0, 1, ...) uses ``lr = schedule(k)``
-  (``LambdaLR`` before its first ``scheduler.step()`` gives lambda(0)) and Adam's bias correction
-  with t = k + 1 (torch's per-parameter ``state["step"]`` after its increment).
-* **Frozen leaves.**  A ``None`` gradient leaves its parameter and its moments as they were, as
-  torch skips a parameter without ``.grad``.  ``step`` is one count for all leaves, so a leaf
-  whose gradient is ``None`` on some steps and not on others gets the bias correction (AdamW) or
-  the first-step momentum rule (SGD, matters only with ``dampening``) of the global step, where
-  torch counts per parameter; leaves that always or never have a gradient match torch exactly.
-* **Equal to torch.**  The arithmetic is ``torch.optim.AdamW`` / ``SGD``'s, op for op, with the
-  out-of-place ``torch._foreach_*`` variants, one call per (device, dtype) group; the scalars
-  (bias corrections, step sizes) are Python floats computed from ``int(step)``, as torch's default
-  (non-capturable) path does.  A tensor ``lr`` (to differentiate with respect to it) makes the
-  lr-dependent scalars tensors instead.  Reading ``int(step)`` (a CPU tensor: no device sync)
-  means an update cannot be captured in a CUDA graph (torch's ``capturable=True``); an update
-  under ``torch.compile`` is untested.
-
-Why our own and not torchopt (optree-based, optax-like): its last release, 0.7.3, is from
-November 2023; on torch 2.13 its C++ extension no longer loads (an ABI change) and it silently
-falls back to Python, and its ``mask`` is a pytree of booleans, where ours are FQN patterns.  What
-we need (AdamW, SGD, schedules, masks and groups by FQN, state placements) is this one file.
 """
 
 from __future__ import annotations
@@ -64,7 +34,13 @@ Mask = Callable[[str], bool] | str | Sequence[str] | None
 class Optimizer(NamedTuple):
     """A pair of pure functions (optax's ``GradientTransformation``, returning params rather than updates).
 
-    ``init(params) -> state``; ``update(grads, state, params) -> (new_params, new_state)``."""
+    ``init(params) -> state``; ``update(grads, state, params) -> (new_params, new_state)``.
+
+    A ``None`` gradient leaves its parameter and its state as they were, as torch skips a parameter
+    without ``.grad``.  ``step`` is one count for all leaves, so a leaf whose gradient is ``None`` on
+    some steps and not on others gets the bias correction (AdamW) or the first-step momentum rule
+    (SGD, matters only with ``dampening``) of the global step, where torch counts per parameter;
+    leaves that always or never have a gradient match torch exactly."""
 
     init: Callable[[Params], Any]
     update: Callable[[Grads, Any, Params], tuple[dict[str, Tensor], Any]]
@@ -227,6 +203,12 @@ def _mul(xs: list[Tensor], s: float | Tensor) -> list[Tensor]:
     return list(torch._foreach_mul(xs, s))
 
 
+# The step convention is torch's and optax's: ``step`` counts the updates taken; the k-th update (k = 0, 1, ...)
+# uses ``lr = schedule(k)`` (``LambdaLR`` before its first ``scheduler.step()`` gives lambda(0)) and Adam's bias
+# correction with t = k + 1 (torch's per-parameter ``state["step"]`` after its increment).  The scalars (bias
+# corrections, step sizes) are Python floats computed from ``int(step)``, as torch's default (non-capturable)
+# path does; a tensor ``lr`` makes the lr-dependent ones tensors.  Reading ``int(step)`` means an update cannot
+# be captured in a CUDA graph (torch's ``capturable=True``); an update under ``torch.compile`` is untested.
 def _step_of(state_step: Tensor) -> int:
     """Updates taken so far, as a Python int (the step lives on the CPU: no device sync)."""
     return int(state_step)

@@ -1,27 +1,6 @@
-"""Pipeline stages: a model split into stages, each sharded by ``shard()`` on its own ranks.
-
-``pipeline_split(model, n)`` reads where a Hugging Face model may be cut (the config's
-``base_model_pp_plan``: the embedding, the decoder ``ModuleList``, the final norm; the head's
-``_pp_plan``) and returns ``n`` ``Stage`` descriptions: the first runs the embedding and its
-layers, the middle ones layers only, the last its layers, the norm and the head.
-``shard_stage(model, stage, plan, mesh)`` shards that stage over the mesh's axes other than
-``pp``.  It neither mutates nor copies the model: the stage's *view* (``stage_view``) is a new
-module tree that shares the model's modules along the stage's paths, its decoder list holding
-only the stage's layers under their global indices and the modules the stage does not run
-replaced by ``nn.Identity``; ``shard()`` then builds its skeleton from the view, so only the
-stage's blocks are copied (as meta placeholders) and only its parameters sliced or read from
-``weights=``.  FQNs stay the full model's, so every stage's checkpoint together is the model.
-
-A stage runs the model's own forward: later stages receive ``inputs_embeds`` (so the embedding
-is skipped) and their first layer takes exactly that tensor; earlier stages stop after their
-last layer and return its output.  So a boundary lies between two layers, and the root
-forward's own operations before the first layer run on the first stage only, those after the
-last layer on the last stage only; ``pipeline_trace`` checks on fake tensors that there are no
-others (``Stage.root_ops`` names them; an operation between layers raises ``PlanError``).
-``stage_module`` gives the ``nn.Module`` that ``torch.distributed.pipelining.PipelineStage``
-wraps, so torch's schedules (GPipe, 1F1B, ...) drive it.  Parameters tied across stages (the
-input embedding and the output head) are held by both end stages when the split declares
-``embedding_group=True``, and ``sum_tied`` adds their two gradients (Megatron's embedding group).
+"""Pipeline stages: a model split into stages (``pipeline_split``), each sharded by ``shard()`` on its own
+ranks (``shard_stage``), run by torch's ``torch.distributed.pipelining`` schedules (``stage_module``), tied
+parameters' gradients added across stages (``sum_tied``).  See docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -90,14 +69,24 @@ def _pp_plan(model: nn.Module) -> list[str]:
 
 def pipeline_split(model: nn.Module, num_stages: int, *, layers: Sequence[int] | None = None,
                    plan: Sequence[str] | None = None, embedding_group: bool = False) -> list[Stage]:
-    """``num_stages`` stage descriptions of ``model`` (see the module docstring).
+    """``num_stages`` stage descriptions of ``model``, cut where it declares it may be (the config's
+    ``base_model_pp_plan`` and the head's ``_pp_plan``): the first stage runs the embedding and its
+    layers, the middle ones layers only, the last its layers, the norm and the head.  The root
+    forward's own operations are traced (``pipeline_trace``) to check that such a split is exact.
+    Raises ``PlanError`` for more stages than layers, a bad ``layers`` list, an operation a stage
+    boundary would get wrong, or tied parameters across stages without ``embedding_group``.
 
-    ``layers``: decoder layers per stage (default: as even as possible, the earlier stages one more);
-    ``plan``: the split points as module paths in order (default: the HF model's ``pp_plan``;
-    exactly one must be the decoder ``ModuleList``); ``embedding_group``: allow a split that puts
-    tied parameters on different stages (both hold them; ``sum_tied`` adds their gradients).
-    Raises ``PlanError`` for more stages than layers, a bad ``layers`` list, or tied parameters
-    across stages without ``embedding_group``.
+    Args:
+        model: the model to split (only read).
+        num_stages: how many stages, from 1 to the number of decoder layers.
+        layers: decoder layers per stage (None: as even as possible, the earlier stages one more).
+        plan: the split points as module paths in order, exactly one of them the decoder ``ModuleList``
+            (None: the Hugging Face model's ``pp_plan``).
+        embedding_group: allow a split that puts tied parameters on different stages (both hold them;
+            ``sum_tied`` adds their gradients).
+
+    Returns:
+        A list of ``num_stages`` ``Stage`` s, rank-independent: the same on every rank.
 
     >>> stages = hpf.pipeline_split(model, 2)        # Llama: [embed, layers 0-1] / [layers 2-3, norm, lm_head]
     """
@@ -260,7 +249,10 @@ def _replaced(module: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Mo
 
 
 def stage_view(model: nn.Module, stage: Stage) -> nn.Module:
-    """The module tree ``stage`` runs (see the module docstring); shares the model's modules."""
+    """The module tree ``stage`` runs, sharing the model's modules along the stage's paths (neither
+    mutated nor copied): its decoder list is a ``StageLayers`` of the stage's layers under their
+    global indices, and the split modules it does not run are ``nn.Identity``.  ``shard()`` builds
+    its skeleton from the view, so only the stage's blocks are copied (as meta placeholders)."""
     layers = model.get_submodule(stage.layers_path)
     swaps: dict[str, nn.Module] = {stage.layers_path: StageLayers(
         {i: layers[i] for i in stage.layers}, enter=not stage.is_first, leave=not stage.is_last)}
@@ -282,12 +274,24 @@ def stage_plan(plan: ShardingPlan | Mapping, view: nn.Module) -> ShardingPlan:
 
 def shard_stage(model: nn.Module, stage: Stage, plan: ShardingPlan | Mapping, mesh: DeviceMesh, pp_axis: str = "pp",
                 **shard_kwargs) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
-    """This rank's ``stage`` of ``model`` as ``(apply_fn, params, shard_info)``: ``shard()`` of
-    the stage's view over the mesh's axes other than ``pp_axis`` (``shard_kwargs`` go to it).
-    ``apply_fn`` is the model's forward on the stage: ``input_ids=`` on the first stage,
-    ``inputs_embeds=`` (the previous stage's output) on the others; ``stage_module`` adapts it.
-    Checks (on every rank, before any collective): ``pp_axis`` in the mesh, its size the number
-    of stages, this rank's coordinate on it the stage's index, at least one other axis."""
+    """This rank's ``stage`` of ``model``: ``shard()`` of the stage's view (``stage_view``) over the mesh's
+    axes other than ``pp_axis``.  Checks (on every rank, before any collective): ``pp_axis`` in the
+    mesh, its size the number of stages, this rank's coordinate on it the stage's index, at least one
+    other axis.
+
+    Args:
+        model: the whole model (neither mutated nor copied; on meta, pass ``weights=``).
+        stage: this rank's stage: ``stages[mesh.get_local_rank(pp_axis)]``.
+        plan: one plan for the whole model; entries that match no module of the stage are dropped.
+        mesh: the mesh with ``pp_axis`` and at least one other axis (size 1 for none).
+        pp_axis: the pipeline's mesh axis.
+        shard_kwargs: go to ``shard()`` (``weights=``, ``checkpoint=``, ...).
+
+    Returns:
+        ``(apply_fn, params, shard_info)`` as ``shard()`` returns them, with the full model's FQNs.
+        ``apply_fn`` is the model's forward on the stage: ``input_ids=`` on the first stage,
+        ``inputs_embeds=`` (the previous stage's output) on the others; ``stage_module`` adapts it.
+    """
     sub = stage_mesh(mesh, stage, pp_axis)
     view = stage_view(model, stage)
     return shard(view, stage_plan(plan, view), sub, **shard_kwargs)
@@ -326,7 +330,15 @@ class StageModule(FunctionalModule):
 
 def stage_module(apply_fn: Callable, params: Mapping[str, Tensor], stage: Stage) -> StageModule:
     """The stage as an ``nn.Module`` for ``torch.distributed.pipelining`` (``as_module`` plus the
-    stage's input name); gradients land on its parameters' ``.grad``, the pytree is shared.
+    stage's input name); gradients land on its parameters' ``.grad``, the pytree's storage is shared.
+
+    Args:
+        apply_fn, params: the stage's, from ``shard_stage`` (and ``fsdp``).
+        stage: the stage they run: its forward takes ``input_ids`` on the first stage, ``inputs_embeds`` after.
+
+    Returns:
+        A ``StageModule`` whose ``forward(x)`` is one tensor in (token ids, or the previous stage's hidden
+        states), one out (the hidden states, or the logits on the last stage).
 
     >>> pipe = PipelineStage(hpf.stage_module(apply_fn, params, stage), stage.index, stage.num_stages,
     ...                      device, group=mesh.get_group("pp"))
@@ -357,7 +369,17 @@ def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
     the first and last stage's ranks of this rank's pipeline (the pp group itself when there are
     two stages).  Pure.  Call it on every rank of the mesh after each step's backward, before the
     optimizer: with more than two stages the first call makes those groups on every rank; a
-    stage without tied parameters then returns a copy and communicates nothing."""
+    stage without tied parameters then communicates nothing.
+
+    Args:
+        grads: this stage's gradients, FQN -> tensor or None.
+        stage: this rank's stage; its ``tied`` keys are summed.
+        mesh: the mesh holding ``pp_axis``.
+        pp_axis: the pipeline's mesh axis.
+
+    Returns:
+        A new dict: the tied gradients summed (new tensors), the others as given.
+    """
     out = dict(grads)
     group = mesh.get_group(pp_axis)
     if stage.num_stages > 2:

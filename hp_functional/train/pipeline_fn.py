@@ -1,7 +1,7 @@
 """GPipe as a function of the params (``gpipe``): a pipeline step that ``torch.func.grad``
 differentiates, its stages linked by ``core.collectives.send_to``/``recv_from``, whose backwards
 are each other's (torch's schedules run their own backward, so they do not compose with
-``torch.func``).  See docs/training.md#pipeline-parallelism.
+``torch.func``).  See docs/pipeline.md#the-pipeline-under-torchfunc-hpfgpipe.
 """
 
 from __future__ import annotations
@@ -28,15 +28,28 @@ def _anchor(params: Mapping[str, Tensor]) -> Tensor:
 def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[[Tensor, Tensor], Tensor],
           microbatches: int, *, hidden_size: int, dtype: torch.dtype | None = None,
           pp_axis: str = "pp") -> Callable[..., Tensor]:
-    """``step(params, inputs, target)`` for this rank's ``stage`` (see the module docstring).
+    """``step(params, inputs, target)`` for this rank's ``stage``: GPipe's forward, one micro-batch after the
+    other, received from the previous stage and sent to the next; differentiating it on every rank
+    (``torch.func.grad`` or ``.backward()``) runs the backward pipeline.
 
-    ``inputs``: the whole batch of token ids ``[B, S]`` (the first stage computes on it; the
-    others read only its shape, which sizes the activations ``[B / microbatches, S,
-    hidden_size]`` they receive); ``target``: the batch ``loss_fn(logits, target)`` compares
-    with on the last stage.  Both go to every stage, so that a bad batch raises on every rank
-    before any transfer.  ``dtype``: the activations' (default: the params'; set it when the
-    stages compute in another, e.g. under ``hpf.fsdp(param_dtype=...)``).  Call the step on
-    every rank of the pipeline.
+    Args:
+        apply_fn: this stage's, from ``shard_stage`` (and ``fsdp``).
+        stage: this rank's stage; its index must be this rank's coordinate on ``pp_axis``.
+        mesh: the mesh holding ``pp_axis``.
+        loss_fn: ``loss_fn(logits, target)`` of one micro-batch, on the last stage.
+        microbatches: how many micro-batches the batch is cut into (it must divide the batch).
+        hidden_size: the last dim of the activations between stages.
+        dtype: the activations' dtype (None: the params'; set it when the stages compute in another, e.g.
+            under ``hpf.fsdp(param_dtype=...)``).
+        pp_axis: the pipeline's mesh axis.
+
+    Returns:
+        ``step(params, inputs, target)``, to call on every rank of the pipeline.  ``inputs``: the whole batch
+        of token ids ``[B, S]`` (the first stage computes on it; the others read only its shape, which sizes
+        the activations ``[B / microbatches, S, hidden_size]`` they receive); ``target``: what ``loss_fn``
+        compares with on the last stage.  Both go to every stage, so that a bad batch raises on every rank
+        before any transfer.  It returns the mean micro-batch loss on the last stage, on the others a zero
+        that carries their sends.
 
     >>> step = hpf.gpipe(apply_fn, stage, mesh, causal_lm_loss, 4, hidden_size=config.hidden_size)
     >>> grads = torch.func.grad(step)(params, ids, ids)          # every stage: its own gradients

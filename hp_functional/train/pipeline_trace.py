@@ -1,22 +1,7 @@
-"""Where a model's root forward computes, relative to its split points: traced on fake tensors.
-
-A pipeline stage hands its last decoder layer's output to the next stage, whose first layer
-takes it (``pipeline.StageLayers``).  So what the root forward computes on the data between the
-embedding and the first layer runs on the first stage only, what it computes after the last
-layer on the last stage only (Granite's embedding multiplier, Cohere's and Granite's logit
-scales), and that is exact.  What it computes *between* two layers, or a layer fed anything but
-the previous layer's output (the embeddings, values of ``input_ids``), would be skipped or wrong
-at a stage boundary: ``trace_root`` refuses it with a ``PlanError`` naming the operation.  A
-stage runs the root's loop over its own layers only, so the layers' other arguments (masks,
-positions) are recorded too: a split where a stage's ``i``-th layer would get other arguments
-than the model's ``i``-th layer is refused (``RootTrace.check_offsets``).
-
-The trace runs one forward of a meta copy of the model on fake ``input_ids`` under a
-``TorchFunctionMode``.  Every tensor carries labels: ``input_ids``, the split-point module whose
-output it derives from (a module's output starts afresh), and every operation outside those
-modules that computed on it.  Operations that return their input itself (``.to`` the same
-dtype) or an identical view, and ``*_like``/``new_*`` factories (metadata only), add nothing.
-Positions, masks and rotary embeddings then carry no label, since they depend on shapes only.
+"""Where a model's root forward computes, relative to its split points: traced on fake tensors
+(``trace_root``), so that ``pipeline_split`` refuses, with a ``PlanError`` naming the operation, a split
+that a stage boundary would get wrong (an operation between two layers, a layer fed anything but the
+previous layer's output, layers whose other arguments differ by position).  See docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -94,7 +79,13 @@ def _identical(func, args, out) -> bool:
 
 
 class _Tracer(TorchFunctionMode):
-    """Labels tensors (see the module docstring); ``depth`` > 0 inside a split module."""
+    """Labels tensors during one forward under a ``TorchFunctionMode``; ``depth`` > 0 inside a split module.
+
+    A tensor's labels: ``input_ids``, the split-point module whose output it derives from (a module's
+    output starts afresh), and every operation outside those modules that computed on it.  Operations
+    that return their input itself (``.to`` the same dtype) or an identical view, and ``*_like``/``new_*``
+    factories (metadata only), add nothing, so positions, masks and rotary embeddings carry no label:
+    they depend on shapes only."""
 
     def __init__(self):
         super().__init__()

@@ -183,6 +183,33 @@ def test_async_save_round_trips(saved):
     get_pool(2).run(case_async, make_llama_state(), root, refs[0])
 
 
+def test_a_failed_async_save_fails_on_every_wait():
+    """A save that failed in its thread, or whose commit failed, raises on every ``wait()``: the
+    handle never reports the path of a checkpoint that is not there."""
+    from concurrent.futures import Future
+
+    from hp_functional.train.dcp import SaveHandle
+
+    failed = Future()
+    failed.set_exception(OSError("No space left on device"))
+    committed = []
+    handle = SaveHandle("ck", failed, lambda: committed.append(True))
+    for _ in range(2):
+        with pytest.raises(OSError, match="No space left"):
+            handle.wait()
+    assert handle.done() and not committed
+
+    def commit():
+        raise OSError("rename failed")
+
+    done = Future()
+    done.set_result(None)
+    handle = SaveHandle("ck", done, commit)
+    for _ in range(2):
+        with pytest.raises(OSError, match="rename failed"):
+            handle.wait()
+
+
 def test_global_tensors_without_duplicates(saved):
     """Every key's chunks tile its global tensor exactly once: the boxes two ranks hold (norms, the
     step) are written once (DCP's deduplication); ``latest`` is the newest completed save."""

@@ -165,23 +165,31 @@ class SaveHandle:
 
     def __init__(self, path: str, future: Future | None = None, commit: Callable[[], None] | None = None):
         self.path, self._future, self._commit = path, future, commit
+        self._error: BaseException | None = None
 
     def done(self) -> bool:
-        """Whether ``wait()`` has finished (it never has for an async save before it is called)."""
+        """Whether ``wait()`` has finished, with success or not (never, for an async save before it is called)."""
         return self._commit is None
 
     def wait(self) -> str:
-        """Block until the checkpoint is visible; returns its path.  Idempotent."""
+        """Block until the checkpoint is visible; returns its path.  Idempotent: a save that failed
+        raises its error again on every later call, never returns the path of what is not there."""
+        if self._error is not None:
+            raise self._error
         if self._commit is not None:
             global _pending
             commit, self._commit = self._commit, None
             if _pending is self:
                 _pending = None
             try:
-                self._future.result()
-            except CheckpointException as exc:
-                raise as_checkpoint_error(exc, "save") from None
-            commit()
+                try:
+                    self._future.result()
+                except CheckpointException as exc:
+                    raise as_checkpoint_error(exc, "save") from None
+                commit()
+            except BaseException as exc:
+                self._error = exc
+                raise
         return self.path
 
 

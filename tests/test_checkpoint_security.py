@@ -232,6 +232,43 @@ def test_save_and_export_never_delete_what_they_did_not_create(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ck", "ck.old", "ck.partial", "ex", "ex.old", "ex.partial", "user"]
 
 
+def case_writer_fails(root: str) -> dict:
+    """The writing rank fails while preparing, then while writing a part: every rank raises, none
+    waits for it, and the earlier export stays as it was."""
+    import safetensors.torch
+
+    from hp_functional.train import export
+
+    _, params, info = _shard_mlp()
+    model = MLP()
+    hpf.export_hf(params, info, model, f"{root}/ex")
+    before = sorted(os.listdir(f"{root}/ex"))
+    out = {}
+    for what, owner, attr in (("prepare", export, "prepare_scratch"), ("write", safetensors.torch, "save_file")):
+        original = getattr(owner, attr)
+
+        def fail(*args, **kwargs):
+            raise OSError(f"No space left on device ({what})")
+
+        if dist.get_rank() == 0:
+            setattr(owner, attr, fail)
+        try:
+            out[what] = _outcome(hpf.export_hf, params, info, model, f"{root}/ex")
+        finally:
+            setattr(owner, attr, original)
+    out["kept"] = sorted(os.listdir(f"{root}/ex")) == before
+    return out
+
+
+def test_a_failing_writer_raises_on_every_rank(tmp_path):
+    for r, got in enumerate(get_pool(2).run(case_writer_fails, str(tmp_path), timeout=60)):
+        for what in ("prepare", "write"):
+            kind, _, message = got[what]
+            assert kind == ("OSError" if r == 0 else "CheckpointError"), (r, what, got[what])
+            assert f"No space left on device ({what})" in message, (r, what, message)
+        assert got["kept"]
+
+
 # ---------------------------------------------------------------- exported safetensors verified; an index kept inside its folder
 def case_export(src: str, out: str) -> None:
     from hp_functional.tools.models import build_model, tiny_config

@@ -4,10 +4,11 @@ The inverse of ``hpf.from_pretrained``: full safetensors (``model.safetensors``,
 ``model.safetensors.index.json`` past ``max_shard_size``) and the config, so
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` reloads the unsharded model.  Each part is one
 bucket of ``core.gather.iter_full`` (a few collectives per part, never one per tensor), written
-by rank 0 and dropped before the next: no rank holds the whole model.  Rank 0 writes into
+by the mesh's first rank and dropped before the next: no rank holds the whole model.  It writes into
 ``<out_dir>.hpf-partial``, then a checksum manifest of every file and tensor
 (``hpf_checksums.json``, verified by ``from_pretrained``), and renames it onto ``out_dir``, so a
-crash leaves no half-written export; every rank returns once it is visible.  An existing
+crash leaves no half-written export; every rank returns once it is visible, and a failure of the
+writer (a full disk) raises on every rank instead of leaving them waiting.  An existing
 ``out_dir`` is replaced only when it is empty or an earlier export (``ckpt_files``).
 """
 
@@ -24,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..core.errors import PlanError, ShapeError
-from ..core.gather import check_gatherable, iter_full, mesh_barrier, plan_buckets
+from ..core.errors import CheckpointError, PlanError, ShapeError
+from ..core.gather import check_gatherable, iter_full, plan_buckets
+from ..core.host_comm import gather_objects
 from ..core.placement import ShardInfo
 from ..runtime.weight_sums import MANIFEST, write_manifest
 from ..runtime.weights import read_buffers
@@ -52,6 +54,8 @@ def _stored_name(key: str, info: ShardInfo, model: nn.Module) -> str:
 
 
 def _check(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], model: nn.Module) -> None:
+    if not shard_info:
+        raise PlanError(f"export_hf: shard_info is empty: nothing to export of {type(model).__name__}")
     check_gatherable(params, shard_info, "export_hf")
     own = dict(model.named_parameters(remove_duplicate=False))
     for key, info in shard_info.items():
@@ -88,48 +92,81 @@ def export_hf(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
     Returns:
         ``out_dir`` as a ``Path``, once the export is visible there.
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     _check(params, shard_info, model)
     check_targets(str(out), MANIFEST, "export", "export_hf")
     limit = parse_size(max_shard_size)
     buckets = plan_buckets(params, shard_info, limit)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    mesh = next(iter(shard_info.values())).mesh
     persistent = set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {n: b for n, b in read_buffers(None, model, torch.device("cpu")).items() if n in persistent}
-    parts = len(buckets) + bool(buffers)
-    tmp = out.with_name(out.name + SCRATCH)
-    if rank0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        prepare_scratch(str(tmp), MANIFEST, "export_hf")
-    weight_map, total = {}, 0
-
-    def write(i: int, tensors: dict[str, Tensor]) -> None:
-        nonlocal total
-        file = "model.safetensors" if parts == 1 else f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
-        cast = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
-                for n, t in tensors.items()}
-        save_file(cast, str(tmp / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(cast, file))
-        total += sum(t.numel() * t.element_size() for t in cast.values())
-
-    for i, full in enumerate(iter_full(params, shard_info, buckets)):
-        if rank0:
-            write(i, {_stored_name(k, shard_info[k], model): t for k, t in full.items()})
+    writer = _Writer(out, len(buckets) + bool(buffers), dtype) if dist.get_rank() == int(mesh.mesh.min()) else None
+    if writer is not None:
+        writer.run(writer.prepare)
+    _agree_writer(writer.error if writer else None, mesh)
+    for i, full in enumerate(iter_full(params, shard_info, buckets)):  # the others gather with it, even after a failure
+        if writer is not None and writer.error is None:
+            writer.run(writer.write, i, {_stored_name(k, shard_info[k], model): t for k, t in full.items()})
         del full
-    if rank0:
-        if buffers:
-            write(len(buckets), buffers)
-        if parts > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        _write_configs(model, tmp, dtype)
-        untag(str(tmp))
-        write_manifest(tmp)
-        replace_dir(tmp, out, MANIFEST, "export", "export_hf")
-    mesh_barrier(next(iter(shard_info.values())).mesh)
+    if writer is not None and writer.error is None:
+        writer.run(writer.finish, buffers, model)
+    _agree_writer(writer.error if writer else None, mesh)
     return out
+
+
+class _Writer:
+    """The mesh's first rank's side of an export: the parts into ``<out>.hpf-partial``, then the
+    index, configs and manifest, then the rename onto ``out``.  A failure is kept (``error``), not
+    raised, until every rank has heard of it (``_agree_writer``)."""
+
+    def __init__(self, out: Path, parts: int, dtype: torch.dtype | None):
+        self.out, self.parts, self.dtype = out, parts, dtype
+        self.tmp = out.with_name(out.name + SCRATCH)
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+        self.error: Exception | None = None
+
+    def run(self, step, *args) -> None:
+        try:
+            step(*args)
+        except Exception as exc:  # noqa: BLE001 - kept and told to every rank, so none waits for a writer that gave up
+            self.error = exc
+
+    def prepare(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        prepare_scratch(str(self.tmp), MANIFEST, "export_hf")
+
+    def write(self, i: int, tensors: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        file = "model.safetensors" if self.parts == 1 else f"model-{i + 1:05d}-of-{self.parts:05d}.safetensors"
+        cast = {n: (t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t).contiguous().cpu()
+                for n, t in tensors.items()}
+        save_file(cast, str(self.tmp / file), metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(cast, file))
+        self.total += sum(t.numel() * t.element_size() for t in cast.values())
+
+    def finish(self, buffers: dict[str, Tensor], model: nn.Module) -> None:
+        if buffers:
+            self.write(self.parts - 1, buffers)
+        if self.parts > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
+            (self.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        _write_configs(model, self.tmp, self.dtype)
+        untag(str(self.tmp))
+        write_manifest(self.tmp)
+        replace_dir(self.tmp, self.out, MANIFEST, "export", "export_hf")
+
+
+def _agree_writer(error: Exception | None, mesh) -> None:
+    """Every rank of ``mesh`` learns whether the writer failed (one object gather, also the
+    barrier): the writer raises its own error, every other rank a ``CheckpointError`` naming it."""
+    reports = gather_objects(None if error is None else f"{type(error).__name__}: {error}", mesh)
+    failed = next((r for r in reports if r is not None), None)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise CheckpointError(f"export_hf: the writing rank failed, nothing was exported: {failed}")
 
 
 def _write_configs(model: nn.Module, folder: Path, dtype: torch.dtype | None) -> None:

@@ -151,6 +151,7 @@ def case_bad_input(state):
         "no pp axis": lambda: hpf.shard_stage(tied, stages[0], {}, mesh((4,), ("tp",))),
         "wrong stage": lambda: hpf.shard_stage(tied, wrong, {}, m),
         "gpipe stage": lambda: hpf.gpipe(apply_fn, wrong, m, causal_lm_loss, MICROBATCHES, hidden_size=64),
+        "tied None": lambda: hpf.sum_tied({k: None if stage.is_first else torch.ones(3) for k in stage.tied}, stage, m),
     })
 
 
@@ -160,6 +161,7 @@ def test_bad_input():
                            "layers": "layers=[4, 0]", "tied": "'model.embed_tokens.weight' is tied across stages",
                            "no pp axis": "pp_axis 'pp' is not in the mesh", "wrong stage": "this rank is stage",
                            "gpipe stage": "gpipe: this rank is stage",
+                           "tied None": "are None on some of the 2 stages holding them",
                            "micro-batches": "divisible into 4 micro-batches", "target": "with the batch of inputs (4)"})
 
 

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.errors import PlanError
 from ..core.host_comm import all_reduce_, new_group
 from ..core.placement import ShardInfo
+from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan
 from ..plan.styles import path_matches
 from ..runtime.shard import shard
@@ -367,7 +368,8 @@ def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
     """``grads`` with those of ``stage.tied`` (parameters held by several stages: the embedding
     and the tied head) summed over the stages holding them: one all-reduce of one flat buffer over
     the first and last stage's ranks of this rank's pipeline (the pp group itself when there are
-    two stages).  Pure.  Call it on every rank of the mesh after each step's backward, before the
+    two stages), after a tiny one agreeing which of them have a gradient (a ``None`` on one stage
+    only is a ``PlanError`` on both).  Pure.  Call it on every rank of the mesh after each step's backward, before the
     optimizer: with more than two stages the first call makes those groups on every rank; a
     stage without tied parameters then communicates nothing.
 
@@ -386,7 +388,17 @@ def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
         dim = mesh.mesh_dim_names.index(pp_axis)
         lines = tuple(tuple(r) for r in mesh.mesh.movedim(dim, -1).reshape(-1, stage.num_stages).tolist())
         group = _end_groups(lines)[pipeline_ranks(mesh, pp_axis)]
-    keys = [k for k in stage.tied if grads.get(k) is not None]
+    if not stage.tied:
+        return out
+    present = [grads.get(k) is not None for k in stage.tied]
+    device = next((grads[k].device for k, mine in zip(stage.tied, present, strict=True) if mine), mesh_device(mesh))
+    # the stages first agree on which tied gradients exist, so their buffers cannot differ (a hang)
+    ends, *counts = all_reduce_(torch.tensor([1.0, *map(float, present)], device=device), group).tolist()
+    mixed = [k for k, n in zip(stage.tied, counts, strict=True) if 0 < n < ends]
+    if mixed:
+        raise PlanError(f"sum_tied: the gradients of the tied {mixed} are None on some of the {int(ends)} stages holding "
+                        "them and not on the others; give every such stage a gradient for them, or None on all")
+    keys = [k for k, mine in zip(stage.tied, present, strict=True) if mine]
     if not keys:
         return out
     flat = torch.cat([grads[k].reshape(-1) for k in keys])

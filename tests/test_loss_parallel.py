@@ -48,6 +48,15 @@ def case_cross_entropy(vocab: int, smoothing: float, reduction: str):
         F.cross_entropy(logits[b], labels[b], ignore_index=-100, label_smoothing=smoothing) for b in range(3)
     ])
     assert_close(per_seq, ref_seq, "vmap over batch")
+    # a label outside [0, vocab) that is not ignore_index (F.cross_entropy raises): NaN there, never a number
+    bad = labels.clone()
+    bad[1, 1], bad[2, 3] = vocab + 3, -5
+    per_token = hpf.vocab_parallel_cross_entropy(local.detach(), bad, mesh(), label_smoothing=smoothing, reduction="none")
+    wrong = torch.zeros_like(bad, dtype=torch.bool)
+    wrong[1, 1] = wrong[2, 3] = True
+    assert per_token[wrong].isnan().all() and not per_token[~wrong].isnan().any()
+    if reduction != "none":
+        assert ours(local.detach(), bad).isnan()
     return True
 
 

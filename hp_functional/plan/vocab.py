@@ -140,8 +140,12 @@ def vocab_parallel_cross_entropy(
     local_label = labels - vocab_start
     owned = (local_label >= 0) & (local_label < v_local)
     picked = logits.gather(-1, torch.where(owned, local_label, 0).unsqueeze(-1)).squeeze(-1)
-    target = C.reduce_from(picked * owned.to(picked.dtype), g)
+    ones = owned.to(picked.dtype)
+    target, owners = C.reduce_from(torch.stack([picked * ones, ones]), g).unbind(0)  # one collective for both
     loss = lse - target
+    # a label no rank owns (outside [0, V), not ignore_index) makes its loss NaN: F.cross_entropy raises there, and
+    # a check that raised would need a host sync (no vmap, no torch.compile graph); a NaN cannot go unnoticed
+    loss = torch.where((owners != 1) & (labels != ignore_index), torch.nan, loss)
     if label_smoothing:
         if vocab_size is None:
             vocab_size = int(C.raw_all_reduce(torch.tensor([v_local], device=logits.device), g).item())

@@ -184,3 +184,10 @@ def test_a_stuck_or_out_of_step_rank_makes_the_others_raise_within_the_timeout()
     assert error0.startswith("CollectiveError"), error0
     assert error1.startswith("InputMismatchError") and "did not all check their inputs" in error1, error1
     assert max(elapsed0, elapsed1) < 2.0 + 4.0, (elapsed0, elapsed1)
+
+
+def test_set_timeout_refuses_what_is_not_a_positive_number():
+    """``True`` is an int to Python, not a timeout of one second."""
+    for bad in (True, 0, -1.0, "5"):
+        with pytest.raises(ValueError, match="seconds must be a positive number"):
+            hpf.set_timeout(bad)

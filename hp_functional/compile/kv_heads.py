@@ -117,9 +117,10 @@ def replicate_kv_heads(
         if spec.param_blocks:
             raise PlanError(f"{p.fqn}: a packed projection cannot replicate its {kv} KV heads over {n} ranks of "
                             f"axis {p.axis!r}; plan q/k/v as separate projections")
-        grouped = {p.axis: GroupedShard(0, n // kv)}
-        specs[p.fqn] = replace(spec, params={**spec.params, **dict.fromkeys(spec.params, grouped)},
-                               param_dst={**spec.param_dst, **{k: {p.axis: Shard(0)} for k in spec.params}})
+        grouped = GroupedShard(0, n // kv)  # on p.axis only: a placement the projection has on another axis stays
+        specs[p.fqn] = replace(spec, params={k: {**v, p.axis: grouped} for k, v in spec.params.items()},
+                               param_dst={**spec.param_dst,
+                                          **{k: {**spec.param_dst.get(k, {}), p.axis: Shard(0)} for k in spec.params}})
         group_attr, _ = _count(parent, GROUP_COUNTS)
         values = {**({kv_attr: 1} if kv_attr else {}), **({group_attr: heads // n} if group_attr else {})}
         parents[parent_fqn] = (parent, p.axis, values)

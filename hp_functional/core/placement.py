@@ -441,7 +441,7 @@ def to_dtensor(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]
     if stacked:
         raise PlanError(f"to_dtensor: {stacked[:3]} are held whole by one rank of a stack (StackedShard: per-module "
                         "experts), which DTensor cannot express; use unshard()")
-    flat = [k for k, i in shard_info.items() if _flat_and_uneven(i)]
+    flat = [k for k in params if _flat_and_uneven(shard_info[k])]
     if flat:
         raise PlanError(f"to_dtensor: {flat[:3]} are chunked over several mesh axes flattened (hpf.fsdp over "
                         f"{shard_info[flat[0]].facet(RowSplit).axis}) unevenly or under a TP row split, which DTensor's "

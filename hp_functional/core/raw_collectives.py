@@ -49,7 +49,7 @@ def set_timeout(seconds: float, mesh=None) -> None:
         mesh: only that ``DeviceMesh``'s axes; None: every group this rank is in (the default
             group, every mesh axis, DCP's).
     """
-    if not (isinstance(seconds, (int, float)) and seconds > 0):
+    if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and seconds > 0):
         raise ValueError(f"set_timeout: seconds must be a positive number, got {seconds!r}")
     timeout = timedelta(seconds=float(seconds))
     if not dist.is_initialized():

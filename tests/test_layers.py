@@ -193,3 +193,103 @@ def test_the_type_switch_check_sees_them(tmp_path):
     (tmp_path / "m.py").write_text("def f(p):\n    return isinstance(p, (Shard, GroupedShard)) or isinstance(p, pl.RowSplit)"
                                    " or isinstance(p, Shard)\n")
     assert stored_type_switches(tmp_path / "m.py", tmp_path) == ["m.py:2", "m.py:2"]
+
+
+# ---------------------------------------------------------------- each module's interface: __all__
+ENTRY_POINTS = {"hp_functional.cli.main": {"main"}}  # pyproject's console script
+
+
+def imported_names(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Per package module, the names the package's other modules take from it: ``from m import
+    name``, ``alias.name`` after ``from pkg import m as alias`` / ``import m as alias``, and the root's
+    lazy exports (``_LAZY``); submodules are not names."""
+    known = set(modules)
+    used: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in known and a.asname:
+                        aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                full = ".".join(x for x in (base, node.module or "") if x)
+                for a in node.names:
+                    if f"{full}.{a.name}" in known:
+                        aliases[a.asname or a.name] = f"{full}.{a.name}"
+                    elif full in known and full != name:
+                        used[full].add(a.name)
+            elif isinstance(node, ast.Assign) and name == "hp_functional" and ast.unparse(node.targets[0]) == "_LAZY":
+                for key, value in zip(node.value.keys, node.value.values, strict=True):
+                    used["hp_functional" + value.value].add(key.value)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                target = aliases[node.value.id]
+                if target != name and f"{target}.{node.attr}" not in known:
+                    used[target].add(node.attr)
+    for module, names in ENTRY_POINTS.items():
+        if module in used:
+            used[module] |= names
+    return used
+
+
+def declared_all(path: Path) -> list[str] | None:
+    """The module's literal ``__all__``, or None."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if ast.unparse(target) == "__all__":
+                return list(ast.literal_eval(node.value))
+    return None
+
+
+#: the public submodules (``hpf.collectives``, ``hpf.optim``): their ``__all__`` is their public API, a superset
+PUBLIC_MODULES = {"hp_functional.core.collectives", "hp_functional.train.optim"}
+
+
+def public_definitions(path: Path) -> set[str]:
+    """The names a module defines at top level (not imports) without a leading underscore."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return {n for n in out if not n.startswith("_")}
+
+
+def test_every_module_declares_its_interface():
+    """Each module's ``__all__`` is exactly what the package's other modules import from it (and
+    the root re-exports): a name outside it is the module's own, whatever its spelling.  Importing
+    a new name across modules means adding it here; a name nobody imports any more leaves.  A
+    public submodule's ``__all__`` is its public API: what is imported from it and what it defines."""
+    modules = {m: p for m, p in _modules().items() if m != "hp_functional"}
+    used = imported_names(_modules())
+    for module in PUBLIC_MODULES:
+        used[module] |= public_definitions(modules[module])
+    wrong = {}
+    for module, path in sorted(modules.items()):
+        declared = declared_all(path)
+        if declared is None or set(declared) != used[module] or declared != sorted(declared):
+            wrong[module] = {"missing": sorted(used[module] - set(declared or ())),
+                             "not imported elsewhere": sorted(set(declared or ()) - used[module]),
+                             **({"declared": "none"} if declared is None else {}),
+                             **({"order": "not sorted"} if declared and declared != sorted(declared) else {})}
+    assert not wrong, "modules whose __all__ is not what the package imports from them:\n" + "\n".join(
+        f"{m}: {w}" for m, w in wrong.items())
+
+
+def test_the_interface_check_sees_attribute_and_lazy_imports(tmp_path):
+    pkg = tmp_path / "hp_functional"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('_LAZY = {"f": ".core.a"}\n')
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("def f(): ...\ndef g(): ...\ndef h(): ...\n")
+    (pkg / "core" / "b.py").write_text("from . import a as A\nfrom .a import g\n\ndef k():\n    return A.h\n")
+    mods = {"hp_functional": pkg / "__init__.py", "hp_functional.core": pkg / "core" / "__init__.py",
+            "hp_functional.core.a": pkg / "core" / "a.py", "hp_functional.core.b": pkg / "core" / "b.py"}
+    assert imported_names(mods)["hp_functional.core.a"] == {"f", "g", "h"}

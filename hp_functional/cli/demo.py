@@ -3,6 +3,8 @@ every step's loss with the unsharded model trained the same way in the same proc
 
 from __future__ import annotations
 
+__all__ = ["train"]
+
 import torch
 import torch.distributed as dist
 

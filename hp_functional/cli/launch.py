@@ -5,6 +5,8 @@ Under ``torchrun`` (``LOCAL_RANK`` is set) the function simply runs in this proc
 
 from __future__ import annotations
 
+__all__ = ["run_ranks"]
+
 import os
 import uuid
 from collections.abc import Callable

@@ -20,6 +20,8 @@ This module imports nothing heavy at module level (no torch, rich or transformer
 
 from __future__ import annotations
 
+__all__ = ["main"]
+
 import argparse
 import dataclasses
 import importlib

@@ -8,6 +8,8 @@ See docs/guarantees.md#cross-rank-agreement and docs/performance.md#the-value-ch
 
 from __future__ import annotations
 
+__all__ = ["agree", "checksum", "digest"]
+
 import hashlib
 import importlib.metadata
 import re

@@ -6,6 +6,8 @@ over the result), not branches in these.  See docs/architecture.md#the-passes.
 
 from __future__ import annotations
 
+__all__ = ["build_program", "lint", "varying_uses"]
+
 import warnings
 from collections.abc import Mapping
 

@@ -9,6 +9,8 @@ per rank (JAX's varying type).  See docs/guarantees.md#exact-or-refused.
 
 from __future__ import annotations
 
+__all__ = ["synthesize_inputs", "trace_dataflow"]
+
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass

@@ -6,6 +6,8 @@ See docs/whole-transformers.md#more-tp-ranks-than-kv-heads.
 
 from __future__ import annotations
 
+__all__ = ["replicate_kv_heads"]
+
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 

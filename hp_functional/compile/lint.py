@@ -8,6 +8,8 @@ levels and what each finds: docs/tools.md#lint.
 
 from __future__ import annotations
 
+__all__ = ["Finding", "collapse", "enforce", "layer_pattern", "lint_entries", "lint_specs", "shadowed"]
+
 import re
 import warnings
 from collections.abc import Mapping

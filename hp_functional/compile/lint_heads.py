@@ -6,6 +6,8 @@ See docs/guarantees.md#exact-or-refused-the-shape-audit.
 
 from __future__ import annotations
 
+__all__ = ["Memo", "audit_regions", "fingerprint"]
+
 import inspect
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence

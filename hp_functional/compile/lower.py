@@ -12,6 +12,8 @@ becomes ``Step``s through the one table (``core.lowering.lower``), once.
 
 from __future__ import annotations
 
+__all__ = ["bucket_parameter_conversions", "lower_boundaries", "lower_parameter_conversions"]
+
 import math
 from collections.abc import Mapping, Sequence
 

@@ -8,6 +8,8 @@ parameter and the axis; communicates nothing.
 
 from __future__ import annotations
 
+__all__ = ["Placed", "declared", "place_parameters"]
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 

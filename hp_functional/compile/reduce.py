@@ -8,6 +8,8 @@ parameters it stands for.
 
 from __future__ import annotations
 
+__all__ = ["Reduced", "plan_marks", "reduced_copy", "reduced_plan"]
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 

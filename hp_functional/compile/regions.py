@@ -11,6 +11,8 @@ Reads the specs only.
 
 from __future__ import annotations
 
+__all__ = ["Varying", "analyse_regions", "consumer_axes"]
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 

@@ -9,6 +9,8 @@ gradients from a handful of collectives (the gradient of ``apply_fn`` is its gra
 
 from __future__ import annotations
 
+__all__ = ["BUCKET_BYTES", "copy_to_many", "plan_buckets"]
+
 from collections.abc import Hashable, Iterable, Sequence
 
 import torch

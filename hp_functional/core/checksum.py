@@ -9,6 +9,8 @@ not tampering: whoever can rewrite a file can rewrite its recorded checksum too
 
 from __future__ import annotations
 
+__all__ = ["ALGORITHM", "digest", "file_digest"]
+
 import mmap
 import os
 

@@ -63,6 +63,15 @@ exact Hessians differentiate rank-invariant (full) inputs, sliced inside with ``
 
 from __future__ import annotations
 
+__all__ = [
+    "AllGather", "AllReduce", "AllToAll", "AllToAllV", "AxisGroup", "COLLECTIVES", "Collective", "CopyTo",
+    "CopyToReplicas", "GatherFrom", "LeaveRegion", "PartialFrom", "Ppermute", "RecvFrom", "ReduceFrom",
+    "ReduceFromReplicas", "ReduceScatter", "Replicas", "SendTo", "SplitTo", "TRANSPOSE", "all_gather", "all_reduce",
+    "all_to_all", "all_to_all_v", "copy_to", "copy_to_replicas", "gather_from", "leave_region", "partial_from",
+    "ppermute", "raw_all_gather", "raw_all_reduce", "raw_all_to_all", "recv_from", "reduce_from",
+    "reduce_from_replicas", "reduce_scatter", "ring", "send_to", "split_to"
+]
+
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass

@@ -13,6 +13,8 @@ all-gather (backward: reduce-scatter, then this rank's positions).
 
 from __future__ import annotations
 
+__all__ = ["check_layout", "cp_chunks", "cp_positions", "cp_ranges", "cp_shard", "cp_unshard"]
+
 import torch
 from torch import Tensor
 

@@ -3,6 +3,8 @@ would break a documented call (docs/plan-language.md#names-and-keywords)."""
 
 from __future__ import annotations
 
+__all__ = ["renamed_keywords"]
+
 import functools
 import warnings
 from collections.abc import Callable

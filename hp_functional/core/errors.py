@@ -1,5 +1,10 @@
 """The exceptions hp_functional raises; each names the offending module, parameter or axis."""
 
+__all__ = [
+    "CheckpointError", "CollectiveError", "InputMismatchError", "PlanError", "PlanMismatchError", "PlanWarning",
+    "ReentrancyError", "ReplicationError", "ShapeError"
+]
+
 
 class PlanError(ValueError):
     """The plan cannot be applied to this model and mesh (raised on every rank before any collective)."""

@@ -10,6 +10,8 @@ packed, ``hpf.fsdp`` row splits, uneven chunks — because the boxes are the lay
 
 from __future__ import annotations
 
+__all__ = ["check_gatherable", "iter_full", "plan_buckets", "unshard"]
+
 import math
 from collections.abc import Iterator, Mapping, Sequence
 

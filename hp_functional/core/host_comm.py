@@ -9,6 +9,11 @@ error reporting are decided in one layer.
 
 from __future__ import annotations
 
+__all__ = [
+    "all_gather_objects", "all_reduce_", "broadcast_", "broadcast_objects", "gather_flat", "gather_objects",
+    "mesh_groups", "new_group"
+]
+
 from datetime import timedelta
 
 import torch.distributed as dist

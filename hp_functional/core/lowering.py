@@ -38,6 +38,8 @@ transposes would over-count.
 
 from __future__ import annotations
 
+__all__ = ["Step", "lower"]
+
 from collections.abc import Callable
 from dataclasses import dataclass
 

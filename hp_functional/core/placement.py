@@ -11,6 +11,12 @@ are applied in order, each ``Shard(d)`` narrowing the current chunk further, so
 
 from __future__ import annotations
 
+__all__ = [
+    "AxisPlacements", "Box", "Facet", "GroupedShard", "ReducedOver", "RowSplit", "ShardInfo", "StackedShard",
+    "SummedOver", "boxes", "fmt_placements", "is_grouped", "is_placement", "local_layout", "mesh_placements", "owns",
+    "packed_layout", "replica_group", "slice_local", "splits", "to_dtensor", "to_full"
+]
+
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence

@@ -6,6 +6,8 @@ without importing the driver that builds them.
 
 from __future__ import annotations
 
+__all__ = ["Boundary", "ParamBucket", "Planned", "Program"]
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 

@@ -6,6 +6,13 @@ any backend: gloo, nccl, hccl).  ``core.collectives`` pairs each with its transp
 
 from __future__ import annotations
 
+__all__ = [
+    "PENDING", "Replicas", "all_gather_rows", "check_perm", "get_timeout", "mesh_device", "raw_all_gather",
+    "raw_all_reduce", "raw_all_to_all", "raw_all_to_all_v", "raw_ppermute", "raw_recv", "raw_reduce_scatter",
+    "raw_replica_sum", "raw_send", "raw_split", "ring", "run_pending", "set_timeout", "start_all_reduce",
+    "start_ppermute", "wait"
+]
+
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta

@@ -24,6 +24,8 @@ models that call SDPA (Hugging Face's ``sdpa`` attention among them) run unchang
 
 from __future__ import annotations
 
+__all__ = ["ContextAttention", "STRATEGIES"]
+
 import contextlib
 from collections.abc import Callable
 

@@ -4,6 +4,8 @@ mode, so argument binding exists once."""
 
 from __future__ import annotations
 
+__all__ = ["ArgSlot", "arg_slots", "map_arguments", "map_output", "output_index"]
+
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple

@@ -9,6 +9,8 @@ before any collective.
 
 from __future__ import annotations
 
+__all__ = ["auto_plan"]
+
 import re
 from collections.abc import Mapping
 

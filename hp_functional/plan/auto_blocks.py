@@ -7,6 +7,8 @@ docs/auto-plan.md#head-counts-found-by-the-shape-audit.
 
 from __future__ import annotations
 
+__all__ = ["Block", "is_norm", "is_projection", "out_features", "plan_block"]
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 

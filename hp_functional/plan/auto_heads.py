@@ -13,6 +13,8 @@ wins; None when none does.
 
 from __future__ import annotations
 
+__all__ = ["inside", "join", "says_heads", "search_heads", "splits_last"]
+
 import itertools
 from collections.abc import Mapping
 

@@ -3,6 +3,8 @@ layer patterns, and the coverage report (every parameter planned or in the repli
 
 from __future__ import annotations
 
+__all__ = ["AutoPlan", "collapse", "coverage", "merge_overrides"]
+
 import difflib
 import re
 from collections.abc import Mapping

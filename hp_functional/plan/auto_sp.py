@@ -11,6 +11,8 @@ blocks that are not children of the layers of one ``nn.ModuleList``, is a ``Plan
 
 from __future__ import annotations
 
+__all__ = ["sequence_parallel"]
+
 import inspect
 from collections.abc import Mapping
 

@@ -9,6 +9,11 @@ rest runs unchanged on the local chunk.  See docs/context-parallel.md.
 
 from __future__ import annotations
 
+__all__ = [
+    "ContextParallel", "IGNORE", "_named", "_shifted", "attention_patterns", "check_context_entries",
+    "check_context_shadowed", "context_parallel_root", "summed_cross_entropy"
+]
+
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace

@@ -13,6 +13,8 @@ this rank's chunk of the output, in the layout's order, as HF's root does.
 
 from __future__ import annotations
 
+__all__ = ["ContextInputs"]
+
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field

@@ -9,6 +9,8 @@ arity (three, two) unless ``Experts(call=...)`` names one; any other is an ``Exp
 
 from __future__ import annotations
 
+__all__ = ["CALLS", "ExpertsCall", "experts_call"]
+
 import inspect
 
 import torch
@@ -16,8 +18,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Shard
 
 from ..core.errors import PlanError
-
-__all__ = ["CALLS", "ExpertsCall", "RoutedCall", "SortedCall", "experts_call"]
 
 
 class ExpertsCall:

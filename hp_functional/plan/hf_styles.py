@@ -9,6 +9,8 @@ whole on a mesh without ``ep``.  See docs/whole-transformers.md#hf-plans-as-tran
 
 from __future__ import annotations
 
+__all__ = ["HF_STYLES", "hf_entries", "tp_experts"]
+
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass

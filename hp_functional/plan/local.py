@@ -10,6 +10,8 @@ outputs at run time.  See docs/local.md.
 
 from __future__ import annotations
 
+__all__ = ["Local"]
+
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field

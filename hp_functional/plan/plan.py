@@ -8,6 +8,8 @@ model and the plan object are only read.
 
 from __future__ import annotations
 
+__all__ = ["ShardingPlan", "_as_style", "as_plan", "most_specific", "path_matches"]
+
 import difflib
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, fields, replace

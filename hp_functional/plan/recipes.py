@@ -7,6 +7,8 @@ needs beyond HF's own ``tp_plan``.  Each returns a new ``ShardingPlan``; nothing
 
 from __future__ import annotations
 
+__all__ = ["llama_sp_plan", "megatron_plan"]
+
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 

@@ -9,6 +9,12 @@ itself.  Styles are frozen dataclasses: pure descriptions, safe to share between
 
 from __future__ import annotations
 
+__all__ = [
+    "Colwise", "Heads", "Key", "ModuleSpec", "NoParallel", "ParamHandler", "ParamRule", "PrepareInput",
+    "PrepareOutput", "Rowwise", "SequenceParallel", "Style", "_require", "default_handlers", "is_conv1d",
+    "layer_patterns", "path_matches"
+]
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 

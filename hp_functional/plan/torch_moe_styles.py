@@ -9,6 +9,8 @@ docs/torchtitan.md#what-from_torch-recognises.
 
 from __future__ import annotations
 
+__all__ = ["behaviour_style"]
+
 from dataclasses import dataclass
 
 from torch import nn

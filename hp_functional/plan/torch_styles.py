@@ -9,6 +9,8 @@ recognised by their class's shape instead (``plan.torch_moe_styles``).  The conv
 
 from __future__ import annotations
 
+__all__ = ["ParallelStyle", "from_torch_style"]
+
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,8 +30,6 @@ from ..core.errors import PlanError
 from .styles import Colwise, ModuleSpec, PrepareInput, PrepareOutput, Rowwise, SequenceParallel, Style
 from .torch_moe_styles import behaviour_style
 from .vocab import VocabEmbedding
-
-__all__ = ["ParallelStyle", "PrepareInputOutput", "TorchColwise", "TorchPrepareInput", "TorchRowwise", "from_torch_style"]
 
 
 def _culprit(fqn: str, source: str) -> str:

@@ -9,6 +9,11 @@ communicates.  See docs/auto-plan.md#the-trace.
 
 from __future__ import annotations
 
+__all__ = [
+    "INPUT", "ModelTrace", "RESHAPES", "ShapeCall", "TracedInt", "_leaves", "_plain", "_snapshot", "_to_meta",
+    "example_call", "fake_mode", "meta_copy", "trace_model"
+]
+
 import contextlib
 import copy
 import inspect

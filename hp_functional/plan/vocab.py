@@ -11,6 +11,8 @@ See docs/whole-transformers.md ("Vocab-parallel embedding", "Loss parallel").
 
 from __future__ import annotations
 
+__all__ = ["VocabEmbedding", "loss_parallel_root", "vocab_parallel_cross_entropy"]
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial

@@ -10,6 +10,8 @@ docs/performance.md#the-per-call-path and, for threads, docs/guarantees.md#re-en
 
 from __future__ import annotations
 
+__all__ = ["ApplyFn", "ThreadGuard", "make_apply_fn"]
+
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace

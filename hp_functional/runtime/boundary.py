@@ -10,6 +10,8 @@ it), not three — the sum of the all-reduces is the all-reduce of the sum.
 
 from __future__ import annotations
 
+__all__ = ["ConversionCache", "install_boundary"]
+
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 

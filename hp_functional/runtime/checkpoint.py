@@ -7,6 +7,11 @@ See docs/transforms.md#activation-checkpointing (why, and the limits).
 
 from __future__ import annotations
 
+__all__ = [
+    "ActivationCheckpoint", "CheckpointPlan", "CheckpointedForward", "check_recorded_outputs", "install_checkpoints",
+    "neutralise_hf_checkpointing", "resolve_checkpoint"
+]
+
 import difflib
 import warnings
 from collections.abc import Callable, Mapping, Sequence

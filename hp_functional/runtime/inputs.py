@@ -6,6 +6,8 @@ process group's key-value store just before the call's first collective; a diffe
 
 from __future__ import annotations
 
+__all__ = ["InputAgreement"]
+
 import inspect
 import json
 import os

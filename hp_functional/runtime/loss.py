@@ -5,6 +5,8 @@ the sum of the first output tensor), and how outputs are keyed (``output_items``
 
 from __future__ import annotations
 
+__all__ = ["output_items", "scalar_loss"]
+
 from collections.abc import Callable, Mapping
 
 from torch import Tensor

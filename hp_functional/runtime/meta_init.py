@@ -5,6 +5,8 @@ does not: docs/weights.md#a-meta-model-without-weights-per-shard-initialisation.
 
 from __future__ import annotations
 
+__all__ = ["init_values", "init_weights"]
+
 from collections.abc import Callable
 
 import torch

@@ -10,6 +10,8 @@ files inside it are read, and ``export_hf``'s checksum manifest, when present, i
 
 from __future__ import annotations
 
+__all__ = ["from_pretrained"]
+
 import os
 import warnings
 from collections.abc import Mapping

@@ -12,6 +12,8 @@ gathered numbers), naming the worst parameter.  The probe also lends its real co
 
 from __future__ import annotations
 
+__all__ = ["VERDICTS", "probe_copy_or_reason", "probe_key", "probe_varying_uses", "run_probe"]
+
 import inspect
 from collections.abc import Callable, Mapping
 

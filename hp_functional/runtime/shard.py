@@ -11,6 +11,8 @@ Phases (hyper_parallel's ``apply_sharding_plan`` without touching the model):
 
 from __future__ import annotations
 
+__all__ = ["shard"]
+
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence

@@ -8,6 +8,8 @@ by an owned clone, so the user's model is never touched, not even temporarily by
 
 from __future__ import annotations
 
+__all__ = ["build_skeleton"]
+
 import copy
 from collections.abc import Mapping
 

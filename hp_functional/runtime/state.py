@@ -6,6 +6,8 @@ See docs/training.md#buffers-model-state.
 
 from __future__ import annotations
 
+__all__ = ["BufferSlots", "buffers"]
+
 from collections.abc import Mapping
 
 import torch

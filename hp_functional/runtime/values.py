@@ -9,6 +9,8 @@ or seed differently raise ``PlanMismatchError`` rather than train different mode
 
 from __future__ import annotations
 
+__all__ = ["Values"]
+
 import os
 from dataclasses import dataclass
 

@@ -8,6 +8,8 @@ is read unverified.  Also here: ``inside``, which keeps an index's file names wi
 
 from __future__ import annotations
 
+__all__ = ["MANIFEST", "inside", "verify_files", "verify_safetensors", "write_manifest"]
+
 import json
 import os
 import struct

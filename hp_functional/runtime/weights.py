@@ -13,6 +13,11 @@ slice without the rest, which is what makes a rank's peak its shards plus one sl
 
 from __future__ import annotations
 
+__all__ = [
+    "WeightSource", "_fresh_copy", "init_fn_of", "open_weights", "read_buffers", "read_local", "recompute_buffers",
+    "stored_names"
+]
+
 import hashlib
 import json
 import os

@@ -8,6 +8,8 @@ which module, and how bytes count: docs/tools.md#explain (and ``record.ScheduleR
 
 from __future__ import annotations
 
+__all__ = ["Explanation", "Memory", "Schedule", "explain"]
+
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field

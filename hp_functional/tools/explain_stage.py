@@ -10,6 +10,8 @@ and the memory held, not their number).
 
 from __future__ import annotations
 
+__all__ = ["StageExplanation", "explain_stage"]
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 

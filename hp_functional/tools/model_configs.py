@@ -12,6 +12,8 @@ mixes are still exercised at 2 to 4 layers.  ``FAMILY`` holds the few per-family
 
 from __future__ import annotations
 
+__all__ = ["VOCAB", "special_ids", "tiny_config_for"]
+
 import math
 from typing import Any
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+__all__ = ["build_model", "load_config"]
+
 import json
 from pathlib import Path
 

@@ -3,6 +3,8 @@ created the autograd node that runs (backward), and every ``_c10d_functional`` c
 
 from __future__ import annotations
 
+__all__ = ["CollectiveRecorder", "ModuleClock", "ScheduleRow"]
+
 from dataclasses import dataclass
 
 import torch

@@ -8,6 +8,8 @@ See docs/tools.md#simulate.
 
 from __future__ import annotations
 
+__all__ = ["simulate"]
+
 import math
 import sys
 from collections.abc import Callable

@@ -10,6 +10,8 @@ crash) or the largest differences for ``wrong``.
 
 from __future__ import annotations
 
+__all__: list[str] = []
+
 import time
 import traceback
 import warnings

@@ -3,6 +3,8 @@ Imported only when a result is printed, so ``import hp_functional`` does not imp
 
 from __future__ import annotations
 
+__all__ = ["human", "memory_table", "params_table", "schedule_table", "to_text", "totals_table"]
+
 import io
 from typing import TYPE_CHECKING
 

@@ -10,6 +10,8 @@ agree on what they will gather first, so a disagreement raises everywhere instea
 
 from __future__ import annotations
 
+__all__ = ["validate"]
+
 import copy
 import dataclasses
 import math

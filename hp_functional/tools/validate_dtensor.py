@@ -5,6 +5,8 @@ forward only.  What is checked and what is not: ``check_placements``; docs/tools
 
 from __future__ import annotations
 
+__all__ = ["check_placements", "validate_placements"]
+
 import inspect
 from collections.abc import Mapping
 from typing import Any

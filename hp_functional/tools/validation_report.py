@@ -3,6 +3,8 @@ DTensor mode in ``validate_dtensor``)."""
 
 from __future__ import annotations
 
+__all__ = ["Diff", "PlacementMismatchError", "ReplicaMismatch", "ValidationError", "ValidationReport"]
+
 from dataclasses import dataclass, field
 
 from ..core.placement import fmt_placements as _fmt

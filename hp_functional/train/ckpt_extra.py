@@ -11,6 +11,8 @@ safetensors``; every container is tagged (``{"dict": ...}``, ``{"list": ...}``, 
 
 from __future__ import annotations
 
+__all__ = ["decode", "encode"]
+
 import json
 import struct
 from typing import Any

@@ -11,6 +11,8 @@ before anything is written and before any collective.
 
 from __future__ import annotations
 
+__all__ = ["OLD", "SCRATCH", "check_targets", "prepare_scratch", "replace_dir", "untag"]
+
 import json
 import os
 import shutil

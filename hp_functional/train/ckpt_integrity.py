@@ -6,6 +6,8 @@ save; ``VerifyingReader`` checks each chunk before deserialising it; ``as_checkp
 
 from __future__ import annotations
 
+__all__ = ["SummingWriter", "VerifyingReader", "as_checkpoint_error", "marker_sums", "parse_sums", "read_metadata"]
+
 import io
 import os
 import pickle

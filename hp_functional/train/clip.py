@@ -8,6 +8,8 @@ gradients' structure (``agree_structure``, which ``reduce_gradients`` shares).  
 
 from __future__ import annotations
 
+__all__ = ["agree_structure", "check_grads", "clip_grad_norm", "gather_rows", "is_shard", "structure_words"]
+
 import functools
 import math
 from collections.abc import Iterable, Mapping

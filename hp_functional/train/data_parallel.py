@@ -7,6 +7,8 @@ are ``hpf.fsdp``'s, except a ``SummedOver`` one.  See docs/training.md#data-para
 
 from __future__ import annotations
 
+__all__ = ["reduce_gradients"]
+
 from collections.abc import Mapping
 
 import torch

@@ -6,6 +6,8 @@ nothing executed from disk), ``ckpt_extra`` (``extra`` as JSON plus tensors).  S
 
 from __future__ import annotations
 
+__all__ = ["Loaded", "SaveHandle", "latest", "load", "save"]
+
 import io
 import json
 import os

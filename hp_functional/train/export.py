@@ -14,6 +14,8 @@ writer (a full disk) raises on every rank instead of leaving them waiting.  An e
 
 from __future__ import annotations
 
+__all__ = ["export_hf"]
+
 import copy
 import json
 import os

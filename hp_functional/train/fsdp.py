@@ -13,6 +13,8 @@ mixed precision.  The why of each choice is in the docs page, not repeated here.
 
 from __future__ import annotations
 
+__all__ = ["fsdp"]
+
 import contextlib
 import dataclasses
 import math

@@ -4,6 +4,8 @@ accumulation keeps between backward passes (``Unreduced``, ``Sync``).  Used by `
 
 from __future__ import annotations
 
+__all__ = ["Bucket", "Piece", "Sync"]
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass

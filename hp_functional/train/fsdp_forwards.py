@@ -5,6 +5,8 @@ backward (``ReshardedBlock``: regather tokens under eager autograd, a recomputed
 
 from __future__ import annotations
 
+__all__ = ["CallState", "GatherOnUse", "ReshardedBlock"]
+
 from collections.abc import Callable, Sequence
 
 import torch

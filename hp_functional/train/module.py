@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+__all__ = ["FunctionalModule", "as_module"]
+
 import functools
 from collections.abc import Callable, Mapping
 

@@ -10,6 +10,11 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "AdamWState", "Grads", "Mask", "Optimizer", "Params", "PartitionState", "SGDState", "Schedule", "adamw",
+    "constant", "decay_mask", "linear_warmup", "partition", "replicated_info", "sgd", "state_info", "warmup_cosine"
+]
+
 import fnmatch
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence

@@ -5,6 +5,10 @@ parameters' gradients added across stages (``sum_tied``).  See docs/pipeline.md.
 
 from __future__ import annotations
 
+__all__ = [
+    "Stage", "pipeline_split", "shard_stage", "stage_mesh", "stage_module", "stage_plan", "stage_view", "sum_tied"
+]
+
 import copy
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence

@@ -6,6 +6,8 @@ are each other's (torch's schedules run their own backward, so they do not compo
 
 from __future__ import annotations
 
+__all__ = ["gpipe"]
+
 from collections.abc import Callable, Mapping
 
 import torch

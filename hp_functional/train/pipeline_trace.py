@@ -6,6 +6,8 @@ previous layer's output, layers whose other arguments differ by position).  See 
 
 from __future__ import annotations
 
+__all__ = ["RootTrace", "trace_root"]
+
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass

@@ -45,7 +45,6 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
         slice_local as slice_local,
         to_dtensor as to_dtensor,
     )
-    from .core.program import Program as Program
     from .core.raw_collectives import set_timeout as set_timeout
     from .plan.auto import auto_plan as auto_plan
     from .plan.context import ContextParallel as ContextParallel
@@ -54,6 +53,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .plan.experts_calls import ExpertsCall as ExpertsCall
     from .plan.local import Local as Local
     from .plan.plan import ShardingPlan as ShardingPlan
+    from .plan.program import Program as Program
     from .plan.recipes import llama_sp_plan as llama_sp_plan, megatron_plan as megatron_plan
     from .plan.styles import (
         Colwise as Colwise,
@@ -127,7 +127,7 @@ _LAZY: dict[str, str] = {
     "slice_local": ".core.placement",
     "to_dtensor": ".core.placement",
     "unshard": ".core.gather",
-    "Program": ".core.program",
+    "Program": ".plan.program",
     "ShardingPlan": ".plan.plan",
     "auto_plan": ".plan.auto",
     "ContextParallel": ".plan.context",

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, PlanWarning
 from ..core.placement import ReducedOver
-from ..core.program import Planned, Program
 from ..plan.plan import ShardingPlan, as_plan
+from ..plan.program import Planned, Program
 from ..plan.styles import ModuleSpec
 from .dataflow import trace_dataflow
 from .kv_heads import replicate_kv_heads

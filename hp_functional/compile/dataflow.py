@@ -21,8 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..core.errors import PlanError
 from ..core.placement import ShardInfo, splits
-from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments
+from ..plan.program import Boundary
 from ..plan.trace import _leaves, _to_meta
 from .reduce import Reduced, plan_marks, reduced_copy
 from .regions import Varying

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import GroupedShard
-from ..core.program import Planned
+from ..plan.program import Planned
 from ..plan.styles import ModuleSpec
 
 KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")

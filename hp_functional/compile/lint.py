@@ -22,10 +22,10 @@ from torch.distributed.tensor import Shard
 
 from ..core.errors import PlanError, PlanWarning
 from ..core.placement import replica_group
-from ..core.program import Planned
 from ..core.signature import arg_slots
 from ..plan.context import ContextParallel
 from ..plan.plan import ShardingPlan, most_specific
+from ..plan.program import Planned
 from ..plan.styles import ModuleSpec, SequenceParallel
 from .lint_heads import audit_regions
 

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import PlanError
 from ..core.placement import local_layout, mesh_placements, splits
-from ..core.program import Planned
 from ..plan.auto_audit import Mismatch, boundaries, compare, culprits, handoff, record
 from ..plan.local import Local
+from ..plan.program import Planned
 from ..plan.styles import ModuleSpec, is_conv1d
 from ..plan.trace import example_call, trace_model
 

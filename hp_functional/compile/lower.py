@@ -25,7 +25,7 @@ from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.lowering import Step, lower
 from ..core.placement import ShardInfo, splits
-from ..core.program import Boundary, ParamBucket, Planned
+from ..plan.program import Boundary, ParamBucket, Planned
 from ..plan.styles import ModuleSpec
 from .place import Placed, declared
 from .regions import Varying, consumer_axes

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..core.placement import ShardInfo
-from ..core.program import Boundary
 from ..plan.plan import ShardingPlan, most_specific
+from ..plan.program import Boundary
 from ..plan.styles import path_matches
 from ..plan.trace import meta_copy
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..core.placement import splits
-from ..core.program import Planned
+from ..plan.program import Planned
 from ..plan.styles import ModuleSpec
 
 

@@ -21,11 +21,11 @@ from torch.distributed.tensor import Shard
 
 from ..core.cp_layout import check_layout
 from ..core.errors import PlanError
-from ..core.program import Planned
 from .context import ContextParallel, attention_patterns, check_context_entries, check_context_shadowed, context_parallel_root
 from .context_inputs import ContextInputs
 from .experts import check_experts_entries, hf_ep_entries
 from .hf_styles import HF_STYLES, hf_entries, tp_experts
+from .program import Planned
 from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers, path_matches
 from .torch_styles import ParallelStyle, from_torch_style
 from .vocab import loss_parallel_root

@@ -14,7 +14,7 @@ from rich.table import Table
 from ..compile.lint import layer_pattern
 
 if TYPE_CHECKING:
-    from ..core.program import Program
+    from ..plan.program import Program
     from .explain import Memory, Schedule
 
 

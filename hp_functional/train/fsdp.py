@@ -32,7 +32,7 @@ from ..core.collectives import AxisGroup
 from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.placement import ReducedOver, RowSplit, ShardInfo, fmt_placements, splits
-from ..core.program import Program
+from ..plan.program import Program
 from ..runtime.apply_fn import ApplyFn, ThreadGuard
 from ..runtime.checkpoint import ActivationCheckpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
 from .fsdp_bucket import Bucket, Piece, Sync

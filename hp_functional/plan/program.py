@@ -1,7 +1,7 @@
 """The data types of a compiled plan: what ``build_program`` decides and ``apply_fn`` runs.
 
-They live in the bottom layer so that every pass, the runtime and every tool can read them
-without importing the driver that builds them.
+They live in the plan layer, beside the styles and specs they hold, so that every pass, the
+runtime and every tool can read them without importing the driver that builds them.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .collectives import AxisGroup
-from .lowering import Step
-from .placement import ShardInfo
+from ..core.collectives import AxisGroup
+from ..core.lowering import Step
+from ..core.placement import ShardInfo
 
 if TYPE_CHECKING:
-    from ..plan.styles import ModuleSpec, Style
+    from .styles import ModuleSpec, Style
 
 
 @dataclass(frozen=True)

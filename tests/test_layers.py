@@ -1,7 +1,7 @@
 """The package's layers import only downward, and nothing imports in a cycle.
 
-Every ``import`` in ``hp_functional`` is parsed (module level and inside functions;
-``if TYPE_CHECKING:`` blocks aside, they never run).  Layers, lowest first (docs/architecture.md):
+Every ``import`` in ``hp_functional`` is parsed (module level and inside functions; the
+``if TYPE_CHECKING:`` blocks count for the layers, not for cycles: they never run).  Layers, lowest first (docs/architecture.md):
 core → plan → compile → runtime → train → tools → cli; a module may import its own layer and
 the layers below, never above, and never the package root (the root only re-exports).
 """
@@ -29,12 +29,13 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package modules ``name`` imports (resolved to the longest known module)."""
+def _imports(name: str, path: Path, known: set[str], types: bool = False) -> set[str]:
+    """The package modules ``name`` imports (resolved to the longest known module); ``types``:
+    with the imports under ``if TYPE_CHECKING:`` (they never run, but name a layer all the same)."""
     tree = ast.parse(path.read_text())
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for b in node.body for n in ast.walk(b)}
+    skip = set() if types else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                                and "TYPE_CHECKING" in ast.unparse(node.test) for b in node.body for n in ast.walk(b)}
     targets: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -60,9 +61,9 @@ def _layer(module: str) -> int | None:
     return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(types: bool = False) -> dict[str, set[str]]:
     mods = _modules()
-    return {n: _imports(n, f, set(mods)) for n, f in mods.items()}
+    return {n: _imports(n, f, set(mods), types) for n, f in mods.items()}
 
 
 def test_every_module_belongs_to_a_layer():
@@ -72,7 +73,7 @@ def test_every_module_belongs_to_a_layer():
 
 def test_imports_go_only_downward():
     upward = []
-    for module, deps in _graph().items():
+    for module, deps in _graph(types=True).items():  # a type-only import names a layer too
         if module == "hp_functional":
             continue
         for dep in deps:
@@ -114,6 +115,9 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
     mods = {"hp_functional.core.a": pkg / "core" / "a.py", "hp_functional.plan.b": pkg / "plan" / "b.py"}
     assert _imports("hp_functional.core.a", mods["hp_functional.core.a"], set(mods)) == {"hp_functional.plan.b"}
     assert _imports("hp_functional.plan.b", mods["hp_functional.plan.b"], set(mods)) == {"hp_functional.core.a"}
+    (pkg / "core" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plan.b import g\n")
+    assert _imports("hp_functional.core.a", mods["hp_functional.core.a"], set(mods)) == set()  # no cycle: never runs
+    assert _imports("hp_functional.core.a", mods["hp_functional.core.a"], set(mods), types=True) == {"hp_functional.plan.b"}
 
 
 @pytest.mark.slow

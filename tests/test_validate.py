@@ -237,3 +237,15 @@ def test_local_attention_without_weights_is_not_a_divergence(pool, states):
     ok, text, rows = pool.run(case_local_attention, states, True)[0]
     failing = [(r[0], r[1]) for r in rows if not r[2]]
     assert not ok and failing[0] == ("model.layers.0.self_attn", "output"), text
+
+
+def test_to_full_refuses_a_placement_it_cannot_gather():
+    """A stacked expert (or any placement to_full has no gather for) is refused before any
+    collective, not returned as if the local shard were the full value."""
+    import torch
+
+    from hp_functional.core.collectives import AxisGroup
+    from hp_functional.core.placement import StackedShard, to_full
+
+    with pytest.raises(hpf.PlanError, match=r"to_full: no full value for placements \[StackedShard"):
+        to_full(torch.ones(2), [StackedShard(0, 2)], [AxisGroup("ep", "unused", 2, 0)])

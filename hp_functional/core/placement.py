@@ -409,8 +409,13 @@ def slice_local(full: Tensor, info: ShardInfo) -> Tensor:
 
 def to_full(local: Tensor, placements: Sequence[Placement], groups: Sequence[AxisGroup]) -> Tensor:
     """The full value of a tensor placed ``placements`` (one per mesh dim, ``groups`` alike):
-    Shard (and GroupedShard) all-gathered, Partial all-reduced, mesh dims last to first (DTensor's order).  Not
-    differentiable: for reading results (``unshard``, ``validate``)."""
+    Shard (and GroupedShard) all-gathered, Partial all-reduced, Replicate kept, mesh dims last to
+    first (DTensor's order); any other placement (``StackedShard``, ``_StridedShard``) is a
+    ``PlanError`` rather than a local shard passed off as the full value.  Not differentiable:
+    for reading results (``validate``)."""
+    odd = [p for p, g in zip(placements, groups, strict=True) if not isinstance(p, (Shard, GroupedShard, Partial, Replicate))]
+    if odd:
+        raise PlanError(f"to_full: no full value for placements {odd} (read such leaves with unshard)")
     t = local.detach()
     for p, g in reversed(list(zip(placements, groups, strict=True))):
         if g.size == 1:

@@ -9,6 +9,7 @@ the layers below, never above, and never the package root (the root only re-expo
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +30,20 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed, once per content (the tests here parse every module several times)."""
+    return _parse(path.read_text())
+
+
+@functools.cache
+def _parse(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
 def _imports(name: str, path: Path, known: set[str], types: bool = False) -> set[str]:
     """The package modules ``name`` imports (resolved to the longest known module); ``types``:
     with the imports under ``if TYPE_CHECKING:`` (they never run, but name a layer all the same)."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     skip = set() if types else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                                 and "TYPE_CHECKING" in ast.unparse(node.test) for b in node.body for n in ast.walk(b)}
@@ -145,7 +156,7 @@ def communication_calls(path: Path, root: Path = PACKAGE.parent) -> list[str]:
     """``file:line call`` for every call of torch.distributed communication (``dist.<fn>``,
     ``torch.distributed.<fn>``) or of a ``_c10d_functional`` op (``_funcol.<op>``) in ``path``."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
         owner, name = ast.unparse(node.func.value), node.func.attr
@@ -178,7 +189,7 @@ STORED = {"GroupedShard", "StackedShard", "RowSplit", "STORED_ONLY"}
 
 def stored_type_switches(path: Path, root: Path = PACKAGE.parent) -> list[str]:
     """``file:line`` of every ``isinstance(x, ...)`` naming a stored-only placement in ``path``."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     return [f"{path.relative_to(root)}:{n.lineno}" for n in ast.walk(tree)
             if isinstance(n, ast.Call) and ast.unparse(n.func) == "isinstance" and len(n.args) == 2
             and STORED & {x.id if isinstance(x, ast.Name) else getattr(x, "attr", "") for x in ast.walk(n.args[1])}]
@@ -210,11 +221,14 @@ def imported_names(modules: dict[str, Path]) -> dict[str, set[str]]:
     known = set(modules)
     used: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         aliases: dict[str, str] = {}
+        attributes = []
         for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                attributes.append(node)
+            elif isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name in known and a.asname:
                         aliases[a.asname] = a.name
@@ -229,8 +243,8 @@ def imported_names(modules: dict[str, Path]) -> dict[str, set[str]]:
             elif isinstance(node, ast.Assign) and name == "hp_functional" and ast.unparse(node.targets[0]) == "_LAZY":
                 for key, value in zip(node.value.keys, node.value.values, strict=True):
                     used["hp_functional" + value.value].add(key.value)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+        for node in attributes:
+            if node.value.id in aliases:
                 target = aliases[node.value.id]
                 if target != name and f"{target}.{node.attr}" not in known:
                     used[target].add(node.attr)
@@ -242,7 +256,7 @@ def imported_names(modules: dict[str, Path]) -> dict[str, set[str]]:
 
 def declared_all(path: Path) -> list[str] | None:
     """The module's literal ``__all__``, or None."""
-    for node in ast.parse(path.read_text()).body:
+    for node in _tree(path).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             target = node.targets[0] if isinstance(node, ast.Assign) else node.target
             if ast.unparse(target) == "__all__":
@@ -257,7 +271,7 @@ PUBLIC_MODULES = {"hp_functional.core.collectives", "hp_functional.train.optim"}
 def public_definitions(path: Path) -> set[str]:
     """The names a module defines at top level (not imports) without a leading underscore."""
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in _tree(path).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             out.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):

@@ -111,7 +111,7 @@ def case_replication_check(state, which: str):
         raised = None
     except hpf.ReplicationError as exc:
         raised = str(exc)
-    report = hpf.validate(model, {"": _tp_mlp(fn)}, mesh(), x)  # validate turns the check on
+    report = hpf.validate(model, {"": _tp_mlp(fn)}, mesh(), x, raise_on_failure=False)  # validate turns the check on
     return raised, report.replication, report.ok
 
 

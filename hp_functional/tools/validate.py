@@ -50,7 +50,7 @@ def validate(
     tolerance: float = 1e-4,
     atol: float = 1e-6,
     check_axes: Sequence[str] | None = None,
-    raise_on_failure: bool = False,
+    raise_on_failure: bool = True,
     **kwargs: Any,
 ) -> ValidationReport:
     """Check ``plan`` against the unsharded ``model`` on ``model(*args, **kwargs)`` (call on every rank).
@@ -69,8 +69,9 @@ def validate(
             the full sum).
         tolerance, atol: a tensor fails when ``max|Δ| > atol + tolerance * max|reference|``.
         check_axes: the axes on which replicated gradients must be bit-identical; None: the axes the plan acts on.
-        raise_on_failure: raise the failed report as ``ValidationError`` (``PlacementMismatchError`` in
-            ``"dtensor"`` mode) instead of returning it.
+        raise_on_failure: raise a failed report as ``ValidationError`` (its ``report`` attached;
+            ``PlacementMismatchError`` in ``"dtensor"`` mode), as every check of the package does; False:
+            return it, failed or not, to print or inspect.
     Returns:
         a ``ValidationReport`` (in numeric mode the same on every rank: each value is the worst over the mesh).
     """

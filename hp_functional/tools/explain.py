@@ -169,7 +169,8 @@ def explain(
         program = apply_fn.program
         result = Explanation(program, memory(program, model, dtype))
         if batch is not None or seq is not None:
-            device = next(model.parameters()).device
+            first = next(model.parameters(), None)  # a model without parameters: ids on the CPU
+            device = first.device if first is not None else torch.device("cpu")
             ids = torch.zeros(batch or 1, seq or 16, dtype=torch.long, device=device)
             kwargs = {"input_ids": ids, "labels": ids, **kwargs}
         if not args and not kwargs:

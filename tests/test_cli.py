@@ -47,15 +47,6 @@ def _run(*args: str, timeout: int = 180, cwd: Path | None = None, env: dict | No
                           env={**os.environ, **(env or {})})
 
 
-def _clean_error(res, code: int) -> str:
-    """The process exited ``code`` with exactly one ``hp-functional: error: ...`` line and no traceback."""
-    assert res.returncode == code, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr and "[rank" not in res.stderr, res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hp-functional: error: "), res.stderr
-    return lines[0]
-
-
 # ---------------------------------------------------------------- start-up: lazy package, fast --help
 def test_help_is_fast_plain_text_and_explains_batch_and_seq():
     _run("--help")  # warm the file cache
@@ -275,22 +266,30 @@ def test_collapsed_params_keeps_differently_placed_layers_apart():
 
 # ---------------------------------------------------------------- errors: one line, no traceback
 @pytest.mark.slow
-def test_bad_plan_is_one_line_and_exit_2(tmp_path):
+def _main_error(capsys, *args: str) -> str:
+    """``main(args)`` in this process returned 2 with exactly one ``hp-functional: error: ...``
+    line (the console script's own path, with its exit code and output, is the subprocess tests')."""
+    assert main(list(args)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hp-functional: error: "), lines
+    return lines[0]
+
+
+def test_bad_plan_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "myplans.py").write_text("answer = 42\n")
-    line = _clean_error(_run("plan", "llama", "--plan", "no_such_module_xyz:plan"), 2)
-    assert "no module named 'no_such_module_xyz'" in line
-    line = _clean_error(_run("plan", "llama", "--plan", "hp_functional:no_such_plan"), 2)
-    assert "'hp_functional' has no attribute 'no_such_plan'" in line
-    line = _clean_error(_run("plan", "llama", "--plan", "myplans:answer", cwd=tmp_path), 2)  # a module in the cwd
-    assert "is 42 (int), not a ShardingPlan" in line
-    line = _clean_error(_run("check", "llama", "--plan", "hp_functional"), 2)  # checked before any rank is spawned
-    assert "expected module:name" in line
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])  # main adds the cwd
+    assert "no module named 'no_such_module_xyz'" in _main_error(capsys, "plan", "llama", "--plan", "no_such_module_xyz:plan")
+    assert "'hp_functional' has no attribute 'no_such_plan'" in _main_error(capsys, "plan", "llama", "--plan",
+                                                                            "hp_functional:no_such_plan")
+    monkeypatch.chdir(tmp_path)  # a module in the cwd
+    assert "is 42 (int), not a ShardingPlan" in _main_error(capsys, "plan", "llama", "--plan", "myplans:answer")
+    monkeypatch.chdir(ROOT)
+    assert "expected module:name" in _main_error(capsys, "check", "llama", "--plan", "hp_functional")  # before any rank
 
 
-@pytest.mark.slow
-def test_unknown_model_and_dtype_are_one_line():
-    assert "neither a built-in tiny model" in _clean_error(_run("plan", "gpt-9", "--tp", "2"), 2)
-    assert "not a torch dtype" in _clean_error(_run("plan", "llama", "--dtype", "float33"), 2)
+def test_unknown_model_and_dtype_are_one_line(capsys):
+    assert "neither a built-in tiny model" in _main_error(capsys, "plan", "gpt-9", "--tp", "2")
+    assert "not a torch dtype" in _main_error(capsys, "plan", "llama", "--dtype", "float33")
 
 
 def test_plan_functions_that_fail_or_return_no_plan(tmp_path, capsys, monkeypatch):

@@ -1,5 +1,6 @@
 """The docs run as written: the README's example under torchrun on 2 gloo ranks, every block
-marked ``<!-- runnable -->`` in README.md and docs/*.md in a fresh process, the README's size,
+marked ``<!-- runnable -->`` in README.md and docs/*.md (in one fresh process, each block in its
+own folder and namespace), the README's size,
 and every relative link (and its #anchor)."""
 
 from __future__ import annotations
@@ -74,14 +75,49 @@ def test_there_are_runnable_blocks():
     assert {"plan-language.md", "tools.md", "guarantees.md"} <= pages, pages
 
 
-@pytest.mark.parametrize("path,line,code", RUNNABLE, ids=[f"{p.name}:{line}" for p, line, _ in RUNNABLE])
+#: runs each block file given on the command line as ``__main__``, in its own folder and namespace,
+#: and writes {index: None or the traceback} as JSON (one interpreter for every block: torch and
+#: transformers are imported once, not once per block)
+_RUN_BLOCKS = """
+import contextlib, io, json, os, runpy, sys, traceback
+results = {}
+for i, path in enumerate(sys.argv[2:]):
+    os.chdir(os.path.dirname(path))
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(path, run_name="__main__")
+        results[i] = None
+    except BaseException:  # SystemExit too: a block must run to its end
+        results[i] = out.getvalue()[-2000:] + traceback.format_exc()[-3000:]
+with open(sys.argv[1], "w") as f:
+    json.dump(results, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def block_results(tmp_path_factory) -> dict[str, str | None]:
+    """Every runnable block run in one fresh process, each in its own empty folder."""
+    root = tmp_path_factory.mktemp("blocks")
+    paths = []
+    for i, (_, _, code) in enumerate(RUNNABLE):
+        (root / f"b{i}").mkdir()
+        paths.append(root / f"b{i}" / "block.py")
+        paths[-1].write_text(code)
+    (root / "run.py").write_text(_RUN_BLOCKS)
+    cmd = [sys.executable, str(root / "run.py"), str(root / "results.json"), *map(str, paths)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=_env())
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    import json
+
+    return json.loads((root / "results.json").read_text())
+
+
+@pytest.mark.parametrize("index", range(len(RUNNABLE)), ids=[f"{p.name}:{line}" for p, line, _ in RUNNABLE])
 @pytest.mark.slow
-def test_runnable_block(tmp_path, path, line, code):
-    script = tmp_path / "block.py"
-    script.write_text(code)
-    cmd = [sys.executable, str(script)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env())
-    assert run.returncode == 0, f"{path.name}:{line}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+def test_runnable_block(block_results, index):
+    path, line, _ = RUNNABLE[index]
+    assert block_results[str(index)] is None, f"{path.name}:{line}\n{block_results[str(index)]}"
 
 
 def test_readme_is_a_front_page():

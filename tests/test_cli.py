@@ -194,21 +194,20 @@ def test_plan_subprocess_prints_placements_schedule_and_memory():
 
 
 @pytest.mark.slow
-def test_plan_with_the_packaged_sp_plan_from_the_console_script():
-    res = _run("plan", "llama", "--tp", "2", "--plan", "hp_functional:llama_sp_plan", "--brief", "--seq", "16")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr and "[rank" not in res.stderr, res.stderr
-    assert _row(res.stdout, "model.layers.*.mlp.down_proj", "Rowwise(output_layout=Shard(dim=1))", "tp", "2")
-    assert _row(res.stdout, "fwd", "reduce_scatter", "tp", str(2 * C.num_hidden_layers))
+def test_plan_with_the_packaged_sp_plan(capsys):
+    """In this process (the console script's own path is ``test_plan_subprocess_...``'s)."""
+    assert main(["plan", "llama", "--tp", "2", "--plan", "hp_functional:llama_sp_plan", "--brief", "--seq", "16"]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "model.layers.*.mlp.down_proj", "Rowwise(output_layout=Shard(dim=1))", "tp", "2")
+    assert _row(out, "fwd", "reduce_scatter", "tp", str(2 * C.num_hidden_layers))
 
 
 @pytest.mark.slow
-def test_brief_merges_layers_states_the_step_and_the_dp_reduction_left_out(tmp_path):
+def test_brief_merges_layers_states_the_step_and_the_dp_reduction_left_out(tmp_path, capsys):
     """An 8B Llama: 291 parameters, printed as one row per layer-index pattern."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
-    res = _run("plan", str(tmp_path), "--tp", "8", "--dp", "2", "--brief", "--dtype", "bfloat16", "--seq", "64")
-    assert res.returncode == 0, res.stdout + res.stderr
-    out = res.stdout
+    assert main(["plan", str(tmp_path), "--tp", "8", "--dp", "2", "--brief", "--dtype", "bfloat16", "--seq", "64"]) == 0
+    out = capsys.readouterr().out
     assert "mesh {'dp': 2, 'tp': 8}" in out and "batch 1 x seq 64" in out and "parameters in bfloat16" in out
     assert _row(out, "model.layers.*.mlp.down_proj.weight", "32", "(4096, 14336)", "R", "S(1)", "(4096, 1792)")
     assert _row(out, "model.layers.*.self_attn.k_proj.weight", "32", "(1024, 4096)", "R", "S(0)", "(128, 4096)")

@@ -176,11 +176,13 @@ def case_one_rank_fails_inside_shard(state):
 def test_a_failing_rank_makes_the_others_fail_within_the_timeout():
     hang_pool = RankPool(2, pg_timeout=5.0)  # its own pool: a timed-out gloo group is not reusable
     try:
-        for case, args, original, other in (
+        for i, (case, args, original, other) in enumerate((
             (case_one_rank_fails_before_a_collective, (), "rank 1 fails on purpose", "rank 0"),
             (case_one_rank_fails_inside_shard, (make_llama_state(),), "not divisible by mesh axis 'tp'",
              "not every rank of the mesh reached the plan agreement"),
-        ):
+        )):
+            if i:
+                hang_pool.restart()  # fresh ranks for the next case (none after the last: it is closed)
             start = time.monotonic()
             with pytest.raises(RankFailure) as failure:
                 hang_pool.run(case, *args, timeout=60)
@@ -188,7 +190,6 @@ def test_a_failing_rank_makes_the_others_fail_within_the_timeout():
             assert elapsed < 30, f"{case.__name__}: the other rank took {elapsed:.0f}s to fail"
             text = str(failure.value)
             assert original in text and "--- rank 0 ---" in text and other in text, text
-            hang_pool.restart()
     finally:
         hang_pool.close(graceful=False)
 

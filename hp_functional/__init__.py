@@ -35,16 +35,9 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
         ReplicationError as ReplicationError,
         ShapeError as ShapeError,
     )
+    from .core.facets import Facet as Facet, ReducedOver as ReducedOver, RowSplit as RowSplit, SummedOver as SummedOver
     from .core.gather import unshard as unshard
-    from .core.placement import (
-        Facet as Facet,
-        ReducedOver as ReducedOver,
-        RowSplit as RowSplit,
-        ShardInfo as ShardInfo,
-        SummedOver as SummedOver,
-        slice_local as slice_local,
-        to_dtensor as to_dtensor,
-    )
+    from .core.placement import ShardInfo as ShardInfo, slice_local as slice_local, to_dtensor as to_dtensor
     from .core.raw_collectives import set_timeout as set_timeout
     from .plan.auto import auto_plan as auto_plan
     from .plan.context import ContextParallel as ContextParallel
@@ -120,10 +113,10 @@ _LAZY: dict[str, str] = {
     "cp_shard": ".core.cp_layout",
     "cp_unshard": ".core.cp_layout",
     "ShardInfo": ".core.placement",
-    "Facet": ".core.placement",
-    "RowSplit": ".core.placement",
-    "SummedOver": ".core.placement",
-    "ReducedOver": ".core.placement",
+    "Facet": ".core.facets",
+    "RowSplit": ".core.facets",
+    "SummedOver": ".core.facets",
+    "ReducedOver": ".core.facets",
     "slice_local": ".core.placement",
     "to_dtensor": ".core.placement",
     "unshard": ".core.gather",

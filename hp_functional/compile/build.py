@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, PlanWarning
-from ..core.placement import ReducedOver
+from ..core.facets import ReducedOver
 from ..plan.plan import ShardingPlan, as_plan
 from ..plan.program import Planned, Program
 from ..plan.styles import ModuleSpec

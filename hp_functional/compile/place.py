@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from ..core.errors import PlanError
+from ..core.facets import SummedOver
 from ..core.placement import (
     ShardInfo,
-    SummedOver,
     fmt_placements,
     local_layout,
     mesh_placements,

@@ -12,16 +12,16 @@ are applied in order, each ``Shard(d)`` narrowing the current chunk further, so
 from __future__ import annotations
 
 __all__ = [
-    "AxisPlacements", "Box", "Facet", "GroupedShard", "ReducedOver", "RowSplit", "ShardInfo", "StackedShard",
-    "SummedOver", "boxes", "fmt_placements", "is_grouped", "is_placement", "local_layout", "mesh_placements", "owns",
-    "packed_layout", "replica_group", "slice_local", "splits", "to_dtensor", "to_full"
+    "AxisPlacements", "Box", "GroupedShard", "ShardInfo", "StackedShard", "boxes", "fmt_placements", "is_grouped",
+    "is_placement", "local_layout", "mesh_placements", "owns", "packed_layout", "replica_group", "slice_local",
+    "splits", "to_dtensor", "to_full"
 ]
 
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from .collectives import AxisGroup, raw_all_gather, raw_all_reduce
 from .errors import PlanError, ShapeError
+from .facets import AxesFacet, F, Facet, ReducedOver, RowSplit, SummedOver
 
 AxisPlacements = Mapping[str, Placement]
 
@@ -110,12 +111,6 @@ def splits(p: object) -> bool:
     return isinstance(p, (Shard, _StridedShard, GroupedShard, StackedShard))
 
 
-class Facet:
-    """What one parallelism records about a leaf beyond its placements and shapes: a frozen
-    dataclass subclass, at most one of each type in ``ShardInfo.facets``.  A new parallelism
-    adds a facet type of its own instead of a field of ``ShardInfo``."""
-
-
 @dataclass(frozen=True)
 class ShardInfo:
     """Where this rank's local shard of one parameter sits in the global tensor."""
@@ -179,72 +174,6 @@ class ShardInfo:
 
 def _renamed(old: str, new: str) -> None:
     warnings.warn(f"ShardInfo.{old} is deprecated; use ShardInfo.{new}", FutureWarning, stacklevel=3)
-
-
-F = TypeVar("F", bound=Facet)
-
-
-@dataclass(frozen=True)
-class AxesFacet(Facet):
-    """A facet that names mesh axes."""
-
-    axes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class SummedOver(AxesFacet):
-    """Expert parallelism: sharded axes whose ranks each feed their own data through this leaf
-    (experts when ``ep`` shares ranks with ``dp``), so its gradient arrives already summed over
-    them; ``reduce_gradients`` skips them."""
-
-
-@dataclass(frozen=True)
-class ReducedOver(AxesFacet):
-    """Replicated axes over which ``apply_fn``'s backward already sums this leaf's gradient (it
-    is consumed by rank-varying compute there: TP regions, context parallelism);
-    ``reduce_gradients`` over one of them is refused."""
-
-
-@dataclass(frozen=True)
-class RowSplit(Facet):
-    """Dim 0 of a layout's local shard chunked further over one mesh axis, or over several
-    flattened into one (``hpf.fsdp``), with ``torch.chunk``'s sizes: ``ceil(rows / n)`` rows per
-    rank, the last ranks fewer or none.  ``inner`` is the layout before the split (its local
-    shard holds ``rows`` rows)."""
-
-    axis: str | tuple[str, ...]
-    inner: ShardInfo
-
-    def place(self, mesh: DeviceMesh) -> tuple[int, int]:
-        """(ranks of ``mesh`` the rows are chunked over, this rank's index among them): ``flat_index``."""
-        return flat_index(mesh, self.axis)
-
-    @property
-    def rows(self) -> int:
-        return self.inner.local_shape[0]
-
-    def chunk(self, size: int) -> int:
-        """Rows per rank before the last ones (the padded size every rank gathers)."""
-        return -(-self.rows // size)
-
-    def span(self, size: int, index: int) -> tuple[int, int]:
-        """(first row, row count) of rank ``index`` of ``size``."""
-        c = self.chunk(size)
-        start = min(index * c, self.rows)
-        return start, min(c, self.rows - start)
-
-
-def flat_index(mesh: DeviceMesh, axes: str | Sequence[str]) -> tuple[int, int]:
-    """(size, this rank's index) of the ranks that share this rank's coordinates off ``axes``:
-    one mesh axis, or several flattened, ranked by global rank (``torch.distributed.new_group``'s
-    order, so the index is the rank in ``core.collectives.AxisGroup.flat``'s group)."""
-    if isinstance(axes, str):
-        return mesh.size(mesh.mesh_dim_names.index(axes)), mesh.get_local_rank(axes)
-    names = mesh.mesh_dim_names
-    coord = mesh.get_coordinate()
-    index = tuple(slice(None) if n in axes else c for n, c in zip(names, coord, strict=True))
-    ranks = sorted(mesh.mesh[index].reshape(-1).tolist())
-    return len(ranks), ranks.index(mesh.get_rank())
 
 
 def fmt_placements(placements) -> str:

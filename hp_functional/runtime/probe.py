@@ -26,8 +26,8 @@ from ..compile.dataflow import synthesize_inputs
 from ..compile.lint_heads import Memo, fingerprint
 from ..compile.reduce import Reduced, reduced_copy
 from ..core.errors import PlanError
+from ..core.facets import SummedOver
 from ..core.gather import unshard
-from ..core.placement import SummedOver
 from .loss import scalar_loss
 from .weights import recompute_buffers
 

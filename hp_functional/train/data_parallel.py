@@ -20,7 +20,8 @@ from ..core.buckets import plan_buckets as buckets_by_rule
 from ..core.collectives import AxisGroup
 from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
-from ..core.placement import ReducedOver, ShardInfo, SummedOver
+from ..core.facets import ReducedOver, SummedOver
+from ..core.placement import ShardInfo
 from ..core.raw_collectives import mesh_device, start_all_reduce, wait
 from .clip import agree_structure, check_grads, gather_rows, is_shard, structure_words
 

@@ -31,7 +31,8 @@ from ..compile.agree import agree
 from ..core.collectives import AxisGroup
 from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
-from ..core.placement import ReducedOver, RowSplit, ShardInfo, fmt_placements, splits
+from ..core.facets import ReducedOver, RowSplit
+from ..core.placement import ShardInfo, fmt_placements, splits
 from ..plan.program import Program
 from ..runtime.apply_fn import ApplyFn, ThreadGuard
 from ..runtime.checkpoint import ActivationCheckpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint

@@ -101,11 +101,6 @@ def iter_full(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
         yield _gather_bucket(keys, params, shard_info, layouts)
 
 
-def mesh_barrier(mesh) -> None:
-    """Wait for every rank of ``mesh`` (an object gather: works on any mesh and backend)."""
-    gather_objects(None, mesh)
-
-
 def unshard(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo]) -> dict[str, Tensor]:
     """Gather every local shard back to its full tensor on every rank (a collective: call on
     every rank; one all-gather per mesh dim and dtype, plus one for the layouts; inverse:

@@ -23,7 +23,7 @@ BIN   := $(VENV)/bin
 KEY   := $(shell (cat "$(ROOT)/pyproject.toml"; echo "$(TORCH) $(EXTRAS)") | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.hpf-setup-$(KEY)
 
-.PHONY: demo test test-fast setup clean-setup
+.PHONY: demo test test-fast mutation-check setup clean-setup
 
 demo: $(STAMP)
 	cd "$(ROOT)" && "$(BIN)/hp-functional" demo
@@ -37,6 +37,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	cd "$(ROOT)" && "$(BIN)/python" -m pytest tests -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests" >&2; fi; exit $$rc
+
+# every seeded mutation of tests/mutations.py applied alone to a scratch copy, its tests run (docs/testing.md)
+mutation-check: $(STAMP)
+	cd "$(ROOT)" && "$(BIN)/python" -m tests.mutation_check $(MUTATION_ARGS)
 
 setup: $(STAMP)
 

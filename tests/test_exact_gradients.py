@@ -239,3 +239,29 @@ def test_fsdp_folds_the_context_parallel_sum(axis):
         assert out["cp all_reduce"] > 0 and out["dp reduce_scatter"] == out["groups"], out
     else:
         assert out["cp all_reduce"] == 0 and out["dp reduce_scatter"] == 0, out
+
+
+def _forgetful_mlp(module, axes, x):
+    """A hand-written TP MLP that forgets its all-reduce: each rank returns its partial sum as if
+    it were the whole output (the classic bug of a hand-written row-parallel layer)."""
+    return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+
+def case_probe_refuses_a_wrong_loss():
+    """A plan whose forward is not the model's: the probe refuses it by its loss, on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=4, attn_implementation="eager"))
+    mlp = hpf.Local(_forgetful_mlp, params={"gate_proj.weight": Shard(0), "up_proj.weight": Shard(0),
+                                            "down_proj.weight": Shard(1)})
+    with pytest.raises(hpf.PlanError) as refused:
+        hpf.shard(model, {"model.layers.*.mlp": mlp}, mesh((world(),), ("tp",)))
+    return str(refused.value)
+
+
+def test_probe_refuses_a_wrong_loss():
+    for message in get_pool(2).run(case_probe_refuses_a_wrong_loss):
+        assert "shard-time probe" in message and "the sharded loss" in message, message

@@ -1,0 +1,202 @@
+"""The seeded mutations of ``make mutation-check`` (``tests/mutation_check.py``): each one a bug the
+suite must catch, written as a small patch to one named function, with the guarantee it breaks and
+the tests that cover it.  A new guarantee comes with its mutation here (docs/testing.md).
+
+``core=True`` marks a core invariant (collective transposes and batching rules, FSDP's scaling,
+the recompute's RNG, the shard-time proof, checksums): its tests run with ``-m "not slow"``, so
+``make test-fast`` must kill it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MUTATIONS", "Mutation"]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Replace ``find`` with ``replace`` inside ``target`` (``path::Qualified.name``), then run ``tests``."""
+
+    name: str
+    target: str
+    find: str
+    replace: str
+    tests: tuple[str, ...]
+    guards: str
+    core: bool = False
+
+    @property
+    def path(self) -> str:
+        return self.target.split("::")[0]
+
+    @property
+    def function(self) -> str:
+        return self.target.split("::")[1]
+
+
+COLL = "hp_functional/core/collectives.py"
+FAST_COLLECTIVES = ("tests/test_fast_invariants.py", "tests/test_collectives.py", "tests/test_higher_order.py")
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # ------------------------------------------------------------ the collective table
+    Mutation("copy-to-transpose-all-reduce", f"{COLL}::CopyTo",
+             '"I→V", "reduce_from")', '"I→V", "all_reduce")', FAST_COLLECTIVES,
+             "copy_to's transpose is reduce_from: the same first-order backward, but grad∘grad off by the world size",
+             core=True),
+    Mutation("reduce-from-transpose", f"{COLL}::ReduceFrom",
+             '"V→I", "copy_to")', '"V→I", "leave_region")', FAST_COLLECTIVES,
+             "reduce_from's transpose is copy_to (identity), not a keep-on-rank-0", core=True),
+    Mutation("split-to-transpose", f"{COLL}::SplitTo",
+             '"I→V", "gather_from")', '"I→V", "all_gather")', FAST_COLLECTIVES,
+             "split_to's transpose is gather_from (V→I), whose own backward splits again", core=True),
+    Mutation("reduce-scatter-transpose-scale", f"{COLL}::_collective",
+             "conjugate = COLLECTIVES[transpose].apply(grad, *transpose_args(*ctx.args))",
+             "conjugate = COLLECTIVES[transpose].apply(grad, *transpose_args(*ctx.args))\n"
+             "        conjugate = conjugate * 0.5 if transpose == \"all_gather\" else conjugate",
+             FAST_COLLECTIVES, "reduce_scatter's transpose is the plain all_gather (no scale)", core=True),
+    Mutation("partial-from-keeps-everywhere", f"{COLL}::_keep_on_rank0",
+             "if g.rank == 0", "if g.rank >= 0", FAST_COLLECTIVES,
+             "partial_from keeps the value on rank 0 only (the others contribute zeros)", core=True),
+    Mutation("batching-rule-dims-not-shifted", f"{COLL}::_shift_dims",
+             "a + 1 if isinstance(a, int)", "a if isinstance(a, int)", FAST_COLLECTIVES,
+             "a collective's batching rule moves its dims past the vmapped one", core=True),
+    Mutation("batching-rule-batch-dim-last", f"{COLL}::_collective",
+             "eager.apply(x.movedim(in_dims[0], 0), *batch_args(args)), 0",
+             "eager.apply(x.movedim(in_dims[0], -1), *batch_args(args)), 0", FAST_COLLECTIVES,
+             "a collective's vmap rule puts the vmapped dim in front before communicating", core=True),
+    Mutation("jvp-rule-identity", f"{COLL}::_collective",
+             "return eager.apply(tangent, *ctx.args)", "return tangent", FAST_COLLECTIVES,
+             "a collective's jvp is the collective applied to the tangent", core=True),
+    Mutation("all-to-all-transpose-dims", f"{COLL}::_swap_dims",
+             "return concat_dim, split_dim, group", "return split_dim, concat_dim, group", FAST_COLLECTIVES,
+             "all_to_all's transpose swaps its split and concat dims", core=True),
+    Mutation("ppermute-transpose-inverse", f"{COLL}::_invert_perm",
+             "return tuple((d, s) for s, d in perm), group", "return tuple(perm), group", FAST_COLLECTIVES,
+             "ppermute's transpose sends every pair back", core=True),
+    Mutation("all-to-all-v-transpose-splits", f"{COLL}::_swap_splits",
+             "return dim, recv, send, group", "return dim, send, recv, group",
+             ("tests/test_fast_invariants.py", "tests/test_collectives.py", "tests/test_experts.py"),
+             "all_to_all_v's transpose swaps the send and receive splits", core=True),
+    Mutation("bucketed-reduction-skipped", "hp_functional/core/buckets.py::_backward",
+             "return (None, None, *_reduced(grads, ctx.buckets, ctx.groups))", "return (None, None, *grads)",
+             ("tests/test_mlp.py", "tests/test_llama.py", "tests/test_exact_gradients.py"),
+             "a replicated parameter consumed by rank-varying compute gets its gradient summed (bucketed copy_to)",
+             core=True),
+    # ------------------------------------------------------------ FSDP: scaling and schedule
+    Mutation("fsdp-gradient-not-averaged", "hp_functional/train/fsdp.py::_bucket",
+             "divisor = math.prod(n for a, n in sizes.items() if a not in folded)", "divisor = 1",
+             ("tests/test_fast_invariants.py", "tests/test_fsdp.py", "tests/test_clip_dp.py"),
+             "fsdp's gradient is the mean over the dp ranks", core=True),
+    Mutation("fsdp-folded-cp-divided", "hp_functional/train/fsdp.py::_bucket",
+             "divisor = math.prod(n for a, n in sizes.items() if a not in folded)",
+             "divisor = math.prod(sizes.values())",
+             ("tests/test_fast_invariants.py", "tests/test_context_parallel_hf.py"),
+             "a cp sum folded into fsdp's reduce-scatter is a sum, not a mean", core=True),
+    Mutation("fsdp-row-split-offset", "hp_functional/train/fsdp_bucket.py::Bucket.gather",
+             "t = full[:, piece.start:piece.start + piece.size]",
+             "t = full[:, piece.start:piece.start + piece.size].roll(1, 0)",
+             ("tests/test_fast_invariants.py", "tests/test_fsdp.py"),
+             "fsdp's gather puts every rank's rows of a leaf back in rank order", core=True),
+    # ------------------------------------------------------------ CP and EP gradients
+    Mutation("cp-loss-summed-twice", "hp_functional/plan/context.py::ContextParallelForward.loss",
+             "return C.reduce_from(", "return C.all_reduce(", ("tests/test_context_parallel_hf.py",),
+             "the CP loss leaves through reduce_from: each rank's share gets the full gradient once"),
+    Mutation("ring-attention-dq-unscaled", "hp_functional/core/ring_attention.py::RingAttention.backward",
+             "dq = dq + (ds @ kb) * scale", "dq = dq + (ds @ kb)",
+             ("tests/test_ring_attention.py",), "ring attention's backward (dq) equals SDPA's"),
+    Mutation("ep-routing-weight-gradient-lost", "hp_functional/plan/experts.py::dispatch_combine",
+             "weighted = (back * weight[:, None])", "weighted = (back * weight[:, None].detach())",
+             ("tests/test_experts.py",), "the router's weights get their gradient through expert parallelism"),
+    Mutation("ep-combine-not-differentiated", "hp_functional/plan/experts.py::dispatch_combine",
+             "back = C.all_to_all_v(out, 0, recv, send, g)", "back = C.all_to_all_v(out.detach(), 0, recv, send, g)",
+             ("tests/test_experts.py",), "the experts' weights get their gradient back through the combine"),
+    # ------------------------------------------------------------ the proof and the agreements
+    Mutation("probe-gradient-check-off", "hp_functional/runtime/probe.py::_compare",
+             "if worst > TOLERANCE * 10:", "if worst > 1e30:",
+             ("tests/test_exact_gradients.py::test_probe_refuses_a_wrong_gradient",),
+             "the shard-time probe refuses a plan that gives a parameter a wrong gradient", core=True),
+    Mutation("probe-loss-check-off", "hp_functional/runtime/probe.py::_compare",
+             "if not torch.allclose(loss.float(), ref.float(), rtol=TOLERANCE, atol=TOLERANCE):", "if False:",
+             ("tests/test_exact_gradients.py::test_probe_refuses_a_wrong_loss",),
+             "the shard-time probe refuses a plan whose loss is not the model's", core=True),
+    Mutation("agreement-ignores-values", "hp_functional/compile/agree.py::agree",
+             "value_checksums(values) if values is not None else None", "None",
+             ("tests/test_reliability.py::test_ranks_with_different_weights_raise_naming_the_first_tensor",
+              "tests/test_reliability.py::test_one_replicated_tensor_differing_on_one_rank_is_named"),
+             "ranks holding different weights raise PlanMismatchError at shard()", core=True),
+    Mutation("checksum-not-position-sensitive", "hp_functional/compile/agree.py::checksum",
+             "return f\"crc{zlib.crc32(memoryview(data.numpy()))}\"", "return f\"crc{int(data.sum())}\"",
+             ("tests/test_reliability.py::test_value_checksum_is_exact_and_position_sensitive",),
+             "the value checksum is exact and position-sensitive (a permutation of the bytes differs)", core=True),
+    Mutation("device-checksum-not-position-sensitive", "hp_functional/compile/agree.py::device_checksum",
+             "return f\"sum{int(plain)}:{int(weighted)}\"", "return f\"sum{int(plain)}\"",
+             ("tests/test_reliability.py::test_value_checksum_is_exact_and_position_sensitive",),
+             "the on-device checksum (accelerators) is position-sensitive too", core=True),
+    Mutation("input-value-check-off", "hp_functional/runtime/inputs.py::_describe",
+             "if values and x.device.type != \"meta\"", "if False",
+             ("tests/test_run_agreement.py::test_inputs_that_differ_across_tp_ranks_raise_on_every_rank",),
+             "with the value check on, inputs that differ in value across a replicating axis raise InputMismatchError"),
+    Mutation("other-threads-not-refused", "hp_functional/runtime/apply_fn.py::make_apply_fn",
+             "if guard is not None:\n                guard.refuse()", "if False:\n                guard.refuse()",
+             ("tests/test_reentrant.py",), "apply_fn on a multi-rank mesh refuses calls from another thread"),
+    Mutation("apply-fn-shape-check-off", "hp_functional/runtime/apply_fn.py::make_apply_fn",
+             "if tuple(v.shape for v in values) != shapes:", "if False:", ("tests/test_bad_input.py",),
+             "apply_fn(model.state_dict()) is a PlanError before any collective"),
+    Mutation("dataflow-misses-varying-uses", "hp_functional/compile/dataflow.py::_Taint.__torch_function__",
+             "update(met & replicated)", "update(set())",
+             ("tests/test_exact_gradients.py", "tests/test_hf_families.py"),
+             "a replicated parameter that rank-varying data reaches gets its gradient summed (or is refused)"),
+    # ------------------------------------------------------------ checkpoints and weights
+    Mutation("checkpoint-checksum-not-verified", "hp_functional/train/ckpt_integrity.py::VerifyingReader._read_chunk",
+             "if len(data) != info.length or digest(data) != self._sums[chunk_key(index)]:",
+             "if len(data) != info.length:", ("tests/test_checkpoint_security.py",),
+             "a checkpoint whose bytes changed is refused on load", core=True),
+    Mutation("checkpoint-reshard-offset", "hp_functional/train/dcp.py::_Boxed.__get_tensor_shard__",
+             "return self._by_start[tuple(index.offset)].of_local(self.local)",
+             "return self._by_start[tuple(index.offset)].of_local(self.local).flip(0)",
+             ("tests/test_dcp.py",), "a checkpoint saved at one layout loads exactly at another"),
+    Mutation("export-packed-off-by-one-row", "hp_functional/train/export.py::export_hf",
+             "{_stored_name(k, shard_info[k], model): t for k, t in full.items()}",
+             "{_stored_name(k, shard_info[k], model): (t.roll(1, 0) if shard_info[k].blocks else t) "
+             "for k, t in full.items()}",
+             ("tests/test_export_kinds.py", "tests/test_weights.py"), "export_hf writes a packed (fused) parameter exactly"),
+    Mutation("export-tied-stored-under-own-name", "hp_functional/train/export.py::_stored_name",
+             "return tied[key] if isinstance(tied, Mapping) and tied.get(key) in info.aliases else key", "return key",
+             ("tests/test_export_kinds.py", "tests/test_weights.py"),
+             "export_hf stores a tied group under the name HF loads it from"),
+    Mutation("export-experts-permuted", "hp_functional/train/export.py::export_hf",
+             "{_stored_name(k, shard_info[k], model): t for k, t in full.items()}",
+             "{_stored_name(k, shard_info[k], model): (t.roll(1, 0) if \"experts\" in k else t) "
+             "for k, t in full.items()}",
+             ("tests/test_export_kinds.py", "tests/test_weights.py"), "export_hf writes stacked expert weights exactly"),
+    Mutation("import-box-misplaced", "hp_functional/runtime/weights.py::read_local",
+             "box.of_local(local).copy_(box.of_global(stored))",
+             "box.of_local(local).copy_(box.of_global(stored).flip(0))",
+             ("tests/test_weights.py",), "from_pretrained reads each rank's boxes of every tensor exactly"),
+    Mutation("buffers-not-restored", "hp_functional/runtime/state.py::BufferSlots.restore",
+             "for store, attr, value in reversed(saved):\n            store[attr] = value", "return",
+             ("tests/test_buffers.py",), "after apply_fn(..., buffers=) the skeleton holds its own buffers again"),
+    # ------------------------------------------------------------ recompute, training, optimizers
+    Mutation("recompute-rng-not-replayed", "hp_functional/runtime/checkpoint.py::_replayed_rng",
+             "torch.set_rng_state(cpu)", "pass", ("tests/test_fast_invariants.py", "tests/test_checkpoint.py"),
+             "a recomputed block draws the forward's dropout masks", core=True),
+    Mutation("reduce-gradients-sums", "hp_functional/train/data_parallel.py::reduce_gradients",
+             "total = total / group.size", "total = total", ("tests/test_clip_dp.py",),
+             "reduce_gradients(op='mean') averages over the dp ranks"),
+    Mutation("clip-counts-replicas", "hp_functional/train/clip.py::_owns",
+             "return all(owns(p, c) for c, p in zip(coord, info.placements, strict=True))", "return True",
+             ("tests/test_clip_dp.py",), "clip_grad_norm counts each replicated leaf once"),
+    Mutation("adamw-no-bias-correction", "hp_functional/train/optim.py::adamw",
+             "step_size = lr_k / bias_correction1", "step_size = lr_k", ("tests/test_optim.py",),
+             "adamw equals torch.optim.AdamW"),
+    Mutation("adamw-decays-every-leaf", "hp_functional/train/optim.py::adamw",
+             "idx = [i for i, n in enumerate(keys) if decays(n)]", "idx = list(range(len(keys)))",
+             ("tests/test_optim.py",), "adamw's mask leaves the excluded leaves undecayed"),
+    Mutation("sgd-nesterov-ignored", "hp_functional/train/optim.py::sgd",
+             "g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf", "g = buf",
+             ("tests/test_optim.py",), "sgd(nesterov=True) equals torch.optim.SGD"),
+    Mutation("vocab-loss-bad-label-silent", "hp_functional/plan/vocab.py::vocab_parallel_cross_entropy",
+             "loss = torch.where((owners != 1) & (labels != ignore_index), torch.nan, loss)", "pass",
+             ("tests/test_loss_parallel.py",), "a label no rank owns gives a NaN loss, never a silent logsumexp"),
+)

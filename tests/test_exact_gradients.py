@@ -249,8 +249,8 @@ def _forgetful_mlp(module, axes, x):
 
 def case_probe_refuses_a_wrong_loss():
     """A plan whose forward is not the model's: the probe refuses it by its loss, on every rank."""
-    from transformers import LlamaConfig, LlamaForCausalLM
     from torch.distributed.tensor import Shard
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -28,12 +28,14 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.mutations import MUTATIONS, Mutation
@@ -103,7 +105,7 @@ def _scratch() -> Path:
     return where
 
 
-def _run_tests(scratch: Path, m: Mutation | None, tests: tuple[str, ...], fast: bool, timeout: float) -> tuple[str, str]:
+def _run_tests(scratch: Path, tests: tuple[str, ...], fast: bool, timeout: float) -> tuple[str, str]:
     """('passed' | 'failed' | 'timeout' | 'error', the failing tests or the output's tail)."""
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *tests]
     if fast:
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", action="store_true",
                         help="first run every mutation's tests unmutated (they must pass)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per mutation before it counts as killed")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="mutations run at once, each in a scratch copy of its own (default 2: the start-up of "
+                             "pytest and the rank pools is mostly waiting)")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if args.only in m.name]
     if args.list:
@@ -149,46 +154,63 @@ def main(argv: list[str] | None = None) -> int:
                 stale.append(str(exc))
         print("\n".join(f"STALE     {s}" for s in stale) or f"mutations: all {len(chosen)} apply")
         return 1 if stale else 0
-    scratch = _scratch()
+    scratches = [_scratch() for _ in range(max(1, args.jobs))]
     start = time.monotonic()
     try:
         if args.baseline:
             tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
-            verdict, detail = _run_tests(scratch, None, tests, False, args.timeout * 4)
+            verdict, detail = _run_tests(scratches[0], tests, False, args.timeout * 4)
             print(f"baseline: {verdict} {detail}", flush=True)
             if verdict != "passed":
                 return 2
-        killed = survived = stale = 0
-        for m in chosen:
-            path = scratch / m.path
-            original = path.read_text()
-            t0 = time.monotonic()
+        free: queue.Queue[Path] = queue.Queue()
+        for scratch in scratches:
+            free.put(scratch)
+
+        def attempt(m: Mutation) -> tuple[str, str, float]:
+            scratch = free.get()  # a copy of the repository of this worker's own
             try:
-                path.write_text(mutated_source(m, original))
-            except StaleMutation as exc:
-                stale += 1
-                print(f"STALE     {m.name}: {exc}", flush=True)
-                continue
-            try:
-                verdict, detail = _run_tests(scratch, m, m.tests, m.core, args.timeout)
+                return _attempt(scratch, m, args.timeout)
             finally:
-                path.write_text(original)
-            took = time.monotonic() - t0
-            if verdict == "error":
-                stale += 1
-                print(f"STALE     {m.name}: its tests did not run: {detail}", flush=True)
-            elif verdict == "passed":
-                survived += 1
-                print(f"SURVIVED  {m.name} ({m.target}; ran {' '.join(m.tests)}) [{took:.0f} s]", flush=True)
-            else:
-                killed += 1
-                how = "by a timeout" if verdict == "timeout" else f"by {detail}"
-                print(f"killed    {m.name} {how} [{took:.0f} s]", flush=True)
-        print(f"mutations: {killed} killed, {survived} survived (of {len(chosen)})"
-              + (f", {stale} stale" if stale else "") + f" in {time.monotonic() - start:.0f} s")
-        return 0 if survived == stale == 0 else 1
+                free.put(scratch)
+
+        counts = {"killed": 0, "survived": 0, "stale": 0}
+        with ThreadPoolExecutor(len(scratches)) as pool:
+            for m, (verdict, detail, took) in zip(chosen, pool.map(attempt, chosen), strict=True):
+                if verdict == "error":
+                    counts["stale"] += 1
+                    print(f"STALE     {m.name}: {detail}", flush=True)
+                elif verdict == "passed":
+                    counts["survived"] += 1
+                    print(f"SURVIVED  {m.name} ({m.target}; ran {' '.join(m.tests)}) [{took:.0f} s]", flush=True)
+                else:
+                    counts["killed"] += 1
+                    how = "by a timeout" if verdict == "timeout" else f"by {detail}"
+                    print(f"killed    {m.name} {how} [{took:.0f} s]", flush=True)
+        print(f"mutations: {counts['killed']} killed, {counts['survived']} survived (of {len(chosen)})"
+              + (f", {counts['stale']} stale" if counts["stale"] else "") + f" in {time.monotonic() - start:.0f} s")
+        return 0 if counts["survived"] == counts["stale"] == 0 else 1
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        for scratch in scratches:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _attempt(scratch: Path, m: Mutation, timeout: float) -> tuple[str, str, float]:
+    """Apply ``m`` alone to ``scratch``, run its tests, put the file back: (verdict, detail, seconds)."""
+    path = scratch / m.path
+    original = path.read_text()
+    t0 = time.monotonic()
+    try:
+        path.write_text(mutated_source(m, original))
+    except StaleMutation as exc:
+        return "error", str(exc), 0.0
+    try:
+        verdict, detail = _run_tests(scratch, m.tests, m.core, timeout)
+    finally:
+        path.write_text(original)
+    if verdict == "error":
+        detail = f"its tests did not run: {detail}"
+    return verdict, detail, time.monotonic() - t0
 
 
 if __name__ == "__main__":

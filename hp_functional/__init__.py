@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .compile.lint import Finding as Finding
     from .core import collectives as collectives
     from .core.cp_layout import cp_positions as cp_positions, cp_shard as cp_shard, cp_unshard as cp_unshard
+    from .core.counter_rng import gaussian_like as gaussian_like
     from .core.errors import (
         CheckpointError as CheckpointError,
         CollectiveError as CollectiveError,
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .runtime.checkpoint import ActivationCheckpoint as ActivationCheckpoint
     from .runtime.meta_init import init_weights as init_weights
     from .runtime.pretrained import from_pretrained as from_pretrained
+    from .runtime.rng import Rng as Rng, rng as rng
     from .runtime.shard import shard as shard
     from .runtime.state import buffers as buffers
     from .tools.explain import Explanation as Explanation, Memory as Memory, Schedule as Schedule, explain as explain
@@ -112,6 +114,7 @@ _LAZY: dict[str, str] = {
     "cp_positions": ".core.cp_layout",
     "cp_shard": ".core.cp_layout",
     "cp_unshard": ".core.cp_layout",
+    "gaussian_like": ".core.counter_rng",
     "ShardInfo": ".core.placement",
     "Facet": ".core.facets",
     "RowSplit": ".core.facets",
@@ -150,6 +153,8 @@ _LAZY: dict[str, str] = {
     "shard": ".runtime.shard",
     "init_weights": ".runtime.meta_init",
     "from_pretrained": ".runtime.pretrained",
+    "rng": ".runtime.rng",
+    "Rng": ".runtime.rng",
     "export_hf": ".train.export",
     "save": ".train.dcp",
     "load": ".train.dcp",

@@ -5,7 +5,7 @@ A new parallelism adds a facet type here, not a field to ``ShardInfo``
 
 from __future__ import annotations
 
-__all__ = ["AxesFacet", "F", "Facet", "ReducedOver", "RowSplit", "SummedOver"]
+__all__ = ["AxesFacet", "F", "Facet", "ReducedOver", "RowSplit", "SummedOver", "flat_index"]
 
 from collections.abc import Sequence
 from dataclasses import dataclass

@@ -25,6 +25,7 @@ from ..core.raw_collectives import PENDING, run_pending
 from ..plan.program import Program
 from .boundary import ConversionCache
 from .inputs import InputAgreement
+from .rng import active_rng
 from .state import BufferSlots
 
 
@@ -48,6 +49,9 @@ class ApplyFn:
     transforms: tuple[str, ...] = ("shard",)
 
     def __call__(self, params: Mapping[str, Tensor], *args, **kwargs):
+        rng = active_rng()  # an open `with hpf.rng(seed):` maps this call's random ops (runtime.rng)
+        if rng is not None:
+            return rng.call(self, params, *args, **kwargs)
         return self.call(params, *args, **kwargs)
 
     def then(self, transform: str, call: Callable, **fields) -> ApplyFn:

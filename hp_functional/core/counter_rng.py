@@ -1,0 +1,233 @@
+"""A counter-based generator: random values that are a function of ``(key, global element index)``.
+
+Every value is computed from its global index alone, with torch integer ops on the tensor's own
+device (no generator state), so a shard draws exactly the values of its slice of the whole
+tensor, whatever the layout, and any slice can be drawn without the rest (``gaussian_like``,
+``hpf.rng``'s dropout).  The bits are two rounds of the SplitMix64 finalizer over
+``index * golden + key`` (SplitMix64 as a counter-based generator, keyed per stream); uniforms
+take the top bits; normals are Box–Muller over two independent words, with the logarithm and
+the cosine computed as polynomials of correctly rounded ops only (``+ - * / sqrt``, ``frexp``),
+so that a value is bit-identical whichever vector lane, kernel or device type computes it
+(torch's ``log``/``cos`` are not: a CPU kernel's scalar tail and its vector body may differ in
+the last bit).  See docs/randomness.md.
+"""
+
+from __future__ import annotations
+
+__all__ = ["gaussian_like", "global_index", "keep_mask", "normal", "stream_key", "uniform"]
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import xxhash
+from torch import Tensor
+
+from .errors import PlanError
+from .placement import Box, ShardInfo, boxes
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+#: the most elements drawn at once (bounds the int64 temporaries; values do not depend on it)
+CHUNK = 1 << 22
+
+
+def _signed(z: int) -> int:
+    """A 64-bit word as the int64 torch stores."""
+    z &= _M64
+    return z - (1 << 64) if z >> 63 else z
+
+
+def _mix(z: int) -> int:
+    """The SplitMix64 finalizer on a Python int (keys)."""
+    z &= _M64
+    z = ((z ^ (z >> 30)) * _C1) & _M64
+    z = ((z ^ (z >> 27)) * _C2) & _M64
+    return z ^ (z >> 31)
+
+
+def stream_key(seed: int, *parts: int) -> int:
+    """The 64-bit key of the stream ``parts`` (ints) under ``seed``: one mix per part, so
+    ``(seed, 1, 2)`` and ``(seed, 2, 1)`` differ."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise PlanError(f"seed must be an int, got {type(seed).__name__}")
+    key = _mix(seed ^ 0x6A09E667F3BCC908)
+    for p in parts:
+        key = _mix(key ^ _mix((p + _GOLDEN) & _M64))
+    return key
+
+
+def name_stream(name: str) -> int:
+    """A stream id for ``name`` that every process computes alike (xxh64 of its UTF-8 bytes,
+    not Python's salted ``hash``)."""
+    return xxhash.xxh64_intdigest(name.encode())
+
+
+def _lsr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 words (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _fmix_(z: Tensor) -> Tensor:
+    """The SplitMix64 finalizer, in place on int64 words (multiplication wraps modulo 2**64)."""
+    z.bitwise_xor_(_lsr(z, 30)).mul_(_signed(_C1))
+    z.bitwise_xor_(_lsr(z, 27)).mul_(_signed(_C2))
+    return z.bitwise_xor_(_lsr(z, 31))
+
+
+def random_bits(key: int, index: Tensor) -> Tensor:
+    """64 random bits (an int64 tensor shaped like ``index``) per element of ``index`` (int64
+    global element indices) in stream ``key``."""
+    z = index * _signed(_GOLDEN)
+    z.add_(_signed(key))
+    return _fmix_(_fmix_(z).bitwise_xor_(_signed(_mix(key ^ 0x5851F42D4C957F2D))))
+
+
+_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def _float_bits(dtype: torch.dtype) -> int:
+    if dtype not in _BITS:
+        raise PlanError(f"counter-based random values are floating point (float64/32/16, bfloat16), not {dtype}")
+    return _BITS[dtype]
+
+
+def uniform(key: int, index: Tensor, dtype: torch.dtype) -> Tensor:
+    """Uniform values in [0, 1) of ``dtype``, one per element of ``index``: the top k bits times
+    2**-k, k the dtype's significand (exact: never rounds up to 1)."""
+    k = _float_bits(dtype)
+    return _lsr(random_bits(key, index), 64 - k).to(dtype).mul_(2.0 ** -k)
+
+
+def keep_mask(key: int, index: Tensor, p: float) -> Tensor:
+    """Dropout's keep mask: True with probability ``1 - p`` (to 2**-32), compared on integers."""
+    return _lsr(random_bits(key, index), 32) >= int(p * 2.0 ** 32)
+
+
+# Polynomial coefficients, highest power first (Horner): log(m) = 2 s (1 + s^2/3 + s^4/5 + ...)
+# with s = (m - 1) / (m + 1), |s| <= 0.1716; cos and sin of psi in [0, pi/2) by their Taylor series;
+# as many terms as the compute dtype resolves (the first left out below its rounding).
+def _series(terms: int, coeff) -> tuple[float, ...]:
+    return tuple(coeff(j) for j in range(terms - 1, -1, -1))
+
+
+_POLY = {
+    cd: (_series(n_log, lambda j: 1.0 / (2 * j + 1)),
+         _series(n_trig, lambda j: (-1.0) ** j / math.factorial(2 * j)),
+         _series(n_trig, lambda j: (-1.0) ** j / math.factorial(2 * j + 1)))
+    for cd, n_log, n_trig in ((torch.float64, 13, 14), (torch.float32, 6, 8))
+}
+
+
+def _horner(x: Tensor, coeffs: Sequence[float]) -> Tensor:
+    acc = torch.full_like(x, coeffs[0])
+    for c in coeffs[1:]:
+        acc = acc * x + c
+    return acc
+
+
+def normal(key: int, index: Tensor, dtype: torch.dtype) -> Tensor:
+    """Standard normal values of ``dtype``, one per element of ``index`` (Box–Muller: the radius
+    from one word, the angle from another; computed in float64 for float64, else float32, tails
+    cut at 8.6 and 5.8 standard deviations by the uniforms' resolution)."""
+    _float_bits(dtype)
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    k = _BITS[cd]
+    h1 = random_bits(key, index)
+    h2 = random_bits(_mix(key ^ 0xB7E151628AED2A6B), index)
+    u1 = (_lsr(h1, 64 - k) + 1).to(cd) * 2.0 ** -k  # (0, 1]
+    del h1
+    m, e = torch.frexp(u1)  # u1 = m * 2**e, m in [0.5, 1)
+    small = m < math.sqrt(0.5)
+    m = torch.where(small, m * 2.0, m)
+    e = (e - small.to(e.dtype)).to(cd)
+    s = (m - 1.0) / (m + 1.0)
+    log_poly, cos_poly, sin_poly = _POLY[cd]
+    log_u1 = e * math.log(2.0) + (s * 2.0) * _horner(s * s, log_poly)
+    r = torch.sqrt(log_u1 * -2.0)
+    quadrant = _lsr(h2, 62)
+    frac = ((_lsr(h2, 64 - 2 - (k - 1)) & ((1 << (k - 1)) - 1)) * 2 + 1).to(cd) * 2.0 ** -k  # (0, 1)
+    psi = frac * (math.pi / 2)
+    x = psi * psi
+    cos, sin = _horner(x, cos_poly), psi * _horner(x, sin_poly)
+    # cos(quadrant * pi/2 + psi): cos, -sin, -cos, sin
+    c = torch.where(quadrant == 0, cos, torch.where(quadrant == 1, -sin, torch.where(quadrant == 2, -cos, sin)))
+    return (r * c).to(dtype)
+
+
+def global_index(local_shape: Sequence[int], global_shape: Sequence[int], offset: Sequence[int],
+                 device: torch.device | str) -> Tensor:
+    """The row-major flat index in ``global_shape`` of every element of a box of ``local_shape``
+    starting at ``offset`` (int64, shaped ``local_shape``)."""
+    n = len(local_shape)
+    index = torch.zeros((1,) * n, dtype=torch.int64, device=device)
+    stride = 1
+    for d in reversed(range(n)):
+        r = torch.arange(offset[d], offset[d] + local_shape[d], dtype=torch.int64, device=device)
+        index = index + (r * stride).view(*(1,) * d, -1, *(1,) * (n - d - 1))
+        stride *= global_shape[d]
+    return index.expand(*local_shape) if n else index.reshape(())
+
+
+def _pieces(box: Box) -> list[Box]:
+    """``box`` cut along its first dim into boxes of at most ``CHUNK`` elements (one row at least)."""
+    if not box.size:
+        return [box]
+    row = math.prod(box.size[1:])
+    rows = max(1, CHUNK // max(row, 1))
+    return [Box((box.start[0] + i, *box.start[1:]), (box.local[0] + i, *box.local[1:]),
+                (min(rows, box.size[0] - i), *box.size[1:])) for i in range(0, box.size[0], rows)]
+
+
+def gaussian_like(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo] | None = None,
+                  std: float | Mapping[str, float] = 1.0, seed: int = 0) -> dict[str, Tensor]:
+    """Gaussian noise shaped like ``params`` whose every element depends only on ``(seed,
+    the leaf's name, the element's global index)``: ``hpf.unshard`` of the result is the same
+    bits at any layout (TP, ``hpf.fsdp`` row splits, packed blocks, KV-head groups, expert
+    stacks) and equals the result for the unsharded parameters.  Local: no communication.
+    For DP-SGD noise and perturbations.
+
+    Args:
+        params: this rank's local shards by key (``shard()``'s or ``fsdp()``'s params), or the
+            whole tensors (``dict(model.named_parameters())``) with ``shard_info=None``.
+        shard_info: where each shard sits (``shard()``'s third value); None: every tensor is whole.
+        std: the standard deviation, one for all leaves or one per key (every key present).
+        seed: an int; the leaf key (the parameter's FQN) picks the stream within it.
+    Returns:
+        A dict with ``params``' keys of new tensors (each leaf's shape, dtype and device, no grad).
+    """
+    if shard_info is not None:
+        missing = sorted(set(params) - set(shard_info))
+        if missing:
+            raise PlanError(f"gaussian_like: no ShardInfo for {missing[:3]}; pass the shard_info of the same "
+                            "shard()/fsdp() call as params (or None for whole tensors)")
+    if isinstance(std, Mapping):
+        missing = sorted(set(params) - set(std))
+        if missing:
+            raise PlanError(f"gaussian_like: std has no entry for {missing[:3]}; give one per key or a single float")
+    elif isinstance(std, bool) or not isinstance(std, (int, float)):
+        raise PlanError(f"gaussian_like: std must be a float or a dict of floats by key, got {type(std).__name__}")
+    out = {}
+    for name, p in params.items():
+        if not isinstance(p, Tensor) or not p.is_floating_point():
+            raise PlanError(f"gaussian_like: params[{name!r}] is not a floating-point tensor")
+        if shard_info is None:
+            glob, parts = tuple(p.shape), [Box((0,) * p.dim(), (0,) * p.dim(), tuple(p.shape))]
+        else:
+            info = shard_info[name]
+            if tuple(p.shape) != tuple(info.local_shape):
+                raise PlanError(f"gaussian_like: params[{name!r}] has shape {tuple(p.shape)}, but its ShardInfo's "
+                                f"local shape is {tuple(info.local_shape)}; pass the params and shard_info of one call")
+            glob, parts = tuple(info.global_shape), boxes(info)
+        scale = float(std[name] if isinstance(std, Mapping) else std)
+        key = stream_key(seed, name_stream(name))
+        noise = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        for box in (piece for b in parts for piece in _pieces(b)):
+            if 0 in box.size:
+                continue
+            z = normal(key, global_index(box.size, glob, box.start, p.device), torch.float64 if p.dtype == torch.float64
+                       else torch.float32)
+            box.of_local(noise).copy_(z * scale)
+        out[name] = noise
+    return out

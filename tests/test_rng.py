@@ -1,0 +1,184 @@
+"""Layout-independent randomness: ``hpf.gaussian_like`` (noise by parameter name and global
+index) and ``hpf.rng`` (dropout and friends by global index): the sharded results gathered are
+the unsharded ones, bit for bit for the noise and to fp32 rounding for a train-mode step."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+import hp_functional as hpf
+from hp_functional.core import counter_rng
+from hp_functional.core.placement import GroupedShard, ShardInfo, StackedShard, local_layout, slice_local
+from tests.helpers import assert_close, build_hf, make_hf_state, mesh, raised
+
+LLAMA = {"attention_dropout": 0.3}
+PHI3 = {"attention_dropout": 0.2, "resid_pdrop": 0.2}
+
+
+# ---------------------------------------------------------------- the generator (one process)
+def test_bits_match_the_reference_and_any_slice():
+    """The int64 words wrap like 64-bit unsigned arithmetic (SplitMix64 written on Python ints), and a
+    slice of indices draws the slice of the values, normals included (no vector-lane dependence)."""
+    key = counter_rng.stream_key(5, 7)
+    idx = torch.arange(50_000)
+    bits = counter_rng.random_bits(key, idx)
+    m = counter_rng._M64
+
+    def ref(i: int) -> int:
+        z = counter_rng._mix((i * counter_rng._GOLDEN + key) & m)
+        return counter_rng._signed(counter_rng._mix(z ^ counter_rng._mix(key ^ 0x5851F42D4C957F2D)))
+    assert [bits[i].item() for i in (0, 1, 2, 777, 49_999)] == [ref(i) for i in (0, 1, 2, 777, 49_999)]
+    for dtype in (torch.float32, torch.float64):
+        z = counter_rng.normal(key, idx, dtype)
+        assert torch.equal(counter_rng.normal(key, idx[13:40_001:7].clone(), dtype), z[13:40_001:7])
+        assert abs(z.double().mean().item()) < 0.02 and abs(z.double().std().item() - 1) < 0.02
+    u = counter_rng.uniform(key, idx, torch.bfloat16)
+    assert u.min() >= 0 and u.max() < 1
+    assert counter_rng.stream_key(5, 1, 2) != counter_rng.stream_key(5, 2, 1)
+
+
+def test_gaussian_like_whole_tensors_and_bad_input():
+    params = {"a.weight": torch.zeros(4, 6), "b.bias": torch.zeros(5, dtype=torch.float64)}
+    out = hpf.gaussian_like(params, None, std={"a.weight": 2.0, "b.bias": 0.5}, seed=1)
+    again = hpf.gaussian_like(params, None, std={"a.weight": 2.0, "b.bias": 0.5}, seed=1)
+    assert all(torch.equal(out[k], again[k]) for k in params)
+    assert out["b.bias"].dtype == torch.float64
+    other = hpf.gaussian_like(params, None, std=1.0, seed=2)
+    assert not torch.equal(other["a.weight"] * 2, out["a.weight"])
+    assert "std has no entry" in raised(hpf.gaussian_like, params, None, {"a.weight": 1.0}, 0)[1]
+    assert "no ShardInfo" in raised(hpf.gaussian_like, params, {}, 1.0, 0)[1]
+
+
+def test_rng_unsharded_module_is_deterministic_and_seeded():
+    state = make_hf_state("phi3", **PHI3)
+    model = build_hf("phi3", state, **PHI3).train()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with hpf.rng(3) as r:
+        a = model(input_ids=ids, labels=ids).loss
+    assert r.count == 6  # per layer: attention probabilities and two residual dropouts
+    with hpf.rng(3):
+        b = model(input_ids=ids, labels=ids).loss
+    with hpf.rng(4):
+        c = model(input_ids=ids, labels=ids).loss
+    assert a.item() == b.item() and a.item() != c.item()
+    with hpf.rng(3):
+        y = torch.nn.functional.dropout(torch.ones(64), 0.5)
+        assert "randperm is not covered" in raised(torch.randperm, 4)[1]
+        assert "generator=" in raised(torch.rand, 3, generator=torch.Generator())[1]
+    assert set(y.unique().tolist()) == {0.0, 2.0}
+
+
+# ---------------------------------------------------------------- gaussian_like at every layout
+def case_gaussian_layouts(state, world: int):
+    """Noise drawn on the shards and gathered equals the noise of the whole tensors: TP (vocab-parallel
+    embedding, colwise, rowwise), packed Colwise blocks, hpf.fsdp's row splits over dp × tp, KV-head
+    groups and expert stacks (stored placements built by hand)."""
+    diffs = {}
+    model = build_hf("phi3", state, **PHI3)
+    whole = dict(model.named_parameters())
+    std = {k: 0.5 + i / 10 for i, k in enumerate(whole)}
+    ref = hpf.gaussian_like(whole, None, std, seed=11)
+    tp_mesh = mesh((world,), ("tp",))
+    plan = hpf.ShardingPlan({**hpf.ShardingPlan.from_hf(model).entries,
+                             "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"})
+    layouts = {"tp": hpf.shard(model, plan, tp_mesh, verify=False)}
+    dp_tp = mesh((2, world // 2), ("dp", "tp"))
+    apply_fn, params, info = hpf.shard(model, plan, dp_tp, verify=False)
+    layouts["fsdp dp x tp"] = hpf.fsdp(apply_fn, params, info, dp_tp, "dp")
+    for name, (_, params, info) in layouts.items():
+        full = hpf.unshard(hpf.gaussian_like(params, info, std, seed=11), info)
+        for k in ref:
+            assert torch.equal(full[k], ref[k]), f"{name}: {k}"
+        diffs[name] = sorted({str(i.placements) for i in info.values()})
+    # stored-only placements: KV heads held by groups of ranks, one expert of a stack
+    g = torch.zeros(6, 8)
+    for placement in (GroupedShard(0, 2), StackedShard(1, world), Shard(1), Replicate()):
+        shape, offset = local_layout(g.shape, (placement,), tp_mesh, "w")
+        info = {"w": ShardInfo((placement,), tp_mesh, g.shape, shape, offset)}
+        local = {"w": slice_local(g, info["w"])}
+        noise = hpf.gaussian_like(local, info, 1.0, seed=3)["w"]
+        whole_noise = hpf.gaussian_like({"w": g}, None, 1.0, seed=3)["w"]
+        assert torch.equal(noise, slice_local(whole_noise, info["w"])), str(placement)
+    return diffs
+
+
+def test_gaussian_like_is_the_same_at_every_layout(pool):
+    layouts = pool.run(case_gaussian_layouts, make_hf_state("phi3", **PHI3), pool.world)[0]
+    assert any("RowSplit" in k or "Shard" in s for k, v in layouts.items() for s in v)
+
+
+# ---------------------------------------------------------------- hpf.rng through apply_fn
+def case_rng_step(state, family: str, cfg: dict, mesh_shape: tuple, fsdp: bool, seed: int = 5):
+    """Loss and every gradient of a train-mode step under hpf.rng(seed): sharded (tp, or fsdp dp × tp)
+    against the unsharded model on the global batch under the same generator."""
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    m = mesh(tuple(mesh_shape), names)
+    model = build_hf(family, state, **cfg).train()
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m, verify=False)
+    dp = m["dp"] if "dp" in names else None
+    if fsdp:
+        apply_fn, params, info = hpf.fsdp(apply_fn, params, info, m, "dp")
+    ids = torch.randint(0, model.config.vocab_size, (2 * (dp.size() if dp else 1), 8),
+                        generator=torch.Generator().manual_seed(7))
+    with hpf.rng(seed):
+        ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    mine = ids.chunk(dp.size())[dp.get_local_rank()] if dp else ids
+    with hpf.rng(seed) as r:
+        loss = apply_fn(params, input_ids=mine, labels=mine).loss
+    loss.backward()  # outside the block: the backward draws nothing
+    draws = r.count
+    if dp:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=dp.get_group())
+        loss = loss / dp.size()
+    assert_close(loss, ref.detach(), "loss", atol=1e-6, rtol=1e-6)
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    worst = max(assert_close(full[k], p.grad, f"grad {k}", atol=1e-6, rtol=1e-5) for k, p in model.named_parameters())
+    with hpf.rng(seed + 1):  # another seed: other masks
+        other = apply_fn(params, input_ids=mine, labels=mine).loss
+    with torch.no_grad():
+        plain = apply_fn(params, input_ids=mine, labels=mine).loss  # outside the block: torch's own dropout
+    return draws, worst, abs(other.item() - loss.item()) > 1e-4, torch.isfinite(plain).item()
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_rng_tp2_attention_dropout_matches_unsharded(pool):
+    for draws, worst, differs, _ in pool.run(case_rng_step, make_hf_state("llama", **LLAMA), "llama", LLAMA, (2,), False):
+        assert draws == 2 and worst < 1e-5 and differs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,cfg", [("llama", {**LLAMA, "attn_implementation": "sdpa"}), ("phi3", PHI3)],
+                         ids=["llama-sdpa", "phi3-resid"])
+def test_rng_tp_matches_unsharded(pool, family, cfg):
+    for draws, worst, differs, _ in pool.run(case_rng_step, make_hf_state(family, **cfg), family, cfg, (pool.world,), False):
+        assert draws == (6 if family == "phi3" else 2) and worst < 1e-5 and differs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", [4], indirect=True)
+def test_rng_fsdp_dp_tp_matches_unsharded(pool):
+    """dp 2 × tp 2, fsdp over dp: each dp rank's examples are global rows [i*b, (i+1)*b)."""
+    for draws, worst, differs, _ in pool.run(case_rng_step, make_hf_state("phi3", **PHI3), "phi3", PHI3, (2, 2), True):
+        assert draws == 6 and worst < 1e-5 and differs
+
+
+# ---------------------------------------------------------------- what is refused
+def case_refusals(state):
+    m = mesh((dist.get_world_size(),), ("tp",))
+    model = build_hf("llama", state, **LLAMA).train()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = {}
+    apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m, verify=False, checkpoint=True)
+    with hpf.rng(0):
+        out["checkpoint"] = raised(apply_fn, params, input_ids=ids, labels=ids)
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_rng_refuses_what_it_cannot_place(pool):
+    out = pool.run(case_refusals, make_hf_state("llama", **LLAMA))[0]
+    kind, msg = out["checkpoint"]
+    assert kind == "PlanError" and "model.layers.0" in msg and "recomputed in the backward" in msg

@@ -86,6 +86,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     )
     from .train import optim as optim
     from .train.clip import clip_grad_norm as clip_grad_norm
+    from .train.clip_per_example import clip_per_example as clip_per_example
     from .train.data_parallel import reduce_gradients as reduce_gradients
     from .train.dcp import Loaded as Loaded, SaveHandle as SaveHandle, latest as latest, load as load, save as save
     from .train.export import export_hf as export_hf
@@ -162,6 +163,7 @@ _LAZY: dict[str, str] = {
     "Loaded": ".train.dcp",
     "SaveHandle": ".train.dcp",
     "clip_grad_norm": ".train.clip",
+    "clip_per_example": ".train.clip_per_example",
     "reduce_gradients": ".train.data_parallel",
     "fsdp": ".train.fsdp",
     "as_module": ".train.module",

@@ -166,6 +166,14 @@ class _Counter(nn.Module):
         return self.lin(x)
 
 
+class _Reassigned(_Counter):
+    """Swaps its buffer for a new tensor (no in-place op for torch.func to refuse)."""
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.lin(x)
+
+
 class _Dropout(nn.Module):
     def __init__(self):
         super().__init__()
@@ -185,7 +193,8 @@ def case_refusals() -> dict[str, tuple[str, str] | None]:
     tp, dp = mesh((2,), ("tp",)), mesh((2,), ("dp",))
     x = torch.randn(4, 16)
     out = {}
-    for name, cls in (("batchnorm", _BatchNormNet), ("buffer", _Counter), ("dropout", _Dropout)):
+    for name, cls in (("batchnorm", _BatchNormNet), ("buffer", _Counter), ("reassigned", _Reassigned),
+                      ("dropout", _Dropout)):
         a, p, i = hpf.shard(cls(), {}, tp)
         out[name] = raised(hpf.clip_per_example, _square, a, p, i, x, max_norm=1.0)
     a, p, i = hpf.shard(nn.Linear(16, 16), {}, dp)
@@ -208,6 +217,7 @@ def test_refuses_what_it_cannot_do_exactly_on_every_rank(pool):
     expected = {
         "batchnorm": "module bn \\(BatchNorm1d\\) is in training mode",
         "buffer": "updates (a buffer|buffers .*) in place",
+        "reassigned": "the forward updated the buffer calls",
         "dropout": "draws random numbers",
         "unequal": "different numbers of examples \\(rank 0: 3, rank 1: 2\\)",
         "empty": "batch is empty|local checks failed on ranks \\[1\\]",

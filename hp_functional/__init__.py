@@ -23,8 +23,8 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .compile.build import build_program as build_program, lint as lint
     from .compile.lint import Finding as Finding
     from .core import collectives as collectives
-    from .core.cp_layout import cp_positions as cp_positions, cp_shard as cp_shard, cp_unshard as cp_unshard
     from .core.counter_rng import gaussian_like as gaussian_like
+    from .core.cp_layout import cp_positions as cp_positions, cp_shard as cp_shard, cp_unshard as cp_unshard
     from .core.errors import (
         CheckpointError as CheckpointError,
         CollectiveError as CollectiveError,

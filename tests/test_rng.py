@@ -21,17 +21,17 @@ def test_bits_match_the_reference_and_any_slice():
     """The int64 words wrap like 64-bit unsigned arithmetic (SplitMix64 written on Python ints), and a
     slice of indices draws the slice of the values, normals included (no vector-lane dependence)."""
     key = counter_rng.stream_key(5, 7)
-    idx = torch.arange(50_000)
+    idx = torch.arange(20_000)
     bits = counter_rng.random_bits(key, idx)
     m = counter_rng._M64
 
     def ref(i: int) -> int:
         z = counter_rng._mix((i * counter_rng._GOLDEN + key) & m)
         return counter_rng._signed(counter_rng._mix(z ^ counter_rng._mix(key ^ 0x5851F42D4C957F2D)))
-    assert [bits[i].item() for i in (0, 1, 2, 777, 49_999)] == [ref(i) for i in (0, 1, 2, 777, 49_999)]
+    assert [bits[i].item() for i in (0, 1, 2, 777, 19_999)] == [ref(i) for i in (0, 1, 2, 777, 19_999)]
     for dtype in (torch.float32, torch.float64):
         z = counter_rng.normal(key, idx, dtype)
-        assert torch.equal(counter_rng.normal(key, idx[13:40_001:7].clone(), dtype), z[13:40_001:7])
+        assert torch.equal(counter_rng.normal(key, idx[13:19_001:7].clone(), dtype), z[13:19_001:7])
         assert abs(z.double().mean().item()) < 0.02 and abs(z.double().std().item() - 1) < 0.02
     u = counter_rng.uniform(key, idx, torch.bfloat16)
     assert u.min() >= 0 and u.max() < 1
@@ -103,6 +103,7 @@ def case_gaussian_layouts(state, world: int):
     return diffs
 
 
+@pytest.mark.slow
 def test_gaussian_like_is_the_same_at_every_layout(pool):
     layouts = pool.run(case_gaussian_layouts, make_hf_state("phi3", **PHI3), pool.world)[0]
     assert any("RowSplit" in k or "Shard" in s for k, v in layouts.items() for s in v)
@@ -138,14 +139,12 @@ def case_rng_step(state, family: str, cfg: dict, mesh_shape: tuple, fsdp: bool, 
     worst = max(assert_close(full[k], p.grad, f"grad {k}", atol=1e-6, rtol=1e-5) for k, p in model.named_parameters())
     with hpf.rng(seed + 1):  # another seed: other masks
         other = apply_fn(params, input_ids=mine, labels=mine).loss
-    with torch.no_grad():
-        plain = apply_fn(params, input_ids=mine, labels=mine).loss  # outside the block: torch's own dropout
-    return draws, worst, abs(other.item() - loss.item()) > 1e-4, torch.isfinite(plain).item()
+    return draws, worst, abs(other.item() - loss.item()) > 1e-4
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_rng_tp2_attention_dropout_matches_unsharded(pool):
-    for draws, worst, differs, _ in pool.run(case_rng_step, make_hf_state("llama", **LLAMA), "llama", LLAMA, (2,), False):
+    for draws, worst, differs in pool.run(case_rng_step, make_hf_state("llama", **LLAMA), "llama", LLAMA, (2,), False):
         assert draws == 2 and worst < 1e-5 and differs
 
 
@@ -153,7 +152,7 @@ def test_rng_tp2_attention_dropout_matches_unsharded(pool):
 @pytest.mark.parametrize("family,cfg", [("llama", {**LLAMA, "attn_implementation": "sdpa"}), ("phi3", PHI3)],
                          ids=["llama-sdpa", "phi3-resid"])
 def test_rng_tp_matches_unsharded(pool, family, cfg):
-    for draws, worst, differs, _ in pool.run(case_rng_step, make_hf_state(family, **cfg), family, cfg, (pool.world,), False):
+    for draws, worst, differs in pool.run(case_rng_step, make_hf_state(family, **cfg), family, cfg, (pool.world,), False):
         assert draws == (6 if family == "phi3" else 2) and worst < 1e-5 and differs
 
 
@@ -161,24 +160,46 @@ def test_rng_tp_matches_unsharded(pool, family, cfg):
 @pytest.mark.parametrize("pool", [4], indirect=True)
 def test_rng_fsdp_dp_tp_matches_unsharded(pool):
     """dp 2 × tp 2, fsdp over dp: each dp rank's examples are global rows [i*b, (i+1)*b)."""
-    for draws, worst, differs, _ in pool.run(case_rng_step, make_hf_state("phi3", **PHI3), "phi3", PHI3, (2, 2), True):
+    for draws, worst, differs in pool.run(case_rng_step, make_hf_state("phi3", **PHI3), "phi3", PHI3, (2, 2), True):
         assert draws == 6 and worst < 1e-5 and differs
 
 
-# ---------------------------------------------------------------- what is refused
-def case_refusals(state):
-    m = mesh((dist.get_world_size(),), ("tp",))
-    model = build_hf("llama", state, **LLAMA).train()
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+# ---------------------------------------------------------------- sequence parallelism; what is refused
+def case_ws2_layouts(llama, phi3):
+    """Sequence parallelism (the residual stream seq-sharded between the norms) matches the unsharded
+    model; a random op that hpf.rng cannot place raises PlanError naming the module: inside a block
+    recomputed in the backward, under context parallelism (zigzag sequence chunks)."""
     out = {}
+    m = mesh((2,), ("tp",))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = build_hf("llama", llama, **LLAMA).train()
+    apply_fn, params, info = hpf.shard(model, hpf.llama_sp_plan(), m, verify=False)
+    with hpf.rng(0):
+        ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    with hpf.rng(0):
+        loss = apply_fn(params, input_ids=ids, labels=ids).loss
+    loss.backward()
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    out["sp"] = max(assert_close(loss, ref.detach(), "loss", atol=1e-6, rtol=1e-6),
+                    *(assert_close(full[k], p.grad, k, atol=1e-6) for k, p in model.named_parameters()))
     apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m, verify=False, checkpoint=True)
     with hpf.rng(0):
         out["checkpoint"] = raised(apply_fn, params, input_ids=ids, labels=ids)
+    model = build_hf("phi3", phi3, resid_pdrop=0.2).train()
+    apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model, cp_axis="cp"), mesh((2,), ("cp",)),
+                                    verify=False)
+    with hpf.rng(0):
+        out["cp"] = raised(apply_fn, params, input_ids=ids, labels=ids)
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", [2], indirect=True)
-def test_rng_refuses_what_it_cannot_place(pool):
-    out = pool.run(case_refusals, make_hf_state("llama", **LLAMA))[0]
+def test_rng_sequence_parallel_and_refusals(pool):
+    out = pool.run(case_ws2_layouts, make_hf_state("llama", **LLAMA), make_hf_state("phi3", resid_pdrop=0.2))[0]
+    assert out["sp"] < 1e-5
     kind, msg = out["checkpoint"]
-    assert kind == "PlanError" and "model.layers.0" in msg and "recomputed in the backward" in msg
+    assert kind == "PlanError" and "model.layers.0.self_attn" in msg and "recomputed in the backward" in msg
+    kind, msg = out["cp"]
+    assert kind == "PlanError" and "model.layers.0" in msg and "context parallelism" in msg, msg

@@ -31,7 +31,7 @@ __all__ = ["Rng", "active_rng", "rng"]
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from ..core.counter_rng import global_index, keep_mask, normal, stream_key, uniform
 from ..core.errors import PlanError
 from ..core.facets import flat_index
+from ..core.signature import arg_slots, map_arguments
 from ..plan.auto_audit import boundaries, handoff
 from ..plan.context import ContextParallel
 from ..plan.trace import _snapshot, _to_meta, meta_copy
@@ -315,10 +316,14 @@ class _Recorder(TorchFunctionMode):
 
 
 def _meta_draws(template: nn.Module, args: tuple, kwargs: dict, shapes: Mapping[str, torch.Size] | None,
-                attrs: Mapping[str, int], opaque: Mapping[str, object], outputs: dict) -> list[tuple[_Draw, str]]:
+                attrs: Mapping[str, int], opaque: Mapping[str, tuple | None], outputs: dict,
+                ins: Mapping[str, Mapping] | None = None) -> list[tuple[_Draw, str]]:
     """The random ops of one forward of a meta copy of ``template`` (parameters at ``shapes``,
-    ``attrs`` set) whose planned modules hand on their outputs as ``opaque`` says (a ``Handoff``;
-    None: the global run, whose output shapes fill ``outputs``), with their module paths."""
+    ``attrs`` set), with their module paths.  Each planned module of ``opaque`` converts its
+    planned arguments and its output as its boundaries would, by shape: ``(Handoff, {argument
+    key: placement})``; None: the global run, which records in ``outputs`` the shapes of the
+    arguments named by ``ins[module]`` and of the output, per call."""
+    ins = ins or {}
     twin = meta_copy(template, shapes)
     for path, value in attrs.items():
         owner, _, attr = path.rpartition(".")
@@ -330,14 +335,27 @@ def _meta_draws(template: nn.Module, args: tuple, kwargs: dict, shapes: Mapping[
         handles.append(m.register_forward_hook(lambda mod, a, out: None if stack.pop() else None, always_call=True))
     seen: dict[str, int] = {}
     for rel, layout in opaque.items():
-        def pre(mod, a, rel=rel, layout=layout):
+        sub = twin.get_submodule(rel)
+        places = layout[1] if layout is not None else {}
+        slots = arg_slots(sub.forward, list(places if layout is not None else ins.get(rel, {})), rel)
+
+        def pre(mod, a, kw, rel=rel, layout=layout, slots=slots, places=places):
             i = seen[rel] = seen.get(rel, -1) + 1
-            first = a[0] if a and isinstance(a[0], Tensor) else None
-            if layout is None:
-                outputs.setdefault(rel, []).append([tuple(first.shape) if first is not None else None, None])
-                return a
+            if layout is None:  # the global run: each planned argument's shape, per call
+                shapes = {}
+                map_arguments(slots, a, dict(kw), lambda slot, t: shapes.setdefault(
+                    slot.key, tuple(t.shape) if isinstance(t, Tensor) else None))
+                outputs.setdefault(rel, []).append([shapes, None])
+                return None
             calls = outputs.get(rel, [])
-            return layout.input(a, calls[i][0] if i < len(calls) else None)
+            glob = calls[i][0] if i < len(calls) else {}
+
+            def enter(slot, t):  # the boundary's conversion of this argument, by shape
+                if not isinstance(t, Tensor) or glob.get(slot.key) is None:
+                    return t
+                return replace(layout[0], dst=places[slot.key]).input((t,), glob[slot.key])[0]
+            args, kwargs = map_arguments(slots, a, dict(kw), enter)
+            return tuple(args), kwargs
 
         def post(mod, a, out, rel=rel, layout=layout):
             if not isinstance(out, Tensor):
@@ -348,10 +366,9 @@ def _meta_draws(template: nn.Module, args: tuple, kwargs: dict, shapes: Mapping[
                     calls[i][1] = tuple(out.shape)
                 return out
             glob = calls[i][1] if i < len(calls) and calls[i][1] is not None else tuple(out.shape)
-            shape = layout.output(tuple(out.shape), glob)
+            shape = layout[0].output(tuple(out.shape), glob)
             return out if shape == tuple(out.shape) else torch.empty(shape, dtype=out.dtype, device=out.device)
-        sub = twin.get_submodule(rel)
-        handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
+        handles += [sub.register_forward_pre_hook(pre, with_kwargs=True), sub.register_forward_hook(post)]
     recorder = _Recorder(stack)
     try:
         with torch.no_grad(), recorder:
@@ -398,10 +415,6 @@ def _layout_table(apply_fn, args: tuple, kwargs: dict, data: bool) -> _Table:
     sizes = {a: mesh.size(i) for i, a in enumerate(names)}
     cp = sorted({b.planned.axis for b in program.boundaries
                  if isinstance(b.planned.style, ContextParallel) and sizes[b.planned.axis] > 1})
-    if cp:
-        return _Table(refused=f"context parallelism over mesh axis {cp[0]!r} holds the sequence in zigzag chunks, "
-                              "which hpf.rng does not map to global positions yet; set the model's dropout to 0 or "
-                              "leave cp out of the mesh")
     split = sorted({b.planned.axis for b in program.boundaries if sizes[b.planned.axis] > 1})
     shapes = {fqn: program.infos[key].global_shape for fqn, key in program.leaf_of.items()}
     attrs, opaque, own = {}, {}, []
@@ -414,15 +427,20 @@ def _layout_table(apply_fn, args: tuple, kwargs: dict, data: bool) -> _Table:
         for attr, value in b.spec.set_attrs.items():
             attrs[f"{fqn}.{attr}" if fqn else attr] = value
         if fqn and boundaries(b.spec, axis):
-            opaque[fqn] = handoff(b.spec, axis, n)
+            opaque[fqn] = (handoff(b.spec, axis, n), {k: v.get(axis) for k, v in b.spec.in_dst.items()})
         if not b.planned.style.own_forward:
             own.append(fqn)
     outputs: dict = {}
     try:
-        glob = _meta_draws(template, args, kwargs, shapes, {}, dict.fromkeys(opaque), outputs)
+        if cp:  # refused: the global run names each random op
+            why = (f"context parallelism over mesh axis {cp[0]!r} holds the sequence in zigzag chunks, which hpf.rng "
+                   "does not map to global positions yet")
+            return _Table(tuple(_Entry(g.name, path, tuple(g.shape), (), why) for g, path in
+                                _meta_draws(template, args, kwargs, shapes, {}, {}, {})))
+        ins = {fqn: layout[1] for fqn, layout in opaque.items()}
+        glob = _meta_draws(template, args, kwargs, shapes, {}, dict.fromkeys(opaque), outputs, ins)
         local = _meta_draws(template, args, kwargs, None, attrs, opaque, outputs)
-        twice = _meta_draws(template, _doubled(args), _doubled(kwargs), shapes, {}, dict.fromkeys(opaque), {}) \
-            if data else None
+        twice = _meta_draws(template, _doubled(args), _doubled(kwargs), shapes, {}, {}, {}) if data else None
     except Exception as exc:  # noqa: BLE001 - the reason a random op is refused
         return _Table(refused=f"its forward could not be run on meta tensors to map the layouts "
                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})")
@@ -474,6 +492,17 @@ def _signature(obj) -> object:
     return type(obj).__name__
 
 
+def _caller() -> str:
+    """The class of the innermost module whose forward is running (for messages without a path)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and frame.f_code.co_name == "forward":
+            return f"{type(owner).__name__}.forward"
+        frame = frame.f_back
+    return "the forward"
+
+
 # ---------------------------------------------------------------- the mode
 class _Scope:
     """One ``apply_fn`` call in progress under an ``Rng``: where its draws start, the data
@@ -491,7 +520,7 @@ class _Scope:
         if self.table is None:
             self.table = self.owner.table(self.apply_fn, self.args, self.kwargs, self.data is not None)
         table = self.table
-        where = f"hpf.rng: random op #{j} of apply_fn's forward ({draw.name}"
+        where = f"hpf.rng: random op #{j} of apply_fn's forward ({draw.name} in {_caller()}"
         if table.refused:
             raise PlanError(f"{where}): {table.refused}")
         if j >= len(table.entries):

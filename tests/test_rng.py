@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
+from torch.func import grad_and_value
 
 import hp_functional as hpf
 from hp_functional.core import counter_rng
@@ -137,6 +138,11 @@ def case_rng_step(state, family: str, cfg: dict, mesh_shape: tuple, fsdp: bool, 
     assert_close(loss, ref.detach(), "loss", atol=1e-6, rtol=1e-6)
     full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
     worst = max(assert_close(full[k], p.grad, f"grad {k}", atol=1e-6, rtol=1e-5) for k, p in model.named_parameters())
+    if not fsdp:  # under torch.func.grad too (the layout table is computed outside the transform)
+        with hpf.rng(seed):
+            grads, _ = grad_and_value(lambda p: apply_fn(p, input_ids=mine, labels=mine).loss)(params)
+        for k, p in params.items():
+            assert_close(grads[k], p.grad, f"torch.func grad {k}", atol=1e-6, rtol=1e-5)
     with hpf.rng(seed + 1):  # another seed: other masks
         other = apply_fn(params, input_ids=mine, labels=mine).loss
     return draws, worst, abs(other.item() - loss.item()) > 1e-4

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..core.counter_rng import global_index, keep_mask, normal, stream_key, uniform
@@ -594,7 +595,8 @@ class Rng(TorchFunctionMode):
         key = (id(runtime), data, _signature((args, kwargs)))
         hit = self.tables.get(key)
         if hit is None or hit[0] is not runtime:
-            hit = self.tables[key] = (runtime, _layout_table(apply_fn, args, kwargs, data))
+            with temporarily_clear_interpreter_stack():  # the meta runs are no part of a torch.func transform
+                hit = self.tables[key] = (runtime, _layout_table(apply_fn, args, kwargs, data))
         return hit[1]
 
     def call(self, apply_fn, params, *args, **kwargs):

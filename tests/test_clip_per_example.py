@@ -202,6 +202,7 @@ def case_refusals() -> dict[str, tuple[str, str] | None]:
     out["unequal"] = raised(hpf.clip_per_example, _square, a, p, i, mine, max_norm=1.0, dp_axis="dp")
     bad = x if dist.get_rank() == 0 else x[:0]  # an empty batch on one rank only: agreed, raised on both
     out["empty"] = raised(hpf.clip_per_example, _square, a, p, i, bad, max_norm=1.0, dp_axis="dp")
+    out["chunks"] = raised(hpf.clip_per_example, _square, a, p, i, x, max_norm=1.0, chunk_size=1 + dist.get_rank())
     out["max_norm"] = raised(hpf.clip_per_example, _square, a, p, i, x, max_norm=0.0)
     out["dp_axis"] = raised(hpf.clip_per_example, _square, a, p, i, x, max_norm=1.0, dp_axis="nope")
     fa, fp, fi = hpf.fsdp(a, p, i, dp, "dp")
@@ -221,6 +222,7 @@ def test_refuses_what_it_cannot_do_exactly_on_every_rank(pool):
         "dropout": "draws random numbers",
         "unequal": "different numbers of examples \\(rank 0: 3, rank 1: 2\\)",
         "empty": "batch is empty|local checks failed on ranks \\[1\\]",
+        "chunks": "different chunk_size \\(rank 0: 1, rank 1: 2\\)",
         "max_norm": "max_norm must be a positive finite number",
         "dp_axis": "dp_axis 'nope' is not an axis",
         "fsdp_apply": "is hpf.fsdp's layout but apply_fn is not",

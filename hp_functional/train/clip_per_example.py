@@ -81,7 +81,7 @@ def clip_per_example(
         plan = _Plan.of(loss_fn, apply_fn, params, shard_info, batch, max_norm, chunk_size, dp_axis)
     except (PlanError, ShapeError) as exc:
         error = exc
-    _agree(plan, error, shard_info)
+    _agree(plan, error, shard_info, (float(chunk_size), float(max_norm)) if plan is not None else (0.0, 0.0))
     return plan.run(loss_fn, params, batch, max_norm, chunk_size)
 
 
@@ -281,15 +281,16 @@ def _check_model(template: nn.Module) -> None:
                             "mode; a buffer updated in the forward has no per-example meaning; eval() it")
 
 
-def _agree(plan: _Plan | None, error: Exception | None, shard_info) -> None:
-    """One all-gather of [failed, batch size] over shard_info's mesh: every rank passed its local
-    checks, and every rank holds as many examples (tp ranks the same ones, dp ranks their own)."""
+def _agree(plan: _Plan | None, error: Exception | None, shard_info, settings: tuple[float, float]) -> None:
+    """One all-gather of [failed, batch size, chunk_size, max_norm] over shard_info's mesh: every
+    rank passed its local checks, holds as many examples (tp ranks the same ones, dp ranks their
+    own) and passed the same settings (another chunk_size would pair other all-reduces)."""
     mesh = plan.outer_mesh if plan is not None else _mesh_or_none(shard_info)
     if mesh is None or mesh.size() == 1:
         if error is not None:
             raise error
         return
-    row = torch.tensor([float(error is not None), float(plan.size if plan else 0)], dtype=torch.float64,
+    row = torch.tensor([float(error is not None), float(plan.size if plan else 0), *settings], dtype=torch.float64,
                        device=mesh_device(mesh))
     rows, order = gather_flat(row, mesh), mesh_groups(mesh)[1]
     if error is not None:
@@ -302,6 +303,11 @@ def _agree(plan: _Plan | None, error: Exception | None, shard_info) -> None:
         seen = ", ".join(f"rank {r}: {s}" for r, s in zip(order, sizes, strict=True))
         raise PlanError(f"{WHERE}: ranks hold different numbers of examples ({seen}); the global mean needs equal "
                         "local batch sizes (pad or drop examples; tp ranks pass the same examples)")
+    for col, name in ((2, "chunk_size"), (3, "max_norm")):
+        values = rows[:, col].tolist()
+        if len(set(values)) > 1:
+            seen = ", ".join(f"rank {r}: {v:g}" for r, v in zip(order, values, strict=True))
+            raise PlanError(f"{WHERE}: ranks passed different {name} ({seen}); pass the same on every rank")
 
 
 def _mesh_or_none(shard_info) -> DeviceMesh | None:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 import hp_functional as hpf
+from tests.conftest import get_pool
 from tests.helpers import assert_close, mesh, world
 
 
@@ -132,8 +133,6 @@ def case_checkpoint(path: str):
 
 
 def test_buffers_save_load_unshard(tmp_path):
-    from tests.conftest import get_pool
-
     print(get_pool(2).run(case_checkpoint, str(tmp_path / "ckpt"))[0])
 
 
@@ -155,9 +154,101 @@ def case_bad_buffers():
 
 
 def test_bad_buffers_are_named_before_any_collective():
-    from tests.conftest import get_pool
-
     messages = get_pool(2).run(case_bad_buffers)[0]
     assert "buffers['norm.running_max'] is not a buffer" in messages["unknown"]
     assert "buffers['norm.running_mean'] is ((3,), 'cpu'), expected shape (8,)" in messages["shape"]
     assert "must be a dict" in messages["type"]
+
+
+# ---------------------------------------------------------------- the skeleton keeps its own buffers
+def _shard(model: Net):
+    return hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, mesh((world(),), ("tp",)))
+
+
+def _other(state: dict) -> dict:
+    """Buffers unlike the model's: a call with them must not leave them (or their update) behind."""
+    return {k: (b + 0.5 if "mean" in k else 2 * b + 1) if b.is_floating_point() else b + 3 for k, b in state.items()}
+
+
+def case_skeleton_keeps_its_own_buffers() -> dict:
+    """After ``apply_fn(params, x, buffers=b)`` (plain and under ``torch.func.grad``) the skeleton
+    holds its own buffers again: ``hpf.buffers`` reads the originals back, and in eval mode (the
+    output of BatchNorm depends on its running statistics) a later call without ``buffers=``
+    equals the unsharded model with its own buffers, not with ``b`` or ``b`` updated."""
+    x = _x()
+    diffs = {}
+    # train mode: the call updates its clone of b; none of it may stay in the skeleton
+    apply_fn, params, _ = _shard(_model())
+    own, _ = hpf.buffers(apply_fn)
+    other = _other(own)
+    _, after = apply_fn(params, x, buffers=other)
+    assert not torch.equal(after["seen.seen"], own["seen.seen"]), "the call updated its buffers"
+    grad_and_value(lambda p, s: (lambda o: (o[0].pow(2).mean(), o[1]))(apply_fn(p, x, buffers=s)),
+                   has_aux=True)(params, other)
+    for k, b in hpf.buffers(apply_fn)[0].items():
+        assert torch.equal(b, own[k]), f"train: the skeleton's {k} is not its own after a call with buffers="
+    # eval mode: the output reads the running statistics
+    model = _model().eval()
+    apply_fn, params, _ = _shard(model)
+    own, _ = hpf.buffers(apply_fn)
+    other = _other(own)
+    ref_other = functional_call(model, (dict(model.named_parameters()), {k: b.clone() for k, b in other.items()}), (x,))
+    out_other, _ = apply_fn(params, x, buffers=other)
+    diffs["with buffers="] = assert_close(out_other, ref_other, "eval output with other buffers")
+    for k, b in hpf.buffers(apply_fn)[0].items():
+        assert torch.equal(b, own[k]), f"eval: the skeleton's {k} is not its own after a call with buffers="
+    ref = model(x)  # the unsharded model with its own buffers
+    assert (ref - ref_other).abs().max() > 0.1, "the buffers must change the output for this check to bite"
+    diffs["without buffers="] = assert_close(apply_fn(params, x), ref, "eval output without buffers= after a call with them")
+    return diffs
+
+
+def test_buffers_are_restored_after_a_call_with_buffers():
+    print(get_pool(2).run(case_skeleton_keeps_its_own_buffers)[0])
+
+
+# ---------------------------------------------------------------- in-place updates under torch.func
+def case_inplace_update_under_transform() -> dict:
+    """An in-place buffer update under ``torch.func.grad``/``vmap`` without ``buffers=`` is a
+    ``PlanError`` naming the buffers and the fix (train mode: BatchNorm's statistics; eval mode:
+    the counter), the skeleton's buffers untouched; with ``buffers=`` the same calls work, and an
+    unrelated error under ``grad`` stays torch's."""
+    x, xs = _x(), torch.stack([_x(1), _x(2)])
+    messages = {}
+    for mode in ("train", "eval"):
+        model = getattr(_model(), mode)()
+        apply_fn, params, _ = _shard(model)
+        own, _ = hpf.buffers(apply_fn)
+        calls = {"grad": lambda: torch.func.grad(lambda p: apply_fn(p, x).pow(2).mean())(params),
+                 "vmap": lambda: vmap(lambda xi: apply_fn(params, xi))(xs)}
+        for transform, call in calls.items():
+            with pytest.raises(hpf.PlanError) as err:
+                call()
+            assert isinstance(err.value.__cause__, RuntimeError), transform
+            messages[f"{mode} {transform}"] = str(err.value)
+            for k, b in hpf.buffers(apply_fn)[0].items():  # BatchNorm counts the batch before its refused update
+                assert torch.equal(b, own[k]) or k.endswith("num_batches_tracked"), f"{mode}: {k} changed by {transform}"
+        # the fix the message names: the same calls with buffers=
+        ref_loss, _, ref_state = _reference(model, x)
+        (loss, after) = grad_and_value(
+            lambda p, s: (lambda o: (o[0].pow(2).mean(), o[1]))(apply_fn(p, x, buffers=s)), has_aux=True)(params, own)[1]
+        assert_close(loss, ref_loss, f"{mode}: loss with buffers=")
+        for k in ref_state:
+            assert_close(after[k], ref_state[k], f"{mode}: buffer {k} with buffers=")
+        batched = {k: torch.stack([b, b]) for k, b in own.items()}
+        _, afters = vmap(lambda xi, si: apply_fn(params, xi, buffers=si))(xs, batched)
+        ref_1 = _reference(model, xs[1])[2]
+        for k in ref_1:
+            assert_close(afters[k][1], ref_1[k], f"{mode}: vmap buffer {k} with buffers=")
+    with pytest.raises(RuntimeError) as err:  # not a buffer update: torch's own error
+        torch.func.grad(lambda p: apply_fn(p, torch.zeros(6, 5)).sum())(params)
+    assert not isinstance(err.value, hpf.PlanError), err.value
+    return messages
+
+
+def test_inplace_buffer_update_under_torch_func_without_buffers_is_a_plan_error():
+    for messages in get_pool(2).run(case_inplace_update_under_transform):  # every rank raises alike
+        for case, text in messages.items():
+            named = "'seen.seen'" if case.startswith("eval") else "'norm.running_mean'"
+            assert named in text and "buffers=" in text and "hpf.buffers(apply_fn)" in text, (case, text)
+            assert ("vmap" if case.endswith("vmap") else "torch.func.grad") in text, (case, text)

@@ -132,6 +132,11 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
                 out = (out, buffer_slots.collect(state))
             if pending is not None:  # a forward without collectives: agree before the backward can issue any
                 run_pending()
+        except RuntimeError as exc:  # failure path only: torch's refusal of an in-place buffer update under torch.func
+            named = buffer_slots.update_error(exc, state)
+            if named is None:
+                raise
+            raise named from exc
         finally:  # the skeleton never keeps the caller's tensors alive
             if pending is not None:
                 PENDING.check = None

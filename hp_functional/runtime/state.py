@@ -1,14 +1,18 @@
 """Model state (buffers) through ``apply_fn``: a second pytree next to ``params`` —
 ``hpf.buffers(apply_fn)`` and ``apply_fn(params, *args, buffers=...)``, which binds a clone of
-each for the call and returns ``(output, buffers after the forward)``.
-See docs/training.md#buffers-model-state.
+each for the call and returns ``(output, buffers after the forward)``.  A forward that updates a
+buffer in place under a ``torch.func`` transform without ``buffers=`` is refused by torch; its
+error is mapped to a ``PlanError`` naming the buffers and the fix (``BufferSlots.update_error``,
+on the failure path only).  See docs/training.md#buffers-model-state.
 """
 
 from __future__ import annotations
 
 __all__ = ["BufferSlots", "buffers"]
 
+import re
 from collections.abc import Mapping
+from types import TracebackType
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +29,7 @@ class BufferSlots:
     def __init__(self, skeleton: nn.Module, mesh):
         self.mesh = mesh
         self.slots: dict[str, list[tuple[dict, str]]] = {}
+        self.owners: dict[int, tuple[str, str]] = {}  # id(module._buffers) -> (module path, class name): errors only
         first: dict[int, str] = {}
         for path, module in skeleton.named_modules(remove_duplicate=False):
             for attr, b in module._buffers.items():
@@ -32,6 +37,7 @@ class BufferSlots:
                     continue
                 key = first.setdefault(id(b), f"{path}.{attr}" if path else attr)
                 self.slots.setdefault(key, []).append((module._buffers, attr))
+                self.owners.setdefault(id(module._buffers), (path, type(module).__name__))
 
     def current(self) -> dict[str, Tensor]:
         """The buffers bound now, by key."""
@@ -69,8 +75,68 @@ class BufferSlots:
 
     @staticmethod
     def restore(saved: list[tuple[dict, str, Tensor]]) -> None:
+        """Put back what ``bind`` replaced: the skeleton holds its own buffers again."""
         for store, attr, value in reversed(saved):
             store[attr] = value
+
+    def update_error(self, exc: RuntimeError, state: Mapping[str, Tensor] | None) -> PlanError | None:
+        """The ``PlanError`` to raise for ``exc`` (raised by the forward of a call with ``buffers=state``)
+        when it is torch's refusal of an in-place buffer update under a ``torch.func`` transform:
+        it names the buffers of the module that was running (the innermost module with buffers in
+        the traceback) and the fix.  None for any other error.  Called on the failure path only."""
+        if not self.slots or torch._C._functorch.maybe_current_level() is None:
+            return None
+        text = str(exc)
+        broadcast = _BROADCAST.search(text)
+        if _CAPTURED in text:
+            transform = "torch.func.grad/vjp/jvp"
+        elif _BN_VMAP in text or _VMAP_INPLACE in text or broadcast:
+            transform = "torch.func.vmap"
+        else:
+            return None
+        module, keys = self._updating(exc.__traceback__)
+        if broadcast:  # a generic message: only an update of a buffer of the out-of-place result's shape is ours
+            shape = tuple(int(n) for n in broadcast.group(1).replace(" ", "").split(",") if n)
+            own = self.current()
+            keys = [k for k in keys if tuple(own[k].shape) == shape]
+            if not keys:
+                return None
+        where = f" (module {module[0]!r}, {module[1]})" if module else ""
+        passed = [k for k in keys if state is not None and k in state]
+        if passed and len(passed) == len(keys):
+            if transform != "torch.func.vmap":
+                return None
+            return PlanError(
+                f"apply_fn: the forward updates buffers {passed}{where} in place from the vmapped input under "
+                f"{transform}, but the buffers passed are not batched: pass them batched (e.g. stacked, with "
+                "in_dims 0 for buffers=), as with torch.func.functional_call (docs/training.md#buffers-model-state)")
+        missing = [k for k in keys if k not in passed]
+        return PlanError(
+            f"apply_fn: the forward updates buffers {missing}{where} in place under {transform}, which torch refuses "
+            "for state the transformed function does not take as input. Pass the buffers and take the updated ones "
+            "back: buffers, _ = hpf.buffers(apply_fn) once, then out, buffers = apply_fn(params, ..., buffers=buffers) "
+            "inside the transformed function, returning buffers as its aux output "
+            "(docs/training.md#buffers-model-state)")
+
+    def _updating(self, tb: TracebackType | None) -> tuple[tuple[str, str] | None, list[str]]:
+        """The innermost module of the skeleton with buffers that the traceback ``tb`` runs in (its
+        path and class) and its buffer keys; (None, every key) when none is found."""
+        found = None
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner._buffers) in self.owners:
+                found = owner._buffers
+            tb = tb.tb_next
+        if found is None:
+            return None, list(self.slots)
+        return self.owners[id(found)], [k for k, slots in self.slots.items() if any(s is found for s, _ in slots)]
+
+
+#: torch's messages for an in-place update of a captured tensor under a transform (see ``update_error``)
+_CAPTURED = "that would mutate a captured Tensor"
+_BN_VMAP = "which will be updated in place, were not batched"
+_VMAP_INPLACE = "vmap: inplace arithmetic"
+_BROADCAST = re.compile(r"output with shape \[([0-9, ]*)\] doesn't match the broadcast shape")
 
 
 def buffers(apply_fn) -> tuple[dict[str, Tensor], dict[str, ShardInfo]]:

@@ -247,9 +247,9 @@ def plan_command(args) -> int:
         console.print(f"no schedule: {exp.schedule_error}", markup=False)
     else:
         if not args.brief:
-            console.print(schedule_table(exp.schedule))
-        console.print(totals_table(exp.schedule))
-    console.print(memory_table(exp.memory))
+            console.print(schedule_table(exp.schedule.rows))
+        console.print(totals_table(exp.schedule.totals()))
+    console.print(memory_table(exp.memory.rows(), exp.memory.world))
     unused = [a for a in names if a not in plan.axes()]
     for axis in unused:
         if axis == "dp":

@@ -9,12 +9,9 @@ __all__ = ["AxesFacet", "F", "Facet", "ReducedOver", "RowSplit", "SummedOver", "
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from torch.distributed.device_mesh import DeviceMesh
-
-if TYPE_CHECKING:
-    from .placement import ShardInfo
 
 
 class Facet:
@@ -24,6 +21,13 @@ class Facet:
 
 
 F = TypeVar("F", bound=Facet)
+
+
+class Layout(Protocol):
+    """What a facet reads of the layout it refines: a ``core.placement.ShardInfo`` (named
+    structurally, since ``core.placement`` imports this module)."""
+
+    local_shape: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class RowSplit(Facet):
     shard holds ``rows`` rows)."""
 
     axis: str | tuple[str, ...]
-    inner: ShardInfo
+    inner: Layout  # a ShardInfo
 
     def place(self, mesh: DeviceMesh) -> tuple[int, int]:
         """(ranks of ``mesh`` the rows are chunked over, this rank's index among them): ``flat_index``."""

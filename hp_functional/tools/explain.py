@@ -78,7 +78,7 @@ class Schedule:
     def __str__(self) -> str:
         from .tables import schedule_table, to_text, totals_table  # rich: only when printed
 
-        return to_text(schedule_table(self)) + to_text(totals_table(self))
+        return to_text(schedule_table(self.rows)) + to_text(totals_table(self.totals()))
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,15 @@ class Memory:
     def per_rank(self) -> int:
         return self.sharded + self.replicated
 
+    def rows(self) -> list[tuple[str, int]]:
+        """(label, bytes) per line of the memory table."""
+        return [("sharded (local shards)", self.sharded), ("replicated", self.replicated), ("per rank", self.per_rank),
+                ("unsharded model", self.unsharded)]
+
     def __str__(self) -> str:
         from .tables import memory_table, to_text  # rich: only when printed
 
-        return to_text(memory_table(self))
+        return to_text(memory_table(self.rows(), self.world))
 
 
 @dataclass

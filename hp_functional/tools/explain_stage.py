@@ -53,7 +53,7 @@ class StageExplanation:
         steps = Schedule([r for _ in range(self.microbatches) for r in (self.per_microbatch.schedule or Schedule()).rows]
                          + self.p2p.rows)
         return head + str(self.per_microbatch) + "\none step (all micro-batches, p2p included):\n" + to_text(
-            totals_table(steps))
+            totals_table(steps.totals()))
 
 
 def _p2p(stage: Stage, microbatches: int, nbytes: int, axis: str, dtype: torch.dtype) -> Schedule:

@@ -6,6 +6,7 @@ from __future__ import annotations
 __all__ = ["human", "memory_table", "params_table", "schedule_table", "to_text", "totals_table"]
 
 import io
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -15,7 +16,7 @@ from ..compile.lint import layer_pattern
 
 if TYPE_CHECKING:
     from ..plan.program import Program
-    from .explain import Memory, Schedule
+    from .record import ScheduleRow
 
 
 def human(n: int) -> str:
@@ -38,33 +39,32 @@ def _label(module: str) -> str:
     return "(root)" if module == "" else module
 
 
-def schedule_table(schedule: Schedule) -> Table:
-    """One row per collective, in execution order."""
+def schedule_table(rows: Sequence[ScheduleRow]) -> Table:
+    """One row per collective, in execution order (``Schedule.rows``)."""
     table = Table(title="communication schedule (one step)", title_justify="left")
     for col in ("#", "module", "pass", "collective", "axis", "bytes"):
         table.add_column(col, justify="right" if col in ("#", "bytes") else "left")
-    for i, r in enumerate(schedule.rows):
+    for i, r in enumerate(rows):
         table.add_row(str(i), _label(r.module), r.direction, r.op, r.axis, human(r.bytes))
     return table
 
 
-def totals_table(schedule: Schedule) -> Table:
-    """Count and bytes per (pass, collective, axis)."""
+def totals_table(totals: Mapping[tuple[str, str, str], tuple[int, int]]) -> Table:
+    """Count and bytes per (pass, collective, axis) (``Schedule.totals()``)."""
     table = Table(title="totals per step", title_justify="left")
     for col in ("pass", "collective", "axis", "count", "bytes"):
         table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
-    for (direction, op, axis), (n, b) in sorted(schedule.totals().items()):
+    for (direction, op, axis), (n, b) in sorted(totals.items()):
         table.add_row(direction, op, axis, str(n), human(b))
     return table
 
 
-def memory_table(mem: Memory) -> Table:
-    """Per-rank parameter memory."""
-    table = Table(title=f"parameter memory per rank ({mem.world} ranks)", title_justify="left")
+def memory_table(rows: Sequence[tuple[str, int]], world: int) -> Table:
+    """Per-rank parameter memory: (label, bytes) rows (``Memory.rows()``) of a mesh of ``world`` ranks."""
+    table = Table(title=f"parameter memory per rank ({world} ranks)", title_justify="left")
     table.add_column("")
     table.add_column("bytes", justify="right")
-    for label, value in (("sharded (local shards)", mem.sharded), ("replicated", mem.replicated),
-                         ("per rank", mem.per_rank), ("unsharded model", mem.unsharded)):
+    for label, value in rows:
         table.add_row(label, human(value))
     return table
 

@@ -1,0 +1,223 @@
+"""Fast (world size 2) guards of invariants whose thorough tests are marked ``slow``, so that
+``make test-fast`` catches a break of them too:
+
+* ``hpf.fsdp``'s reduce-scatter averages over ``dp``, and over a folded ``("dp", "cp")`` axis divides
+  by the ``dp`` size only (the ``cp`` sum is folded in): every gradient equals the unsharded
+  model's (thorough: ``test_fsdp.py``, 20 AdamW steps, and
+  ``test_exact_gradients.py::test_fsdp_folds_the_context_parallel_sum``, dp 2 × cp 2);
+* every differentiable collective's backward is its transpose with the right scale, under
+  ``.backward()`` and ``torch.func.grad``, and its jvp and vmap rules compute the math (thorough,
+  at ws 2 and 4, with ``vmap(grad)``: ``test_collectives.py::test_collectives_match_math``);
+* activation recompute replays the forward's RNG: dropout inside a checkpointed block gives the
+  loss and every gradient of the non-recomputed run and of the unsharded model (thorough, on HF
+  Llama: ``test_checkpoint.py::test_dropout_masks_are_replayed``);
+* the value checksum of the cross-rank agreement is exact and position-sensitive (a permutation
+  of a tensor's bytes, which keeps their sum, changes it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import grad, grad_and_value, jvp, vmap
+
+import hp_functional as hpf
+from hp_functional import collectives as C
+from tests.conftest import get_pool
+from tests.helpers import assert_close, mesh, rank, world
+
+
+# ---------------------------------------------------------------- fsdp's reduce-scatter scale
+def case_fsdp_scale(state) -> dict:
+    """The scale of ``hpf.fsdp``'s reduce-scatter, both ways, against the unsharded model:
+
+    * over ``"dp"`` (dp 2, each rank its own rows): the gradient is the mean over the dp ranks
+      (an MLP, every leaf chunked over the two ranks);
+    * over ``("dp", "cp")`` at dp 1 × cp 2 (the titan-style Llama with ring attention): the ``cp``
+      sum is folded into the one reduce-scatter, which must then divide by the dp size (1), not by
+      the group's size (2); no ``cp`` reduction is left owed."""
+    from tests.test_context_inputs import CP
+    from tests.titan_llama import VOCAB, Transformer
+
+    diffs = {}
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    m = mesh((2,), ("dp",))
+    apply_fn, params, info = hpf.fsdp(*hpf.shard(mlp, hpf.ShardingPlan({}), m, verify=False), m, "dp")
+    assert all(p.shape[0] < info[k].global_shape[0] for k, p in params.items()), "every leaf chunked over dp"
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+    mlp(x).pow(2).mean().backward()
+    grads = torch.func.grad(lambda p: apply_fn(p, x.chunk(2)[rank()]).pow(2).mean())(params)
+    full = hpf.unshard(grads, info)
+    diffs["dp mean"] = max(assert_close(full[k], p.grad, f"dp: grad {k}") for k, p in mlp.named_parameters())
+
+    model = Transformer()
+    model.load_state_dict(state)
+    m = mesh((1, 2), ("dp", "cp"))
+    plan = hpf.ShardingPlan({}).with_entries({"layers.*.attention.inner_attention": hpf.ContextParallel("ring")},
+                                             cp_axis="cp", cp_inputs=CP)
+    apply_fn, params, info = hpf.fsdp(*hpf.shard(model, plan, m, verify=False), m, ("dp", "cp"))
+    assert not any(i.axes_of(hpf.ReducedOver) for i in info.values()), "the cp sum is folded, nothing owed"
+    gen = torch.Generator().manual_seed(7)
+    ids, labels = torch.randint(0, VOCAB, (2, 8), generator=gen), torch.randint(0, VOCAB, (2, 8), generator=gen)
+    ref = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+    ref.backward()
+    grads, loss = grad_and_value(lambda p: apply_fn(p, ids, labels=labels)[1])(params)
+    full = hpf.unshard(grads, info)
+    diffs["dp x cp loss"] = assert_close(loss, ref.detach(), "dp x cp: loss")
+    diffs["dp x cp folded"] = max(assert_close(full[k], p.grad, f"dp x cp: grad {k}") for k, p in model.named_parameters())
+    return diffs
+
+
+def test_fsdp_reduce_scatter_scale_dp_mean_and_folded_cp_sum():
+    from tests.titan_llama import make_titan_state
+
+    print(get_pool(2).run(case_fsdp_scale, make_titan_state())[0])
+
+
+# ---------------------------------------------------------------- every collective's backward
+def case_collective_backwards() -> dict:
+    """Each collective of ``C.COLLECTIVES`` at dim 1 and -1: forward and the gradient of
+    ``<w_r, y_r>`` (``.backward()`` and ``torch.func.grad``) against the math of
+    ``tests/test_collectives.py``."""
+    from tests.test_collectives import _cases, _expected_grad, _inputs, _weights
+
+    g = C.AxisGroup.from_mesh(mesh(), "tp")
+    r, n = rank(), world()
+    xs = _inputs(n)
+    seen = {}
+    for dim in (1, -1):
+        for name, (fn, math) in _cases(dim).items():
+            x = xs[r].clone().requires_grad_(True)
+            y = fn(x, g)
+            assert_close(y, math(xs, r), f"{name} dim {dim} forward")
+            ws = _weights(n, y.shape)
+            (y * ws[r]).sum().backward()
+            expect = _expected_grad(name, xs, ws, r, dim)
+            seen[name] = max(assert_close(x.grad, expect, f"{name} dim {dim} backward"),
+                             assert_close(grad(lambda t: (fn(t, g) * ws[r]).sum())(xs[r]), expect,
+                                          f"{name} dim {dim} torch.func.grad"))
+    return seen
+
+
+def test_every_collective_backward_is_its_transpose_with_the_right_scale():
+    results = get_pool(2).run(case_collective_backwards)
+    for seen in results:
+        assert set(C.COLLECTIVES) <= set(seen), sorted(set(C.COLLECTIVES) - set(seen))
+
+
+def case_collective_jvp_and_vmap() -> dict:
+    """Each collective of ``C.COLLECTIVES`` at dim 1: its jvp (the collective of the tangents: every
+    collective is linear) and its vmap rule over a leading batch dim (the op on each element).  A
+    backward applies the transpose, itself a collective of the table, so its batching rule is
+    checked here too."""
+    from tests.test_collectives import _cases, _inputs, _weights
+
+    g = C.AxisGroup.from_mesh(mesh(), "tp")
+    r, n = rank(), world()
+    xs = _inputs(n)
+    seen = {}
+    for name, (fn, math) in _cases(1).items():
+        tangents = _weights(n, xs[r].shape)
+        _, t_out = jvp(lambda t: fn(t, g), (xs[r],), (tangents[r],))
+        worst = assert_close(t_out, math(tangents, r), f"{name} jvp")
+        out = vmap(lambda t: fn(t, g))(torch.stack([xs[r], -2 * xs[r]]))
+        for b, scale in enumerate((1.0, -2.0)):
+            worst = max(worst, assert_close(out[b], math([scale * x for x in xs], r), f"{name} vmap[{b}]"))
+        seen[name] = worst
+    return seen
+
+
+def test_every_collective_jvp_and_vmap_rule_match_the_math():
+    for seen in get_pool(2).run(case_collective_jvp_and_vmap):
+        assert set(C.COLLECTIVES) <= set(seen), sorted(set(C.COLLECTIVES) - set(seen))
+
+
+# ---------------------------------------------------------------- recompute replays the RNG
+class DropBlock(nn.Module):
+    """Dropout on the block's (replicated) input, then a Colwise → Rowwise MLP, residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop, self.up, self.down = nn.Dropout(0.5), nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.drop(x))))
+
+
+class DropNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(DropBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+_DROP_PLAN = {"layers.*.up": hpf.Colwise(), "layers.*.down": hpf.Rowwise()}
+
+
+def case_recompute_replays_rng() -> dict:
+    """Dropout inside the checkpointed blocks: the recompute in the backward must draw the
+    forward's masks.  Loss and every gradient (``.backward()`` and ``torch.func.grad``) of the
+    checkpointed run equal the non-recomputed run's and the unsharded model's at the same seed;
+    without the replay (``preserve_rng=False``) the gradients differ, which shows the masks matter."""
+    torch.manual_seed(0)
+    model = DropNet()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    m = mesh()
+
+    def run(apply_fn, params, info, func: bool) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(11)
+        if func:
+            grads, loss = grad_and_value(lambda p: apply_fn(p, x).pow(2).mean())(params)
+        else:
+            leaves = {k: p.detach().requires_grad_() for k, p in params.items()}
+            loss = apply_fn(leaves, x).pow(2).mean()
+            loss.backward()
+            grads = {k: p.grad for k, p in leaves.items()}
+        return loss.detach(), hpf.unshard(grads, info)
+
+    torch.manual_seed(11)
+    ref = model(x).pow(2).mean()
+    ref.backward()
+    ref_grads = {k: p.grad for k, p in model.named_parameters()}
+    plain = hpf.shard(model, _DROP_PLAN, m, verify=False)
+    ck = hpf.shard(model, _DROP_PLAN, m, checkpoint=["layers.*"], verify=False)
+    no_replay = hpf.shard(model, _DROP_PLAN, m, verify=False,
+                          checkpoint=hpf.ActivationCheckpoint(blocks=("layers.*",), preserve_rng=False))
+    diffs = {}
+    for func in (False, True):
+        for label, sharded in (("plain", plain), ("checkpointed", ck)):
+            loss, grads = run(*sharded, func)
+            diffs[f"{label} func={func}"] = max(
+                assert_close(loss, ref.detach(), f"{label} func={func} loss"),
+                *(assert_close(grads[k], g, f"{label} func={func} grad {k}") for k, g in ref_grads.items()))
+    loss, grads = run(*no_replay, False)
+    assert_close(loss, ref.detach(), "the forward is the same without the replay")
+    key = "layers.0.up.weight"
+    assert not torch.allclose(grads[key], ref_grads[key]), "dropout masks must matter to the gradient"
+    return diffs
+
+
+def test_checkpoint_recompute_replays_dropout_rng():
+    print(get_pool(2).run(case_recompute_replays_rng)[0])
+
+
+# ---------------------------------------------------------------- the value checksum
+def test_value_checksum_is_exact_and_position_sensitive():
+    """``compile.agree.checksum`` (the CPU's CRC-32) and ``device_checksum`` (an accelerator's,
+    computed here on CPU bytes): equal for equal bits; different for the same bytes permuted
+    (rows swapped: the same sum) and for one flipped bit."""
+    from hp_functional.compile.agree import checksum, device_checksum
+
+    t = torch.randn(6, 5000, generator=torch.Generator().manual_seed(0))
+    flipped = t.clone()
+    flipped.view(torch.int32)[3, 7] ^= 1
+    for fn in (checksum, lambda x: device_checksum(x.contiguous().view(-1).view(torch.uint8))):
+        assert fn(t) == fn(t.clone())
+        assert fn(t) != fn(t.flip(0)), "rows swapped: same bytes, other positions"
+        assert fn(t) != fn(flipped), "one bit flipped"

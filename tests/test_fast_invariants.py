@@ -28,6 +28,26 @@ from tests.conftest import get_pool
 from tests.helpers import assert_close, mesh, rank, world
 
 
+class Deferred:
+    """The comparisons of a case, each failure kept and raised at the end (``raise_any``), after
+    the case's last collective: a check that fails on one rank only (a mutated collective breaks
+    one rank's values) must not leave the other ranks waiting in the next collective."""
+
+    def __init__(self):
+        self.failures: list[str] = []
+
+    def close(self, actual, expected, what: str) -> float:
+        try:
+            return assert_close(actual, expected, what)
+        except AssertionError as exc:
+            self.failures.append(str(exc).splitlines()[0])
+            return float("nan")
+
+    def raise_any(self) -> None:
+        if self.failures:
+            raise AssertionError(f"{len(self.failures)} comparisons failed:\n" + "\n".join(self.failures))
+
+
 # ---------------------------------------------------------------- fsdp's reduce-scatter scale
 def case_fsdp_scale(state) -> dict:
     """The scale of ``hpf.fsdp``'s reduce-scatter, both ways, against the unsharded model:
@@ -40,7 +60,7 @@ def case_fsdp_scale(state) -> dict:
     from tests.test_context_inputs import CP
     from tests.titan_llama import VOCAB, Transformer
 
-    diffs = {}
+    diffs, checks = {}, Deferred()
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
     m = mesh((2,), ("dp",))
@@ -50,7 +70,7 @@ def case_fsdp_scale(state) -> dict:
     mlp(x).pow(2).mean().backward()
     grads = torch.func.grad(lambda p: apply_fn(p, x.chunk(2)[rank()]).pow(2).mean())(params)
     full = hpf.unshard(grads, info)
-    diffs["dp mean"] = max(assert_close(full[k], p.grad, f"dp: grad {k}") for k, p in mlp.named_parameters())
+    diffs["dp mean"] = max(checks.close(full[k], p.grad, f"dp: grad {k}") for k, p in mlp.named_parameters())
 
     model = Transformer()
     model.load_state_dict(state)
@@ -65,8 +85,9 @@ def case_fsdp_scale(state) -> dict:
     ref.backward()
     grads, loss = grad_and_value(lambda p: apply_fn(p, ids, labels=labels)[1])(params)
     full = hpf.unshard(grads, info)
-    diffs["dp x cp loss"] = assert_close(loss, ref.detach(), "dp x cp: loss")
-    diffs["dp x cp folded"] = max(assert_close(full[k], p.grad, f"dp x cp: grad {k}") for k, p in model.named_parameters())
+    diffs["dp x cp loss"] = checks.close(loss, ref.detach(), "dp x cp: loss")
+    diffs["dp x cp folded"] = max(checks.close(full[k], p.grad, f"dp x cp: grad {k}") for k, p in model.named_parameters())
+    checks.raise_any()
     return diffs
 
 
@@ -77,27 +98,60 @@ def test_fsdp_reduce_scatter_scale_dp_mean_and_folded_cp_sum():
 
 
 # ---------------------------------------------------------------- every collective's backward
+def _asymmetric_splits(total: int, n: int, r: int) -> list[int]:
+    """Rank ``r``'s send splits of an all-to-all-v whose sends differ from its receives (at ws 2
+    the cyclic splits of ``tests/test_collectives.py`` send what they receive, so a swapped
+    transpose would go unnoticed): ``1 + r + j`` slices to rank j, the rest to the last rank."""
+    head = [1 + r + j for j in range(n - 1)]
+    return [*head, total - sum(head)]
+
+
+def _asymmetric_case(dim: int) -> dict:
+    """``all_to_all_v`` with ``_asymmetric_splits``: (fn, math, expected gradient) as the cases of
+    ``tests/test_collectives.py``, under the name ``all_to_all_v(asymmetric)``."""
+    n = world()
+
+    def splits(total: int, r: int) -> tuple[list[int], list[int]]:
+        return _asymmetric_splits(total, n, r), [_asymmetric_splits(total, n, k)[r] for k in range(n)]
+
+    def fn(x, g):
+        return C.all_to_all_v(x, dim, *splits(x.shape[dim], g.rank), g)
+
+    def math(xs, r):  # rank r receives from each rank k the slices k sends it
+        total = xs[0].shape[dim]
+        return torch.cat([xs[k].narrow(dim, sum(splits(total, k)[0][:r]), splits(total, k)[0][r]) for k in range(n)], dim)
+
+    def expected_grad(xs, ws, r):  # the slices of every y_j that came from rank r, in j order
+        total = xs[0].shape[dim]
+        return torch.cat([ws[j].narrow(dim, sum(splits(total, j)[1][:r]), splits(total, j)[1][r]) for j in range(n)], dim)
+
+    return {"all_to_all_v(asymmetric)": (fn, math, expected_grad)}
+
+
 def case_collective_backwards() -> dict:
     """Each collective of ``C.COLLECTIVES`` at dim 1 and -1: forward and the gradient of
     ``<w_r, y_r>`` (``.backward()`` and ``torch.func.grad``) against the math of
-    ``tests/test_collectives.py``."""
+    ``tests/test_collectives.py``, and an all-to-all-v whose sends differ from its receives."""
     from tests.test_collectives import _cases, _expected_grad, _inputs, _weights
 
     g = C.AxisGroup.from_mesh(mesh(), "tp")
     r, n = rank(), world()
     xs = _inputs(n)
-    seen = {}
+    seen, checks = {}, Deferred()
     for dim in (1, -1):
-        for name, (fn, math) in _cases(dim).items():
+        cases = {name: (fn, math, lambda xs, ws, r, name=name: _expected_grad(name, xs, ws, r, dim))
+                 for name, (fn, math) in _cases(dim).items()} | _asymmetric_case(dim)
+        for name, (fn, math, expected_grad) in cases.items():
             x = xs[r].clone().requires_grad_(True)
             y = fn(x, g)
-            assert_close(y, math(xs, r), f"{name} dim {dim} forward")
-            ws = _weights(n, y.shape)
+            checks.close(y, math(xs, r), f"{name} dim {dim} forward")
+            ws = [_weights(n, math(xs, j).shape)[j] for j in range(n)]  # rank j's weights, of its output's shape
             (y * ws[r]).sum().backward()
-            expect = _expected_grad(name, xs, ws, r, dim)
-            seen[name] = max(assert_close(x.grad, expect, f"{name} dim {dim} backward"),
-                             assert_close(grad(lambda t: (fn(t, g) * ws[r]).sum())(xs[r]), expect,
+            expect = expected_grad(xs, ws, r)
+            seen[name] = max(checks.close(x.grad, expect, f"{name} dim {dim} backward"),
+                             checks.close(grad(lambda t: (fn(t, g) * ws[r]).sum())(xs[r]), expect,
                                           f"{name} dim {dim} torch.func.grad"))
+    checks.raise_any()
     return seen
 
 
@@ -117,15 +171,18 @@ def case_collective_jvp_and_vmap() -> dict:
     g = C.AxisGroup.from_mesh(mesh(), "tp")
     r, n = rank(), world()
     xs = _inputs(n)
-    seen = {}
-    for name, (fn, math) in _cases(1).items():
+    seen, checks = {}, Deferred()
+    cases = {name: (fn, math) for name, (fn, math) in _cases(1).items()}
+    cases |= {name: (fn, math) for name, (fn, math, _) in _asymmetric_case(1).items()}
+    for name, (fn, math) in cases.items():
         tangents = _weights(n, xs[r].shape)
         _, t_out = jvp(lambda t: fn(t, g), (xs[r],), (tangents[r],))
-        worst = assert_close(t_out, math(tangents, r), f"{name} jvp")
+        worst = checks.close(t_out, math(tangents, r), f"{name} jvp")
         out = vmap(lambda t: fn(t, g))(torch.stack([xs[r], -2 * xs[r]]))
         for b, scale in enumerate((1.0, -2.0)):
-            worst = max(worst, assert_close(out[b], math([scale * x for x in xs], r), f"{name} vmap[{b}]"))
+            worst = max(worst, checks.close(out[b], math([scale * x for x in xs], r), f"{name} vmap[{b}]"))
         seen[name] = worst
+    checks.raise_any()
     return seen
 
 
@@ -189,14 +246,15 @@ def case_recompute_replays_rng() -> dict:
     ck = hpf.shard(model, _DROP_PLAN, m, checkpoint=["layers.*"], verify=False)
     no_replay = hpf.shard(model, _DROP_PLAN, m, verify=False,
                           checkpoint=hpf.ActivationCheckpoint(blocks=("layers.*",), preserve_rng=False))
-    diffs = {}
+    diffs, checks = {}, Deferred()
     for func in (False, True):
         for label, sharded in (("plain", plain), ("checkpointed", ck)):
             loss, grads = run(*sharded, func)
             diffs[f"{label} func={func}"] = max(
-                assert_close(loss, ref.detach(), f"{label} func={func} loss"),
-                *(assert_close(grads[k], g, f"{label} func={func} grad {k}") for k, g in ref_grads.items()))
+                checks.close(loss, ref.detach(), f"{label} func={func} loss"),
+                *(checks.close(grads[k], g, f"{label} func={func} grad {k}") for k, g in ref_grads.items()))
     loss, grads = run(*no_replay, False)
+    checks.raise_any()
     assert_close(loss, ref.detach(), "the forward is the same without the replay")
     key = "layers.0.up.weight"
     assert not torch.allclose(grads[key], ref_grads[key]), "dropout masks must matter to the gradient"

@@ -3,9 +3,11 @@ the table of transpose pairs is closed (higher orders: tests/test_higher_order.p
 
 import pytest
 import torch
-from torch.func import grad, jvp, vmap
+from torch.func import grad, jvp, vjp, vmap
 
+import hp_functional as hpf
 from hp_functional import collectives as C
+from tests.conftest import get_pool
 from tests.helpers import assert_close, cyclic_splits, mesh, rank, world
 
 SHAPE = (4, 8, 12)  # every split dim divisible by 2 and 4
@@ -49,6 +51,8 @@ def _cases(dim: int):
         "leave_region": (lambda x, g: C.leave_region(x, g), lambda xs, r: xs[r]),
         "copy_to_replicas": (lambda x, g: C.copy_to_replicas(x, PAIRS, g), lambda xs, r: xs[r]),
         "reduce_from_replicas": (lambda x, g: C.reduce_from_replicas(x, PAIRS, g), lambda xs, r: _group_sum(xs, r)),
+        "gather_params": (lambda x, g: C.gather_params(x, dim, F64, n, g), lambda xs, r: cat(xs)),
+        "mean_scatter": (lambda x, g: C.mean_scatter(x, dim, F64, n, g), lambda xs, r: sum(xs).chunk(n, dim)[r] / n),
     }
 
 
@@ -70,6 +74,7 @@ def _segment(x, dim, src, dst):
 
 
 PAIRS = C.Replicas(2)  # groups of 2 consecutive ranks: one group at world size 2, two at 4
+F64 = C.Precision(torch.float64, torch.float64, torch.float64)  # FSDP's pair without a cast
 
 
 def _group_sum(xs, r):
@@ -98,6 +103,10 @@ def _expected_grad(name, xs, ws, r, dim):
     if name == "gather_from":
         return ws[r].chunk(n, dim)[r]
     if name == "reduce_scatter":
+        return torch.cat(ws, dim)
+    if name == "gather_params":  # the dp-mean of the ranks' cotangents (FSDP's gradient)
+        return sum(ws).chunk(n, dim)[r] / n
+    if name == "mean_scatter":  # its transpose for FSDP's pairing: the all-gather, undivided
         return torch.cat(ws, dim)
     if name == "split_to":
         return torch.cat(ws, dim)
@@ -164,6 +173,7 @@ def test_collectives_match_math(pool, dim):
 
 
 _DIM_OPS = {"all_gather", "reduce_scatter", "gather_from", "split_to"}
+PREC = C.Precision(torch.float32, torch.bfloat16, torch.float32)
 
 
 def _sample_args(name: str) -> tuple:
@@ -175,13 +185,17 @@ def _sample_args(name: str) -> tuple:
         return (4, 8), 1, "group"
     if name.endswith("_replicas"):
         return PAIRS, "group"
+    if name == "gather_params":  # the accumulator (no_sync) is the gather's alone: None round-trips
+        return 0, PREC, 2, None, "group"
+    if name == "mean_scatter":
+        return 0, PREC, 2, "group"
     return (1, 0, "group") if name == "all_to_all" else (1, "group") if name in _DIM_OPS else ("group",)
 
 
 def test_transpose_pairs_are_closed():
     """The one table of conjugate pairs: for every collective C with backward B, B's backward is
     C again, B's type is C's reversed (I→V ↔ V→I), and B's arguments map back to C's."""
-    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 16
+    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 18
     for name, c in C.COLLECTIVES.items():
         assert c.name == name and callable(getattr(C, name))
         b = C.COLLECTIVES[c.transpose]
@@ -195,6 +209,8 @@ def test_transpose_pairs_are_closed():
     assert C.AllToAllV.transpose_args(0, (1, 2), (3, 0), "group") == (0, (3, 0), (1, 2), "group")  # the reverse
     assert (C.SendTo.transpose, C.RecvFrom.transpose) == ("recv_from", "send_to")  # receive what was sent, send back
     assert C.SendTo.batch_args(((4, 8), 1, "g")) == ((4, 8), 1, "g")  # a peer is not a dim: not shifted
+    assert (C.GatherParams.transpose, C.MeanScatter.transpose) == ("mean_scatter", "gather_params")
+    assert C.MeanScatter.batch_args((0, PREC, 2, "g")) == (1, PREC, 2, "g")  # the divisor is not a dim
 
 
 def test_docstring_table_states_the_pairs():
@@ -231,3 +247,94 @@ def case_pytorch_collectives_fail_under_grad():
 def test_pytorch_own_collective_raises_under_grad(pool):
     """Only the documented refusal counts (any other exception would hide a changed platform)."""
     pool.run(case_pytorch_collectives_fail_under_grad)
+
+
+class _Kept:
+    """An ``Accumulator`` for the test: what ``no_sync`` keeps."""
+
+    def __init__(self):
+        self.deferred, self.grad = False, None
+
+    def keep(self, grad):
+        self.grad = grad if self.grad is None else self.grad + grad
+
+    def take(self, grad):
+        kept, self.grad = self.grad, None
+        return grad if kept is None else grad + kept
+
+
+def case_fsdp_pair():
+    """FSDP's pair against the math at its precision (fp32 leaves, bf16 gathered, fp32 reduced):
+    forward, backward (the dp-mean), torch.func.grad, jvp, vmap (in front and not), vmap(grad),
+    vjp of vjp (the pair transposes each other), a per-element divisor, no_sync's accumulator
+    under .backward() and its refusal under a batched backward; the eager fast path."""
+    g = C.AxisGroup.from_mesh(mesh(), "tp")
+    r, n = rank(), world()
+    prec = C.Precision(torch.float32, torch.bfloat16, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 3, generator=gen) for _ in range(n)]  # each rank's shard
+    ws = [torch.randn(4 * n, 3, generator=gen).bfloat16() for _ in range(n)]  # each rank's cotangent
+    gather = lambda t: C.gather_params(t, 0, prec, n, g)  # noqa: E731
+    bf = lambda ts: [t.bfloat16() for t in ts]  # noqa: E731
+    # forward: cast, then all-gather; backward: fp32 reduce-scatter of the cotangents, divided by n
+    y = gather(xs[r].clone().requires_grad_())
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch.cat(bf(xs)))
+    mean = sum(w.float() for w in ws).chunk(n)[r] / n
+    x = xs[r].clone().requires_grad_()
+    (gather(x).float() * ws[r].float()).sum().backward()
+    assert x.grad.dtype == torch.float32
+    assert_close(x.grad, mean, "gather_params backward: the dp-mean")
+    assert_close(grad(lambda t: (gather(t).float() * ws[r].float()).sum())(xs[r]), mean, "torch.func.grad")
+    t = torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + r))
+    ts = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + k)) for k in range(n)]
+    assert_close(jvp(gather, (xs[r],), (t,))[1].float(), torch.cat(bf(ts)).float(), "jvp: the gather of the tangents")
+    batch = torch.stack([xs[r], 2 * xs[r]])
+    want = torch.stack([torch.cat(bf(xs)), torch.cat(bf([2 * x_ for x_ in xs]))])
+    assert torch.equal(vmap(gather)(batch), want) and torch.equal(vmap(gather, in_dims=1)(batch.movedim(0, 1)), want)
+    per = vmap(grad(lambda t: (gather(t).float() * ws[r].float()).sum()))(batch)
+    assert_close(per, torch.stack([mean, mean]), "vmap(grad)")
+    # mean_scatter: the dp-mean forward, the gather (undivided) backward, in fp64 for vjp of vjp
+    f64 = C.Precision(torch.float64, torch.float64, torch.float64)
+    zs = _inputs(n)
+    scatter = lambda t: C.mean_scatter(t, 1, f64, n, g)  # noqa: E731
+    assert_close(scatter(zs[r]), sum(zs).chunk(n, 1)[r] / n, "mean_scatter forward")
+    cs = _weights(n, (4, 8 // n, 12))
+    assert_close(vjp(scatter, zs[r])[1](cs[r])[0], torch.cat(cs, 1), "mean_scatter backward: the gather")
+    assert_close(jvp(scatter, (zs[r],), (cs[r].repeat(1, n, 1),))[1], sum(cs).repeat(1, n, 1).chunk(n, 1)[r] / n, "jvp")
+    assert_close(vmap(scatter)(torch.stack([zs[r], -zs[r]])), torch.stack([sum(zs).chunk(n, 1)[r] / n,
+                                                                            -sum(zs).chunk(n, 1)[r] / n]), "vmap")
+    for fn, cot in ((lambda t: C.gather_params(t, 1, f64, n, g), _weights(n, (4, 8 * n, 12))[r]), (scatter, cs[r])):
+        point, v = zs[r], zs[(r + 1) % n]  # any point (the pair is linear), any input
+        second = vjp(lambda c, fn=fn, point=point: vjp(fn, point)[1](c)[0], cot)[1]
+        assert_close(second(v)[0], fn(v), "vjp of vjp")
+    # a per-element divisor (pieces owed a sum over a folded axis) broadcasts along the result
+    divisor = torch.tensor([1.0, 2.0, 4.0])
+    x = xs[r].clone().requires_grad_()
+    (C.gather_params(x, 0, prec, divisor, g).float() * ws[r].float()).sum().backward()
+    assert_close(x.grad, sum(w.float() for w in ws).chunk(n)[r] / divisor, "per-element divisor")
+    # no_sync: a deferred backward keeps the cotangent (no collective, no gradient); the next adds it
+    kept = _Kept()
+    x = xs[r].clone().requires_grad_()
+    kept.deferred = True
+    (C.gather_params(x, 0, prec, n, g, kept).float() * ws[r].float()).sum().backward()
+    assert x.grad is None and torch.equal(kept.grad, ws[r].float())
+    with pytest.raises(hpf.PlanError, match="no_sync.*is_grads_batched"):  # a batched backward cannot keep it
+        y = C.gather_params(x, 0, prec, n, g, kept)
+        torch.autograd.grad(y, x, torch.stack([torch.ones_like(y)] * 2), is_grads_batched=True)
+    kept.deferred = False
+    (C.gather_params(x, 0, prec, n, g, kept).float() * ws[r].float()).sum().backward()
+    assert_close(x.grad, 2 * mean, "the kept cotangent reduced with the next") and kept.grad is None
+    # outside transforms the collective runs through the C++ apply (Collective.apply's fast path)
+    eager = C.GatherParams.eager
+    eager.apply = None  # Function.apply's Python wrapper: not reached outside a transform
+    try:
+        assert torch.equal(gather(xs[r]), torch.cat(bf(xs)))
+    finally:
+        del eager.apply
+    return True
+
+
+def test_fsdp_pair_matches_math():
+    """FSDP's gather_params / mean_scatter, fast at world size 2 (the table's sweep covers them at
+    2 and 4 among the others)."""
+    assert all(get_pool(2).run(case_fsdp_pair))

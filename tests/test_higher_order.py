@@ -40,6 +40,7 @@ from tests.models import MLP, build_llama, make_llama_state
 from tests.test_collectives import exchange
 
 TOL = {"atol": 1e-9, "rtol": 1e-9}  # fp64 throughout
+F64 = C.Precision(torch.float64, torch.float64, torch.float64)  # FSDP's pair without a cast
 SHAPE = (4, 8, 12)  # every split dim divisible by 2 and 4
 
 
@@ -66,7 +67,8 @@ def _apply(name: str, x: torch.Tensor, g: C.AxisGroup) -> torch.Tensor:
         return exchange(x, g, send_first=(g.rank % 2 == 0) == (name == "send_to"))
     args = {"all_gather": (1,), "reduce_scatter": (1,), "gather_from": (1,), "split_to": (1,), "all_to_all": (1, 0),
             "ppermute": (C.ring(g.size, 1),), "copy_to_replicas": (C.Replicas(2),),
-            "reduce_from_replicas": (C.Replicas(2),), "all_to_all_v": (1, *cyclic_splits(x.shape[1], g.size, g.rank))}
+            "reduce_from_replicas": (C.Replicas(2),), "all_to_all_v": (1, *cyclic_splits(x.shape[1], g.size, g.rank)),
+            "gather_params": (1, F64, g.size), "mean_scatter": (1, F64, g.size)}
     return getattr(C, name)(x, *args.get(name, ()), g)
 
 

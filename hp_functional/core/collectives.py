@@ -40,6 +40,8 @@ function                  type   forward              backward = transpose      
 ``leave_region``          V → I  identity             ``partial_from`` (keep on rank 0)    ``leave_region``
 ``copy_to_replicas``      I → V  identity             ``reduce_from_replicas`` (group AR)  ``copy_to_replicas``
 ``reduce_from_replicas``  V → I  group all-reduce     ``copy_to_replicas`` (identity)      ``reduce_from_replicas``
+``gather_params``         V → V  all-gather (cast)    ``mean_scatter`` (RS ÷ divisor)      ``gather_params``
+``mean_scatter``          V → V  RS ÷ divisor (cast)  ``gather_params`` (all-gather)       ``mean_scatter``
 ========================  =====  ===================  ===================================  ========================
 
 The ``*_replicas`` pair is ``copy_to``/``reduce_from`` over groups of consecutive ranks of the
@@ -54,6 +56,28 @@ the point-to-point pair of pipeline stages (only the two ranks take part): a sen
 token that carries it into the loss, a receive is a function of a zero anchor, and each one's
 backward is the other in the reverse direction.  ``leave_region``'s input is a
 replicated value inside a rank-varying region (equal on every rank, hence identity forward).
+``gather_params``/``mean_scatter`` are FSDP's pair (``train/fsdp_bucket.py``): a bucket of
+dp-sharded parameters gathered for per-rank compute on per-rank data, and its gradients
+reduce-scattered and divided by ``divisor`` (the dp size): FSDP's gradient is the *mean* over
+the dp ranks of each rank's local-batch gradient, not the sum that the plain
+``all_gather``/``reduce_scatter`` pair gives.  The pair is still a transpose pair, for the
+pairing that says what FSDP computes: a value of the per-rank batch (a loss, an activation,
+the gathered parameters as a rank's compute sees them) is paired as the mean over the ranks,
+``<w, v> = Σ_r <w_r, v_r> / n``, a shard (the parameters, their gradients) as the sum,
+``Σ_r <a_r, b_r>``.  Then ``<w, all_gather(t)> = <reduce_scatter(w) / n, t> =
+<mean_scatter(w), t>``, one identity read both ways: each is the other's transpose, so
+``jvp∘grad`` and ``grad∘grad`` are exact at every order for these semantics: the gradient is
+the exact mean gradient ``G`` (sharded), an HVP either way (``jvp(grad)``, or ``grad`` of
+``Σ <G_r, v_r>``) is the mean of the ranks' local HVPs, and a function of the gradient's shards
+(a gradient penalty ``Σ_r ‖G_r‖²``) is differentiated as the sum over the shards, as the
+unsharded ``‖∇L‖²``.  ``gather_params`` casts to the compute dtype before gathering and
+``mean_scatter`` reduces in the reduce dtype and casts back (``Precision``, FSDP2's mixed
+precision); a per-element ``divisor`` tensor (pieces owed a sum over a folded axis) broadcasts
+along the flat bucket.  ``gather_params``'s ``accumulator`` (FSDP's ``no_sync``) makes a backward
+keep its cotangent instead of transposing it (no collective, no gradient) while it defers, and
+adds what it kept to the next ``mean_scatter``; that state outlives the backward, so a deferred
+backward under a ``torch.func`` transform (``autograd.grad(is_grads_batched=True)`` vmaps it) or
+``torch.compile`` raises ``PlanError``.
 Each backward issues exactly the communication of its first-order rule above (the pairs only
 decide what the backward's *own* backward is), so first-order schedules are unchanged.
 Jacobians seed every rank at once: ``jacfwd``/``hessian`` w.r.t. a rank-varying input, and
@@ -64,23 +88,25 @@ exact Hessians differentiate rank-invariant (full) inputs, sliced inside with ``
 from __future__ import annotations
 
 __all__ = [
-    "AllGather", "AllReduce", "AllToAll", "AllToAllV", "AxisGroup", "COLLECTIVES", "Collective", "CopyTo",
-    "CopyToReplicas", "GatherFrom", "LeaveRegion", "PartialFrom", "Ppermute", "RecvFrom", "ReduceFrom",
-    "ReduceFromReplicas", "ReduceScatter", "Replicas", "SendTo", "SplitTo", "TRANSPOSE", "all_gather", "all_reduce",
-    "all_to_all", "all_to_all_v", "copy_to", "copy_to_replicas", "gather_from", "leave_region", "partial_from",
-    "ppermute", "raw_all_gather", "raw_all_reduce", "raw_all_to_all", "recv_from", "reduce_from",
-    "reduce_from_replicas", "reduce_scatter", "ring", "send_to", "split_to"
+    "Accumulator", "AllGather", "AllReduce", "AllToAll", "AllToAllV", "AxisGroup", "COLLECTIVES", "Collective",
+    "CopyTo", "CopyToReplicas", "GatherFrom", "GatherParams", "LeaveRegion", "MeanScatter", "PartialFrom", "Ppermute",
+    "Precision", "RecvFrom", "ReduceFrom", "ReduceFromReplicas", "ReduceScatter", "Replicas", "SendTo", "SplitTo",
+    "TRANSPOSE", "all_gather", "all_reduce", "all_to_all", "all_to_all_v", "copy_to", "copy_to_replicas",
+    "gather_from", "gather_params", "leave_region", "mean_scatter", "partial_from", "ppermute", "raw_all_gather",
+    "raw_all_reduce", "raw_all_to_all", "recv_from", "reduce_from", "reduce_from_replicas", "reduce_scatter", "ring",
+    "send_to", "split_to"
 ]
 
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .errors import PlanError
 from .raw_collectives import (
     Replicas,
     check_perm,
@@ -100,6 +126,7 @@ from .raw_collectives import (
 
 _transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor  # autograd.grad(is_grads_batched=True)'s vmap
 
 
 @dataclass(frozen=True)
@@ -218,17 +245,24 @@ class Collective(NamedTuple):
 
 def _collective(name: str, forward: Callable, types: str, transpose: str,
                 transpose_args: Callable[..., tuple] = _same_args,
-                batch_args: Callable[[tuple], tuple] = _shift_dims) -> Collective:
+                batch_args: Callable[[tuple], tuple] = _shift_dims,
+                keep: Callable[..., Tensor | None] | None = None) -> Collective:
     """The collective ``name`` whose forward is ``forward(x, *args)`` and whose backward is the
     collective ``transpose`` applied as ``transpose(grad, *transpose_args(*args))`` (a Function
     of this module again, so the backward has its own backward, jvp and vmap rule).  Its vmap
     rule moves the batched dim of ``x`` to the front and applies ``forward`` to
-    ``batch_args(args)``; its jvp is the forward on the tangent (every collective is linear)."""
+    ``batch_args(args)``; its jvp is the forward on the tangent (every collective is linear).
+    ``keep(grad, *args)``, where given, runs first in the backward: it returns the cotangent to
+    transpose, or None to keep it (no collective, no gradient: FSDP's ``no_sync``)."""
 
     def setup_context(ctx, inputs, output):
         ctx.args = inputs[1:]
 
     def backward(ctx, grad):
+        if keep is not None:
+            grad = keep(grad, *ctx.args)
+            if grad is None:
+                return (None, *([None] * len(ctx.args)))
         conjugate = COLLECTIVES[transpose].apply(grad, *transpose_args(*ctx.args))
         return (conjugate, *([None] * len(ctx.args)))
 
@@ -434,11 +468,99 @@ def reduce_from_replicas(x: Tensor, replicas: Replicas, group: AxisGroup) -> Ten
     return ReduceFromReplicas.apply(x, replicas, group)
 
 
+# FSDP's pair (see the module docstring): the gather of a bucket of dp-sharded parameters and the
+# dp-mean of its gradients, each the other's transpose for FSDP's pairing (batch values paired as
+# the mean over the ranks, shards as the sum).
+class Precision(NamedTuple):
+    """The dtypes of FSDP's pair: the leaves' (``dtype``: the master weights, and the gradients
+    returned), the one gathered and computed in (``param``), the one gradients are reduced in
+    (``reduce``)."""
+
+    dtype: torch.dtype
+    param: torch.dtype
+    reduce: torch.dtype
+
+
+class Accumulator(Protocol):
+    """Gradients kept across backward passes (FSDP's ``no_sync``): while ``deferred``, a
+    ``gather_params`` backward hands its cotangent (in the reduce dtype) to ``keep``; the next one
+    transposes ``take(cotangent)`` (what was kept added)."""
+
+    @property
+    def deferred(self) -> bool: ...
+
+    def keep(self, grad: Tensor) -> None: ...
+
+    def take(self, grad: Tensor) -> Tensor: ...
+
+
+def _shift_dim(args: tuple) -> tuple:
+    """The batching rule of FSDP's pair: only ``dim`` (the first argument) is a dim (an int
+    ``divisor`` is not)."""
+    dim, *rest = args
+    return (dim + 1 if dim >= 0 else dim, *rest)
+
+
+def _gather_cast(x: Tensor, dim: int, precision: Precision, divisor, accumulator, g: AxisGroup) -> Tensor:
+    return raw_all_gather(x.to(precision.param), dim, g)
+
+
+def _keep_deferred(grad: Tensor, dim: int, precision: Precision, divisor, accumulator: Accumulator | None,
+                   g: AxisGroup) -> Tensor | None:
+    if accumulator is None:
+        return grad
+    grad = grad.to(precision.reduce)
+    if accumulator.deferred:
+        if _transforms_active() or _legacy_batched(grad) or torch.compiler.is_compiling():
+            raise PlanError(f"gather_params on mesh axis {g.axis!r}: fsdp's no_sync() keeps gradients across backward "
+                            "passes, which a backward under a torch.func transform (vmap over the backward: "
+                            "autograd.grad(is_grads_batched=True)) or torch.compile cannot do (the kept value would "
+                            "outlive the transform); run that backward outside no_sync()")
+        accumulator.keep(grad)
+        return None
+    return accumulator.take(grad)
+
+
+def _to_mean_scatter(dim, precision, divisor, accumulator, group):
+    return dim, precision, divisor, group
+
+
+GatherParams = _collective("gather_params", _gather_cast, "V→V", "mean_scatter", _to_mean_scatter, _shift_dim,
+                           keep=_keep_deferred)
+
+
+def gather_params(x: Tensor, dim: int, precision: Precision, divisor: int | Tensor, group: AxisGroup,
+                  accumulator: Accumulator | None = None) -> Tensor:
+    """FSDP's parameter gather: ``x`` (this rank's shard) cast to ``precision.param`` and
+    all-gathered along ``dim``; backward ``mean_scatter`` (the gradients' dp-mean, in
+    ``precision.reduce``, cast back to ``precision.dtype``), or kept by ``accumulator`` while it
+    defers (module docstring: the pairing that makes the two each other's transpose)."""
+    return GatherParams.apply(x, dim, precision, divisor, accumulator, group)
+
+
+def _scatter_mean(x: Tensor, dim: int, precision: Precision, divisor, g: AxisGroup) -> Tensor:
+    return (raw_reduce_scatter(x.to(precision.reduce), dim, g) / divisor).to(precision.dtype)
+
+
+def _to_gather_params(dim, precision, divisor, group):
+    return dim, precision, divisor, None, group
+
+
+MeanScatter = _collective("mean_scatter", _scatter_mean, "V→V", "gather_params", _to_gather_params, _shift_dim)
+
+
+def mean_scatter(x: Tensor, dim: int, precision: Precision, divisor: int | Tensor, group: AxisGroup) -> Tensor:
+    """The dp-mean of per-rank gradients, sharded: ``x`` cast to ``precision.reduce``,
+    reduce-scattered along ``dim``, divided by ``divisor`` (an int, or a tensor broadcasting
+    against the result) and cast to ``precision.dtype``; backward ``gather_params`` (all-gather)."""
+    return MeanScatter.apply(x, dim, precision, divisor, group)
+
+
 #: Every collective of this module by its public function's name: the one table of conjugate
 #: pairs.  The transpose's transpose is the collective itself and the transpose's type is the
 #: reverse (tests/test_collectives.py checks both, and that the module docstring's table agrees).
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
     AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, AllToAllV, SendTo, RecvFrom, CopyTo, ReduceFrom,
-    GatherFrom, SplitTo, PartialFrom, LeaveRegion, CopyToReplicas, ReduceFromReplicas)}
+    GatherFrom, SplitTo, PartialFrom, LeaveRegion, CopyToReplicas, ReduceFromReplicas, GatherParams, MeanScatter)}
 #: Each collective's transpose (the collective its backward applies), by name.
 TRANSPOSE: dict[str, str] = {name: c.transpose for name, c in COLLECTIVES.items()}

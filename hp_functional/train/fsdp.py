@@ -3,7 +3,7 @@
 ``fsdp(apply_fn, params, shard_info, mesh, dp_axis="dp")`` returns a new ``(apply_fn, params,
 shard_info)``: every leaf chunked further along dim 0 of its TP shard over ``dp_axis``
 (``RowSplit`` in ``shard_info``).  Each group of leaves (a decoder layer, or the modules between
-them, ``layout.groups``) is one bucket: one all-gather forward (``GatherParams``), one
+them, ``layout.groups``) is one bucket: one all-gather forward (``gather_params``), one
 reduce-scatter of its gradients backward.  ``reshard_after_forward`` frees gathered blocks and
 gathers again for the backward (a saved-tensor hook under ``.backward()``, a recompute under
 ``torch.func``); ``dp_axis=("dp", "cp")`` folds the cp sum into the reduce-scatter;

@@ -1,6 +1,8 @@
-"""FSDP's bucket collective: a group's local leaves as one flat buffer, gathered by one
-all-gather whose backward is one reduce-scatter (``GatherParams``), and what gradient
-accumulation keeps between backward passes (``Unreduced``, ``Sync``).  Used by ``train/fsdp.py``."""
+"""FSDP's buckets: a group's local leaves as one flat buffer, gathered by one all-gather whose
+backward is one reduce-scatter averaged over dp (``core.collectives.gather_params``, whose
+transpose is ``mean_scatter``: the pair's jvp, vmap and higher-order rules are the table's), and
+what gradient accumulation keeps between backward passes (``Unreduced``, ``Sync``).  Used by
+``train/fsdp.py``."""
 
 from __future__ import annotations
 
@@ -13,18 +15,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.collectives import COLLECTIVES, AxisGroup, raw_all_gather
+from ..core.collectives import AxisGroup, Precision, gather_params
 from ..core.lowering import Step
 
 
 class Unreduced:
     """A bucket's gradients kept unreduced across micro-batches (``FsdpLayout.no_sync``): the
-    full flat gradient, summed in ``reduce_dtype``, added to the next reduce-scatter."""
+    full flat gradient, summed in ``reduce_dtype``, added to the next reduce-scatter.  The
+    ``accumulator`` of the bucket's ``gather_params`` (``core.collectives.Accumulator``)."""
 
-    __slots__ = ("grad",)
+    __slots__ = ("grad", "sync")
 
-    def __init__(self):
+    def __init__(self, sync: Sync):
         self.grad: Tensor | None = None
+        self.sync = sync
+
+    @property
+    def deferred(self) -> bool:
+        return self.sync.deferred
 
     def keep(self, grad: Tensor) -> None:
         self.grad = grad if self.grad is None else self.grad + grad
@@ -32,34 +40,6 @@ class Unreduced:
     def take(self, grad: Tensor) -> Tensor:
         kept, self.grad = self.grad, None
         return grad if kept is None else grad + kept
-
-
-class GatherParams(torch.autograd.Function):
-    """All-gather of a group's flat local bucket (cast to ``param_dtype`` first); backward: the
-    gradients cast to ``reduce_dtype``, reduce-scattered (the differentiable ``reduce_scatter``,
-    so a double backward works), divided by ``divisor`` (the axis size, or per piece, see
-    ``Piece.divisor``) and cast back to the bucket's dtype.
-    While ``sync.deferred``, the backward keeps the gradient in ``unreduced`` instead (no
-    collective; the local leaf gets no gradient), for the next reduce-scatter to include."""
-
-    @staticmethod
-    def forward(local: Tensor, group: AxisGroup, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                unreduced: Unreduced, sync: Sync, divisor: int | Tensor) -> Tensor:
-        return raw_all_gather(local.to(param_dtype), 0, group)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        local, ctx.group, _, ctx.reduce_dtype, ctx.unreduced, ctx.sync, ctx.divisor = inputs
-        ctx.dtype = local.dtype
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.to(ctx.reduce_dtype)
-        if ctx.sync.deferred:
-            ctx.unreduced.keep(grad)
-            return None, None, None, None, None, None, None
-        summed = COLLECTIVES["reduce_scatter"].apply(ctx.unreduced.take(grad), 0, ctx.group)
-        return (summed / ctx.divisor).to(ctx.dtype), None, None, None, None, None, None
 
 
 class Sync:
@@ -90,11 +70,11 @@ class Piece:
 
 class Bucket:
     """A group's leaves as one flat buffer per rank: ``gather`` turns the local leaves into the
-    TP-local parameters with one all-gather (see ``GatherParams``)."""
+    TP-local parameters with one all-gather (``gather_params``)."""
 
     def __init__(self, name: str, pieces: Sequence[Piece], group: AxisGroup, param_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, sync: Sync):
-        self.name, self.pieces, self.group, self.sync, self.unreduced = name, tuple(pieces), group, sync, Unreduced()
+        self.name, self.pieces, self.group, self.sync, self.unreduced = name, tuple(pieces), group, sync, Unreduced(sync)
         self.keys = tuple(p.key for p in self.pieces)
         self.segment = sum(p.size for p in self.pieces)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -122,8 +102,8 @@ class Bucket:
         local = torch.cat(flat) if len(flat) > 1 else flat[0]
         dtype = local.dtype
         divisor = self.divisor if isinstance(self.divisor, int) else self.divisor.to(local.device)
-        full = GatherParams.apply(local, self.group, self.param_dtype or dtype, self.reduce_dtype or dtype,
-                                  self.unreduced, self.sync, divisor)
+        precision = Precision(dtype, self.param_dtype or dtype, self.reduce_dtype or dtype)
+        full = gather_params(local, 0, precision, divisor, self.group, self.unreduced)
         for step in self.copy_to:
             full = step(full)
         full = full.view(self.group.size, self.segment)

@@ -247,9 +247,14 @@ class Recompute(torch.autograd.Function):
     recomputed, and its vector-Jacobian product: from ``torch.func.vjp`` inside a ``torch.func``
     transform (or a double backward); a plain first-order ``.backward()`` uses
     ``torch.autograd.grad`` on detached leaves instead, which also works while saved-tensor hooks
-    are active (``torch.autograd.graph.save_on_cpu``).  ``vmap`` gets a generated rule, so
-    ``vmap(grad(...))`` works too.  Blocks hold our own collectives: every rank recomputes the
-    same blocks in the same order, so the recompute's collectives match across ranks."""
+    are active (``torch.autograd.graph.save_on_cpu``).
+    jvp (forward mode, and so ``jvp(grad(...))`` HVPs, ``jacfwd``, ``hessian``) — the block
+    recomputed under ``torch.func.jvp`` on the leaves and their tangents (the forward's RNG state
+    replayed), the outputs' tangents; the forward pays one recompute.
+    ``vmap`` gets a generated rule (forward, backward and jvp run on the batched values), so
+    ``vmap(grad(...))`` and ``vmap(jvp(...))`` work too.  Blocks hold our own collectives: every
+    rank recomputes the same blocks in the same order, so the recompute's collectives match
+    across ranks."""
 
     generate_vmap_rule = True
 
@@ -271,6 +276,7 @@ class Recompute(torch.autograd.Function):
         call, *leaves = inputs
         ctx.call = call
         ctx.save_for_backward(*leaves)
+        ctx.save_for_forward(*leaves)
         fixed = [t for k, t in enumerate(output) if k not in call.diff]
         if fixed:
             ctx.mark_non_differentiable(*fixed)
@@ -292,6 +298,28 @@ class Recompute(torch.autograd.Function):
         for i, g in zip(wanted, got, strict=True):
             result[i] = g
         return (None, *result)
+
+
+    @staticmethod
+    def jvp(ctx, _call, *tangents):
+        call: _Call = ctx.call
+        leaves = list(ctx.saved_tensors)
+        moved = [i for i, t in enumerate(tangents) if t is not None]
+        out: list[Tensor | None] = [None] * len(call.out_where)
+        if not moved:
+            return tuple(out)
+
+        def block(*primals):
+            args = list(leaves)
+            for i, p in zip(moved, primals, strict=True):
+                args[i] = p
+            return tuple(_outputs(call, args))
+
+        with _replayed_rng(call.rng, call.block.device_type):
+            _, got = torch.func.jvp(block, tuple(leaves[i] for i in moved), tuple(tangents[i] for i in moved))
+        for k, t in zip(call.diff, got, strict=True):
+            out[k] = t
+        return tuple(out)
 
 
 def _outputs(call: _Call, leaves: Sequence[Tensor]) -> list[Tensor]:

@@ -16,7 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.collectives import AxisGroup, recv_from, send_to
 from ..core.errors import PlanError
+from ..core.host_comm import all_gather_objects
 from .pipeline import Stage
+
+_transformed = torch._C._are_functorch_transforms_active
+_functorch = torch._C._functorch
 
 
 def _anchor(params: Mapping[str, Tensor]) -> Tensor:
@@ -25,6 +29,51 @@ def _anchor(params: Mapping[str, Tensor]) -> Tensor:
         if p.is_floating_point() and p.numel():
             return p.reshape(-1)[0] * 0
     raise PlanError("gpipe: the stage has no floating-point parameter to differentiate")
+
+
+def _carry(params: Mapping[str, Tensor], inputs: Tensor, target: Tensor) -> Tensor:
+    """Under ``torch.func``: a zero scalar that depends on every param, ``inputs`` and ``target``,
+    so that it carries every transform level any of them carries (batched under ``vmap``, a
+    tangent under ``jvp``, tracked under ``grad``).  Each transfer is made as wrapped as it: a
+    receive is a function of it, a send adds it, and a send's token is multiplied by ``1 + carry``
+    (so the token's cotangent, the anchor of the backward's receive, carries it too).  Then both
+    ends of every transfer, forward and backward, hold the same levels on every stage, whatever
+    the stage's own values depend on."""
+    zero = _anchor(params)
+    for p in params.values():
+        if p.is_floating_point() and p.numel():
+            zero = zero + p.reshape(-1)[0] * 0
+    for t in (inputs, target):
+        zero = zero + t.reshape(-1)[0].to(zero.dtype) * 0
+    return zero
+
+
+def _levels(x: Tensor) -> tuple[tuple, ...]:
+    """The ``torch.func`` levels wrapping ``x``, outermost first: ``("vmap", level, batch size)``
+    or ``("grad/jvp", level)``."""
+    out = []
+    while (level := _functorch.maybe_get_level(x)) != -1:
+        inner = _functorch.get_unwrapped(x)
+        if _functorch.is_batchedtensor(x):
+            out.append(("vmap", level, inner.shape[_functorch.maybe_get_bdim(x)]))
+        else:
+            out.append(("grad/jvp", level))
+        x = inner
+    return tuple(out)
+
+
+def _agree_levels(carry: Tensor, pp_group, stage: Stage) -> None:
+    """Under ``torch.func``, every stage's values must carry the same transforms (a receive takes
+    a tangent or a batch only if its send gives one): one small exchange of the levels over the
+    pipeline axis, and a ``PlanError`` on every stage if they differ (rather than a hang)."""
+    mine = _levels(carry)
+    with torch._C._DisableFuncTorch():  # the exchange's own tensors are not the transforms' to wrap
+        every = all_gather_objects(mine, group=pp_group)
+    if any(theirs != mine for theirs in every):
+        raise PlanError(f"gpipe under torch.func: the stages' params/inputs/target carry different transforms "
+                        f"(per stage, outermost first: {every}); a transfer between stages must be transformed alike "
+                        "at both ends: apply the transform (grad, jvp, vmap and their in_dims) to every stage's step "
+                        f"alike (this is stage {stage.index})")
 
 
 def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -62,6 +111,7 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
     if group.rank != stage.index:
         raise PlanError(f"gpipe: this rank is stage {group.rank} of mesh axis {pp_axis!r}, but its stage is {stage.index}")
     name = "input_ids" if stage.is_first else "inputs_embeds"
+    pp_group = mesh.get_group(pp_axis)
 
     def step(params: Mapping[str, Tensor], inputs: Tensor, target: Tensor) -> Tensor:
         if inputs.dim() < 2 or inputs.shape[0] % microbatches:
@@ -71,7 +121,13 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
             raise PlanError(f"gpipe: target must be a tensor with the batch of inputs ({inputs.shape[0]}), got "
                             f"{tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__}")
         mb, seq = inputs.shape[0] // microbatches, inputs.shape[1]
-        anchor = None if stage.is_first else _anchor(params)
+        transformed, carry = _transformed(), None
+        if transformed:
+            carry = _carry(params, inputs, target)
+            _agree_levels(carry, pp_group, stage)
+        elif torch.is_grad_enabled() and not stage.is_last:
+            carry = _anchor(params)  # the token reached by a double backward (.backward(create_graph=True))
+        anchor = None if stage.is_first else _anchor(params) if carry is None else carry
         act = dtype or (None if anchor is None else anchor.dtype)
         chunks = inputs.chunk(microbatches) if stage.is_first else [None] * microbatches
         targets = target.chunk(microbatches) if stage.is_last else [None] * microbatches
@@ -81,7 +137,13 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
                 x = recv_from(anchor.to(act), (mb, seq, hidden_size), stage.index - 1, group)
             out = apply_fn(params, **{name: x, "use_cache": False})
             out = out if isinstance(out, Tensor) else out[0]
-            term = loss_fn(out, y) / microbatches if stage.is_last else send_to(out, stage.index + 1, group)
+            if stage.is_last:
+                term = loss_fn(out, y) / microbatches
+            elif carry is None:
+                term = send_to(out, stage.index + 1, group)
+            else:
+                sent = out + carry.to(out.dtype) if transformed else out
+                term = send_to(sent, stage.index + 1, group) * (1 + carry)
             total = term if total is None else total + term
         return total
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._C._functorch import TransformType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -91,16 +92,25 @@ class _Ring:
         return _block_mask(self.mine, cp_ranges(src, self.seq, self.g.size, self.layout), self.causal, self.device)
 
 
-_NO_HIGHER_ORDER = ("ring attention has no higher-order derivatives (its backward uses the saved log-sum-exp); "
-                    "use cp_strategy='allgather' (on CPU its local kernel, SDPA's math backend, is differentiable "
-                    "at every order)")
+def _differentiated() -> bool:
+    """Whether the backward being run is itself differentiated: a ``torch.func`` grad or jvp level
+    besides the grad level running it (``jvp(grad)``, ``grad(grad)``, ``hessian``), or an eager
+    backward with ``create_graph=True`` (``vjp``'s function, which cannot be told from it, too)."""
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    if not stack:
+        return torch.is_grad_enabled()
+    outer = stack[:-1] if stack[-1].key() == TransformType.Grad else stack
+    return any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in outer)
 
 
 class RingAttention(torch.autograd.Function):
-    """``ring_attention`` as one autograd.Function (see the module docstring); works under
-    ``.backward()`` and ``torch.func.grad``/``vjp``.  The backward is not itself differentiable
-    (the merged log-sum-exp is saved, not recomputed): ``grad`` of ``grad`` through it raises,
-    under autograd (``once_differentiable``) and under ``torch.func`` alike."""
+    """``ring_attention`` as one autograd.Function (see the module docstring).  Its backward is the
+    second ring pass, which uses the saved log-sum-exp and so is not itself differentiable; where
+    it is differentiated (``grad(grad)``, ``jvp(grad)``, ``hessian``, ``create_graph=True``) the
+    backward is all-gather attention's vector-Jacobian product instead: the same function (the
+    same positions and mask), computed by table collectives and SDPA's differentiable math, so
+    every order is exact.  Forward mode (``jvp``) is all-gather attention's jvp, for the same
+    reason; ``vmap`` folds the vmapped dim into the batch (attention is batched over it)."""
 
     @staticmethod
     def forward(q, k, v, group: AxisGroup, layout: str, causal: bool, scale: float):
@@ -131,15 +141,42 @@ class RingAttention(torch.autograd.Function):
         q, k, v, group, layout, causal, scale = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_forward(q, k, v)
         ctx.group, ctx.layout, ctx.causal, ctx.scale = group, layout, causal, scale
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def _same(ctx):
+        """All-gather attention with this call's arguments: the function ring attention computes."""
+        return lambda q, k, v: allgather_attention(q, k, v, ctx.group, layout=ctx.layout, causal=ctx.causal,
+                                                   scale=ctx.scale)
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv, *_):
+        primals = ctx.saved_tensors
+        tangents = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(primals, (dq, dk, dv), strict=True))
+        return torch.func.jvp(RingAttention._same(ctx), primals, tangents)[1], None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, group, layout, causal, scale):
+        def fold(x, dim):  # the vmapped dim into the batch: [size * B, H, S, D]
+            x = x.expand(info.batch_size, *x.shape) if dim is None else x.movedim(dim, 0)
+            return x.reshape(-1, *x.shape[2:])
+
+        out, lse = RingAttention.apply(fold(q, in_dims[0]), fold(k, in_dims[1]), fold(v, in_dims[2]), group, layout,
+                                       causal, scale)
+        return (out.unflatten(0, (info.batch_size, -1)), lse.unflatten(0, (info.batch_size, -1))), (0, 0)
+
+    @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if torch._C._functorch.maybe_get_level(dout) > 1:  # inside another transform: grad of grad (hessian)
-            raise RuntimeError(_NO_HIGHER_ORDER)
+        if _differentiated():  # a derivative of the backward is wanted: the same function's, differentiable
+            return (*torch.func.vjp(RingAttention._same(ctx), q, k, v)[1](dout), None, None, None, None)
+        with torch.no_grad():
+            return RingAttention._ring_backward(ctx, dout, q, k, v, out, lse)
+
+    @staticmethod
+    def _ring_backward(ctx, dout, q, k, v, out, lse):
         g, scale = ctx.group, ctx.scale
         ring, groups, dtype = _Ring(q, g, ctx.layout, ctx.causal), q.shape[1] // k.shape[1], _compute_dtype(q)
         qc, do = q.to(dtype), dout.to(dtype)

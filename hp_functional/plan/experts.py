@@ -113,6 +113,16 @@ def _connected(out: Tensor, rows: Tensor, module: nn.Module) -> Tensor:
     return out + rows[:, :1] * 0 + zero
 
 
+def _vmapped(t: Tensor) -> bool:
+    """Whether ``t`` is batched by a ``torch.func.vmap`` level (under any grad/jvp wrappers)."""
+    f = torch._C._functorch
+    while f.maybe_get_level(t) != -1:
+        if f.is_batchedtensor(t):
+            return True
+        t = f.get_unwrapped(t)
+    return False
+
+
 def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: Tensor, top_k_index: Tensor,
                      top_k_weights: Tensor, *, axis: str, fqn: str, stacked: int, capacity_factor: float | None,
                      on_drop: OnDrop | None, call: ExpertsCall = CALLS["routed"]) -> Tensor:
@@ -123,6 +133,11 @@ def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: T
     expert ids (its children are all there, the other ranks' ones empty); 0: fused experts,
     localised, called with local ids."""
     g = axes[axis]
+    if _vmapped(top_k_index):
+        raise PlanError(f"{fqn}: expert parallelism under torch.func.vmap of the routed tokens (vmap, per-example "
+                        "vmap(grad)): the routing decides how many rows each rank sends to each (all_to_all_v's split "
+                        "sizes), which differs per vmapped example and cannot be batched; loop over the examples, or "
+                        "vmap only what the routing does not depend on (jvp, hessian's tangents)")
     local = stacked // g.size if stacked else module.num_experts  # localised
     experts = local * g.size
     mask = top_k_index.dim() == 3

@@ -32,3 +32,25 @@ def test_torchtitan_llama_example_under_torchrun():
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "torchtitan llama3 dp 2 x tp 2:" in run.stdout, run.stdout
+
+
+def case_jvp_example():
+    """examples/jvp_fsdp_tp.py's check in the rank pool (the script itself is the same under torchrun)."""
+    import importlib.util
+
+    from tests.helpers import mesh
+
+    spec = importlib.util.spec_from_file_location("jvp_fsdp_tp", ROOT / "examples" / "jvp_fsdp_tp.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.check(mesh((2, 2), ("dp", "tp")))
+
+
+@pytest.mark.slow
+def test_jvp_objective_and_hvp_through_fsdp_times_tp():
+    """A loss built from torch.func.jvp inside it (reverse over forward) and H v (forward over
+    reverse) through FSDP x TP at dp 2 x tp 2, against the same on one device."""
+    from tests.conftest import get_pool
+
+    for d in get_pool(4).run(case_jvp_example):
+        assert d["value"] < 1e-5 and d["grad"] < 1e-4 and d["hvp"] < 1e-4, d

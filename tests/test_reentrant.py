@@ -79,3 +79,30 @@ def test_multi_rank_other_threads_are_refused():
         assert done == [] and wrong == []
         assert sorted(errors) == list(range(THREADS * CALLS))
         assert all(e.startswith("ReentrancyError") and "thread 'worker" in e for e in errors.values()), errors
+
+
+def case_one_other_thread(state):
+    """One call from one other thread per rank (they would pair up if allowed): refused at once."""
+    model = build_llama(state)
+    apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh())
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    outcome = []
+
+    def work():
+        try:
+            apply_fn(params, input_ids=ids, labels=ids)
+            outcome.append("ran")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcome.append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=work, name="worker-single")
+    thread.start()
+    thread.join(timeout=60)
+    return outcome
+
+
+def test_multi_rank_refuses_a_single_other_thread():
+    """Even one other thread, on every rank alike, is refused: its calls would pair across ranks
+    today, but nothing orders them against the building thread's."""
+    for outcome in get_pool(2).run(case_one_other_thread, make_llama_state()):
+        assert len(outcome) == 1 and outcome[0].startswith("ReentrancyError"), outcome

@@ -258,6 +258,15 @@ def case_recompute_replays_rng() -> dict:
     assert_close(loss, ref.detach(), "the forward is the same without the replay")
     key = "layers.0.up.weight"
     assert not torch.allclose(grads[key], ref_grads[key]), "dropout masks must matter to the gradient"
+    # forward mode: the recompute inside the jvp rule draws the forward's masks too
+    tangents = []
+    for apply_fn, params, info in (plain, ck):
+        v = hpf.gaussian_like(params, info, std=1.0, seed=3)
+        torch.manual_seed(11)
+        tangents.append(jvp(lambda p, f=apply_fn: f(p, x).pow(2).mean(), (params,), (v,)))
+    (p_out, p_tan), (c_out, c_tan) = tangents
+    assert_close(c_out, p_out, "jvp primal, checkpointed vs plain")
+    diffs["checkpointed jvp"] = assert_close(c_tan, p_tan, "jvp tangent, checkpointed vs plain")
     return diffs
 
 

@@ -15,6 +15,8 @@ from tests.helpers import assert_close, build_hf, make_hf_state, mesh, raised
 
 LLAMA = {"attention_dropout": 0.3}
 PHI3 = {"attention_dropout": 0.2, "resid_pdrop": 0.2}
+PHI3_RESID = {"resid_pdrop": 0.2}  # dropout on the residual stream only (outside attention)
+CP_SEQ = 16
 
 
 # ---------------------------------------------------------------- the generator (one process)
@@ -37,6 +39,17 @@ def test_bits_match_the_reference_and_any_slice():
     u = counter_rng.uniform(key, idx, torch.bfloat16)
     assert u.min() >= 0 and u.max() < 1
     assert counter_rng.stream_key(5, 1, 2) != counter_rng.stream_key(5, 2, 1)
+
+
+def test_global_index_takes_a_vector_of_positions_per_dim():
+    """A dim given as global positions (zigzag sequence chunks: not affine) indexes like a gather of the
+    whole tensor's indices; a vector of another length is refused."""
+    whole = counter_rng.global_index((2, 16, 3), (2, 16, 3), (0, 0, 0), "cpu")
+    for rank in range(2):
+        pos = hpf.cp_positions(rank, 16, 2, "zigzag")
+        assert torch.equal(counter_rng.global_index((1, 8, 3), (2, 16, 3), (1, pos, 0), "cpu"), whole[1:2, pos])
+    assert "one global position per local element" in raised(counter_rng.global_index, (1, 8, 3), (2, 16, 3),
+                                                             (0, pos[:4], 0), "cpu")[1]
 
 
 def test_gaussian_like_whole_tensors_and_bad_input():
@@ -170,11 +183,136 @@ def test_rng_fsdp_dp_tp_matches_unsharded(pool):
         assert draws == 6 and worst < 1e-5 and differs
 
 
+# ---------------------------------------------------------------- context parallelism
+def _compare_cp(model, info, ref, loss, runs: dict, dp=None) -> float:
+    """The worst difference of the loss and of every gathered gradient of ``runs`` (label → gradients) from the
+    unsharded ``model``'s (``ref`` its loss); with ``dp``, the loss is the mean of the dp ranks'."""
+    if dp is not None:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=dp.get_group())
+        loss = loss / dp.size()
+    worst = assert_close(loss, ref.detach(), "loss", atol=1e-6, rtol=1e-6)
+    for how, grads in runs.items():
+        full = hpf.unshard(grads, info)
+        worst = max(worst, *(assert_close(full[k], p.grad, f"{how} grad {k}", atol=1e-6, rtol=1e-5)
+                             for k, p in model.named_parameters()))
+    return worst
+
+
+def case_rng_cp(state, layouts: tuple, shape: tuple, names: tuple, sharded: bool = False, seed: int = 5):
+    """Context parallelism (the sequence in each layout's chunks, dp or tp beside it): a train-mode step of
+    Phi-3 with residual dropout on the sequence-sharded activations under hpf.rng(seed) gives the unsharded
+    model's loss and every gradient (``.backward()`` and torch.func.grad).  dp ranks pass their own examples
+    (data_axes; then hpf.fsdp over dp × cp too, whose cp ranks share theirs); ``sharded``: each rank passes
+    its chunk of them (``cp_sharded=True``, shifted labels)."""
+    out = []
+    m = mesh(tuple(shape), tuple(names))
+    dp = m["dp"] if "dp" in names else None
+    for layout in layouts:
+        model = build_hf("phi3", state, **PHI3_RESID).train()
+        plan = hpf.ShardingPlan.from_hf(model, cp_axis="cp", cp_layout=layout)
+        apply_fn, params, info = hpf.shard(model, plan, m, verify=False)
+        ids = torch.randint(0, model.config.vocab_size, (2 * (dp.size() if dp else 1), CP_SEQ),
+                            generator=torch.Generator().manual_seed(7))
+        with hpf.rng(seed):
+            ref = model(input_ids=ids, labels=ids).loss
+        ref.backward()
+        mine = ids.chunk(dp.size())[dp.get_local_rank()] if dp else ids
+        call = dict(input_ids=mine, labels=mine)
+        if sharded:
+            shifted = torch.nn.functional.pad(mine, (0, 1), value=-100)[:, 1:]
+            call = dict(input_ids=hpf.cp_shard(mine, m, 1, layout=layout),
+                        shift_labels=hpf.cp_shard(shifted, m, 1, layout=layout), cp_sharded=True)
+        gen = hpf.rng(seed, data_axes="dp" if dp else None)  # entered again below: its layout table is reused
+        with gen:
+            loss = apply_fn(params, **call).loss
+        loss.backward()
+        draws = gen.count
+        with gen:
+            fgrads, _ = grad_and_value(lambda p, call=call, fn=apply_fn: fn(p, **call).loss)(params)
+        grads = {k: p.grad for k, p in params.items()}
+        if dp:
+            grads, fgrads = (hpf.reduce_gradients(g, info, m, dp_axis="dp") for g in (grads, fgrads))
+        worst = _compare_cp(model, info, ref, loss, {"backward": grads, "torch.func": fgrads}, dp)
+        with gen.fold_in(1):  # another stream: other masks
+            other = apply_fn(params, **call).loss
+        out.append((draws, worst, abs(other.item() - loss.item()) > 1e-6))  # the same masks give the same bits
+        if dp:  # torchtitan's dp_shard_cp: fsdp over dp × cp, whose cp ranks share their examples
+            f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, ("dp", "cp"))
+            with hpf.rng(seed) as r:
+                loss = f_apply(f_params, **call).loss
+            loss.backward()
+            grads = {k: p.grad for k, p in f_params.items()}
+            out.append((r.count, _compare_cp(model, f_info, ref, loss, {"fsdp dp x cp": grads}, dp), True))
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_rng_cp2_zigzag_residual_dropout_matches_unsharded(pool):
+    for rank in pool.run(case_rng_cp, make_hf_state("phi3", **PHI3_RESID), ("zigzag",), (2,), ("cp",)):
+        for draws, worst, differs in rank:
+            assert draws == 4 and worst < 1e-5 and differs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", [4], indirect=True)
+@pytest.mark.parametrize("names,sharded", [(("dp", "cp"), True), (("cp", "tp"), False)], ids=["dp-cp", "cp-tp"])
+def test_rng_cp_with_dp_or_tp_matches_unsharded(pool, names, sharded):
+    """dp 2 × cp 2 (data_axes, cp_sharded chunks; hpf.fsdp over dp × cp) and cp 2 × tp 2, both layouts each."""
+    state = make_hf_state("phi3", **PHI3_RESID)
+    for rank in pool.run(case_rng_cp, state, ("zigzag", "contiguous"), (2, 2), names, sharded):
+        for draws, worst, differs in rank:
+            assert draws == 4 and worst < 1e-5 and differs
+
+
+def case_rng_cp_declared_inputs(state, seed: int = 3):
+    """A model without HF's arguments (the torchtitan-style Llama, ``hpf.ContextInputs``) at cp 2, contiguous:
+    a dropout after each block's feed-forward, with the whole batch (positional tokens) and with cp_sharded
+    chunks, against the unsharded model under the same generator."""
+    from tests.titan_llama import VOCAB, Transformer
+
+    model = Transformer()
+    model.load_state_dict(state)
+    for block in model.layers:
+        block.feed_forward = torch.nn.Sequential(block.feed_forward, torch.nn.Dropout(0.2))
+    model.train()
+    m = mesh((2,), ("cp",))
+    inputs = hpf.ContextInputs(sequence={"tokens": 1}, positions="positions")
+    plan = hpf.ShardingPlan({"layers.*.attention.inner_attention": hpf.ContextParallel("ring")}, cp_axis="cp",
+                            cp_layout="contiguous", cp_inputs=inputs)
+    apply_fn, params, info = hpf.shard(model, plan, m, verify=False)
+    gen = torch.Generator().manual_seed(7)
+    ids, labels = torch.randint(0, VOCAB, (2, CP_SEQ), generator=gen), torch.randint(0, VOCAB, (2, CP_SEQ), generator=gen)
+    with hpf.rng(seed):
+        ref = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+    ref.backward()
+    rng = hpf.rng(seed)
+    with rng:
+        _, loss = apply_fn(params, ids, labels=labels)
+    loss.backward()
+    chunk = dict(tokens=hpf.cp_shard(ids, m, 1, layout="contiguous"),
+                 labels=hpf.cp_shard(labels, m, 1, layout="contiguous"), cp_sharded=True)
+    with rng:
+        grads, value = grad_and_value(lambda p: apply_fn(p, **chunk)[1])(params)
+    worst = _compare_cp(model, info, ref, loss, {"backward": {k: p.grad for k, p in params.items()}})
+    return rng.count, max(worst, _compare_cp(model, info, ref, value, {"cp_sharded": grads}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_rng_cp_declared_inputs_matches_unsharded(pool):
+    from tests.titan_llama import make_titan_state
+
+    for draws, worst in pool.run(case_rng_cp_declared_inputs, make_titan_state()):
+        assert draws == 2 and worst < 1e-5
+
+
 # ---------------------------------------------------------------- sequence parallelism; what is refused
-def case_ws2_layouts(llama, phi3):
+def case_ws2_layouts(llama):
     """Sequence parallelism (the residual stream seq-sharded between the norms) matches the unsharded
     model; a random op that hpf.rng cannot place raises PlanError naming the module: inside a block
-    recomputed in the backward, under context parallelism (zigzag sequence chunks)."""
+    recomputed in the backward, attention-probability dropout under context parallelism (inside ring
+    attention)."""
     out = {}
     m = mesh((2,), ("tp",))
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -192,7 +330,7 @@ def case_ws2_layouts(llama, phi3):
     apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m, verify=False, checkpoint=True)
     with hpf.rng(0):
         out["checkpoint"] = raised(apply_fn, params, input_ids=ids, labels=ids)
-    model = build_hf("phi3", phi3, resid_pdrop=0.2).train()
+    model = build_hf("llama", llama, **LLAMA).train()
     apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model, cp_axis="cp"), mesh((2,), ("cp",)),
                                     verify=False)
     with hpf.rng(0):
@@ -203,9 +341,9 @@ def case_ws2_layouts(llama, phi3):
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_rng_sequence_parallel_and_refusals(pool):
-    out = pool.run(case_ws2_layouts, make_hf_state("llama", **LLAMA), make_hf_state("phi3", resid_pdrop=0.2))[0]
+    out = pool.run(case_ws2_layouts, make_hf_state("llama", **LLAMA))[0]
     assert out["sp"] < 1e-5
     kind, msg = out["checkpoint"]
     assert kind == "PlanError" and "model.layers.0.self_attn" in msg and "recomputed in the backward" in msg
     kind, msg = out["cp"]
-    assert kind == "PlanError" and "model.layers.0" in msg and "context parallelism" in msg, msg
+    assert kind == "PlanError" and "model.layers.0.self_attn" in msg and "attention dropout" in msg, msg

@@ -156,15 +156,24 @@ def normal(key: int, index: Tensor, dtype: torch.dtype) -> Tensor:
     return (r * c).to(dtype)
 
 
-def global_index(local_shape: Sequence[int], global_shape: Sequence[int], offset: Sequence[int],
+def global_index(local_shape: Sequence[int], global_shape: Sequence[int], offset: Sequence[int | Tensor],
                  device: torch.device | str) -> Tensor:
-    """The row-major flat index in ``global_shape`` of every element of a box of ``local_shape``
-    starting at ``offset`` (int64, shaped ``local_shape``)."""
+    """The row-major flat index in ``global_shape`` of every element of a local block of
+    ``local_shape`` (int64, shaped ``local_shape``).  Per dim, ``offset`` is either an int (the
+    block holds global positions ``offset, offset + 1, ...`` of that dim) or a 1-D integer tensor
+    of ``local_shape[d]`` global positions, in local order (a non-affine map: context
+    parallelism's zigzag sequence chunks)."""
     n = len(local_shape)
     index = torch.zeros((1,) * n, dtype=torch.int64, device=device)
     stride = 1
     for d in reversed(range(n)):
-        r = torch.arange(offset[d], offset[d] + local_shape[d], dtype=torch.int64, device=device)
+        if isinstance(offset[d], Tensor):
+            r = offset[d].to(device=device, dtype=torch.int64)
+            if r.shape != (local_shape[d],):
+                raise PlanError(f"global_index: the positions of dim {d} have shape {tuple(r.shape)}, not "
+                                f"({local_shape[d]},) (one global position per local element)")
+        else:
+            r = torch.arange(offset[d], offset[d] + local_shape[d], dtype=torch.int64, device=device)
         index = index + (r * stride).view(*(1,) * d, -1, *(1,) * (n - d - 1))
         stride *= global_shape[d]
     return index.expand(*local_shape) if n else index.reshape(())

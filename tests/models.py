@@ -81,3 +81,30 @@ def attn_plan(handlers=None):
     return hpf.ShardingPlan({"": hpf.Heads(), **entries}, special_handlers={"head_scale": name}, handlers=handlers)
 
 
+
+
+class CountsSeen(nn.Module):
+    """Counts what passes through into a buffer, in place (a router's token counts)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(n))
+
+    def forward(self, x):
+        self.seen.add_(x.detach().abs().sum(0))
+        return x
+
+
+class BufferNet(nn.Module):
+    """Colwise-able ``up`` → Rowwise-able ``down`` → BatchNorm1d (training: batch statistics, running
+    ones updated) → a counter: a model whose forward updates buffers.  ``act``: the activation
+    (``torch.tanh`` where second derivatives must not vanish)."""
+
+    def __init__(self, act=torch.relu):
+        super().__init__()
+        self.act = act
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.norm, self.seen = nn.BatchNorm1d(8), CountsSeen(8)
+
+    def forward(self, x):
+        return self.seen(self.norm(self.down(self.act(self.up(x)))))

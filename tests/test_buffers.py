@@ -8,34 +8,14 @@ before any collective.  (torchtitan's MoE token counts: ``tests/test_torchtitan.
 
 import pytest
 import torch
-from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 import hp_functional as hpf
 from tests.conftest import get_pool
 from tests.helpers import assert_close, mesh, world
+from tests.models import BufferNet
 
-
-class Seen(nn.Module):
-    """Counts what passes through into a buffer, in place (a router's token counts)."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.register_buffer("seen", torch.zeros(n))
-
-    def forward(self, x):
-        self.seen.add_(x.detach().abs().sum(0))
-        return x
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
-        self.norm, self.seen = nn.BatchNorm1d(8), Seen(8)
-
-    def forward(self, x):
-        return self.seen(self.norm(self.down(torch.relu(self.up(x)))))
+Net = BufferNet
 
 
 def _model() -> Net:

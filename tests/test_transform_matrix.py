@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import functional_call, grad, grad_and_value, hessian, jvp, vjp, vmap
 
 import hp_functional as hpf
@@ -33,6 +33,7 @@ from hp_functional.core.host_comm import all_gather_objects
 from hp_functional.core.placement import slice_local
 from tests.conftest import get_pool
 from tests.helpers import build_hf, make_hf_state, mesh
+from tests.models import BufferNet
 
 COLUMNS = ("grad", "vjp", "jvp", "vmap", "vmap_grad", "jvp_grad", "grad_grad", "hessian")
 LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -300,28 +301,8 @@ def row_gpipe(state):
                ref_split=lambda s: dict(zip(norms, s["norms"].chunk(2), strict=True)))
 
 
-class Counted(nn.Module):
-    """Counts what passes through into a buffer, in place (a router's token counts)."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.register_buffer("seen", torch.zeros(n))
-
-    def forward(self, x):
-        self.seen.add_(x.detach().abs().sum(0))
-        return x
-
-
-class Net(nn.Module):
-    """Colwise → Rowwise → BatchNorm1d (training: batch statistics, running ones updated) → counter."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
-        self.norm, self.seen = nn.BatchNorm1d(8), Counted(8)
-
-    def forward(self, x):
-        return self.seen(self.norm(self.down(torch.tanh(self.up(x)))))
+def Net() -> BufferNet:  # the model of this row, with tanh: its second derivatives do not vanish
+    return BufferNet(torch.tanh)
 
 
 def make_net_state():

@@ -8,7 +8,7 @@ What it covers and cannot see: docs/guarantees.md#exact-or-refused-the-shape-aud
 
 from __future__ import annotations
 
-__all__ = ["Mismatch", "boundaries", "compare", "culprits", "handoff", "record"]
+__all__ = ["Mismatch", "boundaries", "compare", "culprits", "divided", "handoff", "record"]
 
 import math
 from collections.abc import Callable, Mapping

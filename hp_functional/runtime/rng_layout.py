@@ -23,7 +23,7 @@ from __future__ import annotations
 
 __all__ = ["Table", "layout_table"]
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from ..core.collectives import AxisGroup
 from ..core.cp_layout import cp_positions
 from ..core.signature import arg_slots, map_arguments
-from ..plan.auto_audit import boundaries, handoff
+from ..plan.auto_audit import boundaries, divided, handoff
 from ..plan.context import ContextParallel, _named
 from ..plan.local import Local
 from ..plan.trace import _snapshot, _to_meta, meta_copy
@@ -157,19 +157,6 @@ def _doubled(obj):
     return obj
 
 
-def _divided(glob: Sequence[int], local: Sequence[int]) -> list[tuple[int, int]] | None:
-    """(dim, factor) of each dim ``local`` divides; None: not a division of ``glob``."""
-    if len(glob) != len(local):
-        return None
-    out = []
-    for d, (g, m) in enumerate(zip(glob, local, strict=True)):
-        if g != m:
-            if m <= 0 or g % m:
-                return None
-            out.append((d, g // m))
-    return out
-
-
 def _plain(args: tuple, kwargs: dict) -> Forward:
     """The twin called on meta copies of ``args`` and ``kwargs``."""
     return lambda twin: twin(*_snapshot(_to_meta(args)), **_snapshot(_to_meta(kwargs)))
@@ -283,8 +270,8 @@ def layout_table(apply_fn, args: tuple, kwargs: dict, data: bool) -> Table:
     entries = []
     for j, ((g, path), (c, _), (m, _)) in enumerate(zip(glob, mid, local, strict=True)):
         why, dims, index = "", [], []
-        seq_parts = _divided(g.shape, c.shape) if root is not None else []
-        parts = _divided(c.shape, m.shape)
+        seq_parts = divided(g.shape, c.shape) if root is not None else []
+        parts = divided(c.shape, m.shape)
         inside = next((o for o in own if path == o or path.startswith(o + ".") or not o), None)
         if not g.name == c.name == m.name:
             why = f"the local forward draws {m.name} where the global one draws {g.name}"

@@ -39,33 +39,35 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .core.facets import Facet as Facet, ReducedOver as ReducedOver, RowSplit as RowSplit, SummedOver as SummedOver
     from .core.gather import unshard as unshard
     from .core.placement import ShardInfo as ShardInfo, slice_local as slice_local, to_dtensor as to_dtensor
+    from .core.program import Program as Program
     from .core.raw_collectives import set_timeout as set_timeout
-    from .plan.auto import auto_plan as auto_plan
-    from .plan.context import ContextParallel as ContextParallel
-    from .plan.context_inputs import ContextInputs as ContextInputs
-    from .plan.experts import Experts as Experts, expert_mesh as expert_mesh
-    from .plan.experts_calls import ExpertsCall as ExpertsCall
-    from .plan.local import Local as Local
-    from .plan.plan import ShardingPlan as ShardingPlan
-    from .plan.program import Program as Program
-    from .plan.recipes import llama_sp_plan as llama_sp_plan, megatron_plan as megatron_plan
-    from .plan.styles import (
+    from .core.style import (
+        ModuleSpec as ModuleSpec,
+        ParamRule as ParamRule,
+        Style as Style,
+        default_handlers as default_handlers,
+    )
+    from .parallel.context.inputs import ContextInputs as ContextInputs
+    from .parallel.context.styles import ContextParallel as ContextParallel
+    from .parallel.experts.calls import ExpertsCall as ExpertsCall
+    from .parallel.experts.styles import Experts as Experts, expert_mesh as expert_mesh
+    from .parallel.local import Local as Local
+    from .parallel.tensor.styles import (
         Colwise as Colwise,
         Heads as Heads,
-        ModuleSpec as ModuleSpec,
         NoParallel as NoParallel,
-        ParamRule as ParamRule,
         PrepareInput as PrepareInput,
         PrepareOutput as PrepareOutput,
         Rowwise as Rowwise,
         SequenceParallel as SequenceParallel,
-        Style as Style,
-        default_handlers as default_handlers,
     )
-    from .plan.vocab import (
+    from .parallel.tensor.vocab import (
         VocabEmbedding as VocabEmbedding,
         vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
     )
+    from .plan.plan import ShardingPlan as ShardingPlan
+    from .plan.recipes import llama_sp_plan as llama_sp_plan, megatron_plan as megatron_plan
+    from .planner.auto import auto_plan as auto_plan
     from .runtime.apply_fn import ApplyFn as ApplyFn
     from .runtime.checkpoint import ActivationCheckpoint as ActivationCheckpoint
     from .runtime.meta_init import init_weights as init_weights
@@ -124,33 +126,33 @@ _LAZY: dict[str, str] = {
     "slice_local": ".core.placement",
     "to_dtensor": ".core.placement",
     "unshard": ".core.gather",
-    "Program": ".plan.program",
+    "Program": ".core.program",
     "ShardingPlan": ".plan.plan",
-    "auto_plan": ".plan.auto",
-    "ContextParallel": ".plan.context",
-    "ContextInputs": ".plan.context_inputs",
-    "Experts": ".plan.experts",
-    "expert_mesh": ".plan.experts",
-    "ExpertsCall": ".plan.experts_calls",
+    "auto_plan": ".planner.auto",
+    "ContextParallel": ".parallel.context.styles",
+    "ContextInputs": ".parallel.context.inputs",
+    "Experts": ".parallel.experts.styles",
+    "expert_mesh": ".parallel.experts.styles",
+    "ExpertsCall": ".parallel.experts.calls",
     "llama_sp_plan": ".plan.recipes",
     "megatron_plan": ".plan.recipes",
-    "Colwise": ".plan.styles",
-    "Heads": ".plan.styles",
-    "ModuleSpec": ".plan.styles",
-    "NoParallel": ".plan.styles",
-    "ParamRule": ".plan.styles",
-    "PrepareInput": ".plan.styles",
-    "PrepareOutput": ".plan.styles",
-    "Rowwise": ".plan.styles",
-    "SequenceParallel": ".plan.styles",
-    "Style": ".plan.styles",
-    "Local": ".plan.local",
+    "Colwise": ".parallel.tensor.styles",
+    "Heads": ".parallel.tensor.styles",
+    "ModuleSpec": ".core.style",
+    "NoParallel": ".parallel.tensor.styles",
+    "ParamRule": ".core.style",
+    "PrepareInput": ".parallel.tensor.styles",
+    "PrepareOutput": ".parallel.tensor.styles",
+    "Rowwise": ".parallel.tensor.styles",
+    "SequenceParallel": ".parallel.tensor.styles",
+    "Style": ".core.style",
+    "Local": ".parallel.local",
     "buffers": ".runtime.state",
-    "VocabEmbedding": ".plan.vocab",
-    "default_handlers": ".plan.styles",
+    "VocabEmbedding": ".parallel.tensor.vocab",
+    "default_handlers": ".core.style",
     "ActivationCheckpoint": ".runtime.checkpoint",
     "ApplyFn": ".runtime.apply_fn",
-    "vocab_parallel_cross_entropy": ".plan.vocab",
+    "vocab_parallel_cross_entropy": ".parallel.tensor.vocab",
     "shard": ".runtime.shard",
     "init_weights": ".runtime.meta_init",
     "from_pretrained": ".runtime.pretrained",

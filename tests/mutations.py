@@ -107,16 +107,16 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/test_fast_invariants.py", "tests/test_fsdp.py"),
              "fsdp's gather puts every rank's rows of a leaf back in rank order", core=True),
     # ------------------------------------------------------------ CP and EP gradients
-    Mutation("cp-loss-summed-twice", "hp_functional/plan/context.py::ContextParallelForward.loss",
+    Mutation("cp-loss-summed-twice", "hp_functional/parallel/context/styles.py::ContextParallelForward.loss",
              "return C.reduce_from(", "return C.all_reduce(", ("tests/test_context_parallel_hf.py",),
              "the CP loss leaves through reduce_from: each rank's share gets the full gradient once"),
     Mutation("ring-attention-dq-unscaled", "hp_functional/core/ring_attention.py::RingAttention._ring_backward",
              "dq = dq + (ds @ kb) * scale", "dq = dq + (ds @ kb)",
              ("tests/test_ring_attention.py",), "ring attention's backward (dq) equals SDPA's"),
-    Mutation("ep-routing-weight-gradient-lost", "hp_functional/plan/experts.py::dispatch_combine",
+    Mutation("ep-routing-weight-gradient-lost", "hp_functional/parallel/experts/styles.py::dispatch_combine",
              "weighted = (back * weight[:, None])", "weighted = (back * weight[:, None].detach())",
              ("tests/test_experts.py",), "the router's weights get their gradient through expert parallelism"),
-    Mutation("ep-combine-not-differentiated", "hp_functional/plan/experts.py::dispatch_combine",
+    Mutation("ep-combine-not-differentiated", "hp_functional/parallel/experts/styles.py::dispatch_combine",
              "back = C.all_to_all_v(out, 0, recv, send, g)", "back = C.all_to_all_v(out.detach(), 0, recv, send, g)",
              ("tests/test_experts.py",), "the experts' weights get their gradient back through the combine"),
     # ------------------------------------------------------------ the proof and the agreements
@@ -229,7 +229,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("sgd-nesterov-ignored", "hp_functional/train/optim.py::sgd",
              "g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf", "g = buf",
              ("tests/test_optim.py",), "sgd(nesterov=True) equals torch.optim.SGD"),
-    Mutation("vocab-loss-bad-label-silent", "hp_functional/plan/vocab.py::vocab_parallel_cross_entropy",
+    Mutation("vocab-loss-bad-label-silent", "hp_functional/parallel/tensor/vocab.py::vocab_parallel_cross_entropy",
              "loss = torch.where((owners != 1) & (labels != ignore_index), torch.nan, loss)", "pass",
              ("tests/test_loss_parallel.py",), "a label no rank owns gives a NaN loss, never a silent logsumexp"),
 )

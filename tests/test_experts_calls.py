@@ -1,4 +1,4 @@
-"""``hpf.Experts`` on experts modules with other calling conventions (``plan/experts_calls.py``),
+"""``hpf.Experts`` on experts modules with other calling conventions (``parallel/experts/calls.py``),
 without torchtitan: a grouped-experts module called as torchtitan's (rows pre-sorted by expert,
 ``num_tokens_per_expert``), and a module of the user's own convention planned with an
 ``hpf.ExpertsCall`` subclass; output and every gradient vs the unsharded MoE, under ``.backward()``

@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import grad_and_value
 
 import hp_functional as hpf
-from hp_functional.plan.hf_styles import LocalParams, hf_entries
+from hp_functional.sources.hf import LocalParams, hf_entries
 from tests.conftest import get_pool
 from tests.helpers import assert_close, mesh
 

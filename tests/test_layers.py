@@ -1,9 +1,10 @@
 """The package's layers import only downward, and nothing imports in a cycle.
 
 Every ``import`` in ``hp_functional`` is parsed (module level and inside functions; the
-``if TYPE_CHECKING:`` blocks count for the layers, not for cycles: they never run).  Layers, lowest first (docs/architecture.md):
-core → plan → compile → runtime → train → tools → cli; a module may import its own layer and
-the layers below, never above, and never the package root (the root only re-exports).
+``if TYPE_CHECKING:`` blocks count for the layers, not for cycles: they never run).  Layers, lowest
+first (docs/architecture.md): core → analysis → parallel → sources → plan → compile → planner →
+runtime → train → tools → cli; a module may import its own layer and the layers below, never
+above, and never the package root (the root only re-exports).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hp_functional"
-LAYERS = ("core", "plan", "compile", "runtime", "train", "tools", "cli")
+LAYERS = ("core", "analysis", "parallel", "sources", "plan", "compile", "planner", "runtime", "train", "tools", "cli")
 
 
 def _modules() -> dict[str, Path]:

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
-from hp_functional.plan.hf_styles import HF_STYLES
-from hp_functional.plan.styles import ModuleSpec, Style
+from hp_functional.core.style import ModuleSpec, Style
+from hp_functional.sources.hf import HF_STYLES
 from tests import property_cases as pc
 from tests.property_cases import BlockSpec, Case, MixSpec, NetSpec
 

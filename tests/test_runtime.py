@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hp_functional as hpf
 from hp_functional.compile import build, lint
 from hp_functional.core import lowering, placement
-from hp_functional.plan import plan, styles
+from hp_functional.parallel.tensor import styles
+from hp_functional.plan import plan
 from hp_functional.runtime import boundary, skeleton
 from tests.helpers import assert_close, mesh
 from tests.models import build_llama, make_llama_state

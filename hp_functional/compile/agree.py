@@ -23,8 +23,8 @@ from torch import Tensor
 
 from ..core.errors import PlanMismatchError
 from ..core.host_comm import gather_flat, gather_objects, mesh_groups
+from ..core.program import Program
 from ..core.raw_collectives import mesh_device
-from ..plan.program import Program
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # object addresses differ per process, not per plan
 COMPONENTS = ("library", "mesh", "plan", "parameters", "values")

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, PlanWarning
 from ..core.facets import ReducedOver
+from ..core.program import Planned, Program
+from ..core.style import ModuleSpec
 from ..plan.plan import ShardingPlan, as_plan
-from ..plan.program import Planned, Program
-from ..plan.styles import ModuleSpec
 from .dataflow import trace_dataflow
 from .kv_heads import replicate_kv_heads
 from .lint import Finding, enforce, lint_entries, lint_specs, shadowed

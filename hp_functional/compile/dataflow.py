@@ -19,11 +19,11 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..analysis.trace import _leaves, _to_meta
 from ..core.errors import PlanError
 from ..core.placement import ShardInfo, splits
+from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments
-from ..plan.program import Boundary
-from ..plan.trace import _leaves, _to_meta
 from .reduce import Reduced, plan_marks, reduced_copy
 from .regions import Varying
 

@@ -17,8 +17,8 @@ from torch.distributed.tensor import Shard
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.placement import GroupedShard
-from ..plan.program import Planned
-from ..plan.styles import ModuleSpec
+from ..core.program import Planned
+from ..core.style import ModuleSpec
 
 KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
 QUERY_COUNTS = ("num_heads", "n_heads", "num_attention_heads", "n_head")

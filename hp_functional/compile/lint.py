@@ -21,12 +21,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ..core.errors import PlanError, PlanWarning
+from ..core.paths import most_specific
 from ..core.placement import replica_group
+from ..core.program import Planned
 from ..core.signature import arg_slots
-from ..plan.context import ContextParallel
-from ..plan.plan import ShardingPlan, most_specific
-from ..plan.program import Planned
-from ..plan.styles import ModuleSpec, SequenceParallel
+from ..core.style import ModuleSpec
+from ..parallel.context.styles import ContextParallel
+from ..parallel.tensor.styles import SequenceParallel
+from ..plan.plan import ShardingPlan
 from .lint_heads import audit_regions
 
 

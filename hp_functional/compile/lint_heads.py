@@ -1,5 +1,5 @@
 """The shape audit (lint ``head-attr``/``shape``): every planned region run at global and at local
-shapes on meta tensors (``plan.auto_audit``), op by op; a region it cannot run is a ``not-audited``
+shapes on meta tensors (``analysis.audit``), op by op; a region it cannot run is a ``not-audited``
 note, never skipped silently.  The model is read, never run or mutated; nothing communicates.
 See docs/guarantees.md#exact-or-refused-the-shape-audit.
 """
@@ -16,13 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..analysis.audit import Mismatch, boundaries, compare, culprits, handoff, record
+from ..analysis.trace import example_call, trace_model
 from ..core.errors import PlanError
 from ..core.placement import local_layout, mesh_placements, splits
-from ..plan.auto_audit import Mismatch, boundaries, compare, culprits, handoff, record
-from ..plan.local import Local
-from ..plan.program import Planned
-from ..plan.styles import ModuleSpec, is_conv1d
-from ..plan.trace import example_call, trace_model
+from ..core.program import Planned
+from ..core.style import ModuleSpec
+from ..parallel.local import Local
+from ..parallel.tensor.styles import is_conv1d
 
 Found = tuple[str, str, str]  # (module, code, message)
 

@@ -25,8 +25,8 @@ from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
 from ..core.lowering import Step, lower
 from ..core.placement import ShardInfo, splits
-from ..plan.program import Boundary, ParamBucket, Planned
-from ..plan.styles import ModuleSpec
+from ..core.program import Boundary, ParamBucket, Planned
+from ..core.style import ModuleSpec
 from .place import Placed, declared
 from .regions import Varying, consumer_axes
 

@@ -27,8 +27,8 @@ from ..core.placement import (
     packed_layout,
     splits,
 )
+from ..core.style import ModuleSpec
 from ..plan.plan import ShardingPlan
-from ..plan.styles import ModuleSpec
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..analysis.trace import meta_copy
+from ..core.paths import most_specific, path_matches
 from ..core.placement import ShardInfo
-from ..plan.plan import ShardingPlan, most_specific
-from ..plan.program import Boundary
-from ..plan.styles import path_matches
-from ..plan.trace import meta_copy
+from ..core.program import Boundary
+from ..plan.plan import ShardingPlan
 
 
 @dataclass

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..core.placement import splits
-from ..plan.program import Planned
-from ..plan.styles import ModuleSpec
+from ..core.program import Planned
+from ..core.style import ModuleSpec
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""Layer 1: placements and ``ShardInfo``, the differentiable collectives, the one src → dst
-lowering table and the ``Program`` data types.  Imports nothing else of the package."""
+"""Layer 1: placements and ``ShardInfo`` with its facets, the differentiable collectives (one table),
+the one src → dst lowering table, the style contract (``style``), the one module-path matcher
+(``paths``), the ``Program`` data types, host communication and counter-based randomness.
+Imports nothing else of the package."""
 
 __all__: list[str] = []

@@ -1,4 +1,4 @@
-"""Layer 2: ``ShardingPlan`` and pattern resolution, the styles (each compiles to a
-``ModuleSpec``), the HF plan source and ready recipes.  Imports only ``core``."""
+"""Layer 5: the plan language — ``ShardingPlan`` (entries, axes by role, handlers) and its
+resolution against a model, and ready recipes.  Imports ``core`` up to ``sources``."""
 
 __all__: list[str] = []

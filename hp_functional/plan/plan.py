@@ -8,12 +8,11 @@ model and the plan object are only read.
 
 from __future__ import annotations
 
-__all__ = ["ShardingPlan", "_as_style", "as_plan", "most_specific", "path_matches"]
+__all__ = ["ShardingPlan", "_as_style", "as_plan"]
 
 import difflib
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, fields, replace
-from typing import NamedTuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,22 +20,22 @@ from torch.distributed.tensor import Shard
 
 from ..core.cp_layout import check_layout
 from ..core.errors import PlanError
-from .context import ContextParallel, attention_patterns, check_context_entries, check_context_shadowed, context_parallel_root
-from .context_inputs import ContextInputs
-from .experts import check_experts_entries, hf_ep_entries
-from .hf_styles import HF_STYLES, hf_entries, tp_experts
-from .program import Planned
-from .styles import Colwise, ModuleSpec, ParamHandler, ParamRule, Style, default_handlers, path_matches
-from .torch_styles import ParallelStyle, from_torch_style
-from .vocab import loss_parallel_root
-
-
-class Candidate(NamedTuple):
-    """A plan entry whose pattern matches a module path; fewer ``stars`` is more specific."""
-
-    stars: int
-    pattern: str
-    style: Style
+from ..core.paths import Candidate, most_specific, path_matches
+from ..core.program import Planned
+from ..core.style import ModuleSpec, ParamHandler, ParamRule, Style, default_handlers
+from ..parallel.context.inputs import ContextInputs
+from ..parallel.context.styles import (
+    ContextParallel,
+    attention_patterns,
+    check_context_entries,
+    check_context_shadowed,
+    context_parallel_root,
+)
+from ..parallel.experts.styles import check_experts_entries, hf_ep_entries
+from ..parallel.tensor.styles import Colwise
+from ..parallel.tensor.vocab import loss_parallel_root
+from ..sources.hf import HF_STYLES, hf_entries, tp_experts
+from ..sources.torch_styles import ParallelStyle, from_torch_style
 
 
 def _as_style(value: object, where: str) -> Style:
@@ -51,30 +50,19 @@ def _as_style(value: object, where: str) -> Style:
     raise PlanError(f"{where}: {value!r} is not a style, a ModuleSpec, an HF style string or a torch ParallelStyle")
 
 
-def most_specific(path: str, cands: list[Candidate]) -> tuple[str, Style]:
-    """The (pattern, style) that plans ``path``: the fewest ``*`` win, whatever the entry order;
-    equally specific patterns with different styles are a PlanError naming both."""
-    fewest = min(c.stars for c in cands)
-    best = [(c.pattern, c.style) for c in cands if c.stars == fewest]
-    for pattern, style in best[1:]:
-        if style != best[0][1]:
-            raise PlanError(f"{path}: conflicting plan entries {best[0][0]!r} ({best[0][1]}) and {pattern!r} ({style})")
-    return best[0]
-
-
 @dataclass(frozen=True, eq=False)
 class ShardingPlan:
     """Which style applies to which modules, and on which mesh axis (``tp_axis`` by default).
 
-    ``cp_axis``: the mesh axis the sequence is sharded over (context parallelism, ``plan.context``):
+    ``cp_axis``: the mesh axis the sequence is sharded over (context parallelism, ``parallel.context.styles``):
     the plan's ``ContextParallel`` entries act on it and a root entry shards the batch in
     ``cp_layout`` (``"zigzag"`` or ``"contiguous"``); that root knows HF's arguments, and
     ``cp_inputs`` (``ContextInputs``) declares another model's sequence, positions and loss
-    instead (``plan.context_inputs``).  ``ep_axis``: the mesh axis routed experts
-    are sharded over (``Experts`` entries, ``plan.experts``).  ``tp_optional``: entries on
+    instead (``parallel.context.inputs``).  ``ep_axis``: the mesh axis routed experts
+    are sharded over (``Experts`` entries, ``parallel.experts.styles``).  ``tp_optional``: entries on
     ``tp_axis`` are dropped when the mesh has no such axis (``from_hf`` with ``cp_axis`` or
     ``ep_axis``: CP or EP alone on a mesh without ``tp``).  ``special_handlers``: parameter-path
-    pattern → the name of a handler in ``handlers`` (``plan.styles.default_handlers``).
+    pattern → the name of a handler in ``handlers`` (``parallel.tensor.styles.default_handlers``).
     ``unplanned``: HF pattern → why ``from_hf`` left it unplanned.
 
     A frozen dataclass: its fields are data, checked once when it is made (each parallelism's
@@ -136,7 +124,7 @@ class ShardingPlan:
         ``base_model_tp_plan`` under ``base_model_prefix``).  An unsupported HF style raises
         naming the style and the module pattern.
 
-        HF's entries are read as transformers applies them (``plan.hf_styles.hf_entries``):
+        HF's entries are read as transformers applies them (``sources.hf.hf_entries``):
         parameter entries go to their module's ``local_params``/``moe_tp_experts`` entry, an
         entry that matches nothing in this model is dropped and noted (``explain()``); without
         ``ep_axis`` the routed experts HF leaves whole get TP inside them (``tp_experts``).
@@ -149,7 +137,7 @@ class ShardingPlan:
             cp_axis: context parallelism too: ``ContextParallel(cp_strategy)`` on every attention module.
             cp_strategy: ``"ring"`` or ``"allgather"`` (``ContextParallel``).
             cp_layout: how the sequence is cut over ``cp_axis``: ``"zigzag"`` (load-balanced) or ``"contiguous"``.
-            ep_axis: expert parallelism too, from the config's ``base_model_ep_plan`` (``plan.experts.hf_ep_entries``:
+            ep_axis: expert parallelism too, from the config's ``base_model_ep_plan`` (``parallel.experts.styles.hf_ep_entries``:
                 ``Experts`` on the routed experts, TP on shared experts).
             ep_tokens: ``"replicated"`` (the ep ranks hold one batch) or ``"local"`` (``ep`` shares ranks with
                 ``dp``: ``Experts(tokens=)``).
@@ -192,8 +180,8 @@ class ShardingPlan:
         """The plan a ``parallelize_module(model, mesh, plan)`` call states: torch's styles
         (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``,
         ``PrepareModuleOutput``, ``PrepareModuleInputOutput``) and torchtitan's ``NoParallel`` and
-        MoE styles, recognised by their shape (``plan.torch_moe_styles``).  A style or layout that
-        cannot be expressed raises naming the pattern and the style (``plan.torch_styles``).
+        MoE styles, recognised by their shape (``sources.torch_moe_styles``).  A style or layout that
+        cannot be expressed raises naming the pattern and the style (``sources.torch_styles``).
 
         Args:
             plan: ``parallelize_module``'s plan, ``{pattern: style}`` (other values, this library's styles or

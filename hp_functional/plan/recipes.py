@@ -12,9 +12,10 @@ __all__ = ["llama_sp_plan", "megatron_plan"]
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ..core.style import ModuleSpec
+from ..parallel.tensor.styles import Colwise, PrepareInput, Rowwise, SequenceParallel
+from ..parallel.tensor.vocab import VocabEmbedding
 from .plan import ShardingPlan
-from .styles import Colwise, ModuleSpec, PrepareInput, Rowwise, SequenceParallel
-from .vocab import VocabEmbedding
 
 
 def llama_sp_plan(tp_axis: str = "tp") -> ShardingPlan:

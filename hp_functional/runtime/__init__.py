@@ -1,4 +1,4 @@
-"""Layer 4: the private skeleton, boundary installation, ``apply_fn``, ``shard()`` and the
-losses.  Imports the layers below."""
+"""Layer 8: the private skeleton, boundary installation, ``apply_fn``, ``shard()``, the shard-time
+proof, activation recompute, weights in and the losses.  Imports the layers below."""
 
 __all__: list[str] = []

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from ..core.buckets import copy_to_many
 from ..core.errors import PlanError, ReentrancyError
+from ..core.program import Program
 from ..core.raw_collectives import PENDING, run_pending
-from ..plan.program import Program
 from .boundary import ConversionCache
 from .inputs import InputAgreement
 from .rng import active_rng

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core.errors import PlanError
-from ..plan.plan import path_matches
+from ..core.paths import path_matches
 from .boundary import ConversionCache
 
 _HF_LAYER = "transformers.modeling_layers.GradientCheckpointingLayer"

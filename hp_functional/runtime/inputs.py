@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from ..compile.agree import checksum
 from ..core.errors import InputMismatchError
+from ..core.program import Program
 from ..core.raw_collectives import get_timeout
-from ..plan.program import Program
 
 _SEQUENCE: dict[str, int] = {}  # process group name -> exchanges made over it by this process
 

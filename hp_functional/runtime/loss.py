@@ -1,6 +1,6 @@
 """What a model output is differentiated by: ``scalar_loss`` (``loss_fn``, HF's ``out.loss``, else
 the sum of the first output tensor), and how outputs are keyed (``output_items``).  Used by
-``validate`` and ``explain``.  (The vocab-parallel loss itself is ``plan.vocab``.)
+``validate`` and ``explain``.  (The vocab-parallel loss itself is ``parallel.tensor.vocab``.)
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from ..core.counter_rng import stream_key
 from ..core.errors import PlanError
 from ..core.facets import flat_index
-from ..plan.context import ContextParallel
+from ..parallel.context.styles import ContextParallel
 from .rng_layout import Table, layout_table
 from .rng_ops import Draw, Source, drawn
 

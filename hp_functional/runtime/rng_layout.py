@@ -8,8 +8,8 @@ argument shapes, their random ops paired in order:
 * **local**: every planned module's boundaries applied by shape (the shape audit's ``Handoff``),
   sizes localised (``divide_attrs``).  A dim the local op divides by ``f`` over the plan's one
   split axis of size ``n`` is that axis's contiguous chunk ``coord // (n / f)``;
-* under **context parallelism** the sequence is cut by the plan's own root (``plan.context``'s,
-  or ``plan.context_inputs``' for declared inputs), run at the axis's size 1 for the global run
+* under **context parallelism** the sequence is cut by the plan's own root (``parallel.context.styles``'s,
+  or ``parallel.context.inputs``' for declared inputs), run at the axis's size 1 for the global run
   and at its real size and this rank's coordinate for a third run (global parameters, local
   sequence) between the two: a dim it divides by the CP size whose global length is the
   sequence's holds ``cp_positions(rank, seq, cp, layout)`` — an explicit vector of global
@@ -30,13 +30,13 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..analysis.audit import boundaries, divided, handoff
+from ..analysis.trace import _snapshot, _to_meta, meta_copy
 from ..core.collectives import AxisGroup
 from ..core.cp_layout import cp_positions
 from ..core.signature import arg_slots, map_arguments
-from ..plan.auto_audit import boundaries, divided, handoff
-from ..plan.context import ContextParallel, _named
-from ..plan.local import Local
-from ..plan.trace import _snapshot, _to_meta, meta_copy
+from ..parallel.context.styles import ContextParallel, _named
+from ..parallel.local import Local
 from .rng_ops import Draw, drawn
 
 Forward = Callable[[nn.Module], object]  # one forward of a meta twin of the template
@@ -65,7 +65,7 @@ class Table:
 
 class _Recorder(TorchFunctionMode):
     """Records every random op of a meta run (its module path from ``stack``); a one-element
-    boolean asked for its value on meta is taken as True (as ``plan.trace`` does)."""
+    boolean asked for its value on meta is taken as True (as ``analysis.trace`` does)."""
 
     def __init__(self, stack: list[str]):
         super().__init__()

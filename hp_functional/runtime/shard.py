@@ -27,9 +27,9 @@ from ..compile.agree import agree
 from ..compile.build import build_program
 from ..compile.reduce import plan_marks, reduced_plan
 from ..core.placement import ShardInfo
+from ..core.program import Program
 from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan, as_plan
-from ..plan.program import Program
 from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .checkpoint import (

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from ..core.placement import slice_local
+from ..core.program import Program
 from ..core.raw_collectives import mesh_device
-from ..plan.program import Program
 from .meta_init import init_values
 from .weights import WeightSource, open_weights, read_buffers, read_local, stored_names
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..core.errors import PlanError, ShapeError
 from ..core.placement import ShardInfo, boxes
-from ..plan.program import Program
+from ..core.program import Program
 from .weight_sums import inside, verify_safetensors
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.placement import fmt_placements as _fmt
+from ..core.program import Program
 from ..plan.plan import ShardingPlan
-from ..plan.program import Program
 from ..runtime.loss import scalar_loss
 from ..runtime.shard import shard
 from .record import CollectiveRecorder, ModuleClock, ScheduleRow

@@ -102,8 +102,8 @@ def loss_of(out) -> torch.Tensor:
 
 def plan_for(model, mesh) -> tuple[Any, str]:
     """``ShardingPlan.from_hf`` where HF declares a TP plan, ``auto_plan`` otherwise."""
-    from ..plan.auto import auto_plan
     from ..plan.plan import ShardingPlan
+    from ..planner.auto import auto_plan
 
     if hf_declares_plan(model):
         return ShardingPlan.from_hf(model), "from_hf"

@@ -15,7 +15,7 @@ from rich.table import Table
 from ..compile.lint import layer_pattern
 
 if TYPE_CHECKING:
-    from ..plan.program import Program
+    from ..core.program import Program
     from .record import ScheduleRow
 
 

@@ -29,9 +29,9 @@ from ..core.collectives import AxisGroup, raw_all_gather
 from ..core.errors import PlanError, ReplicationError
 from ..core.gather import unshard
 from ..core.placement import GroupedShard, fmt_placements as _fmt, replica_group, to_full
-from ..plan.local import Local
+from ..core.program import Boundary, Program
+from ..parallel.local import Local
 from ..plan.plan import ShardingPlan, as_plan
-from ..plan.program import Boundary, Program
 from ..runtime.loss import output_items, scalar_loss
 from ..runtime.shard import shard
 from .validate_dtensor import check_placements

@@ -21,10 +21,10 @@ from ..compile.build import build_program
 from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.placement import mesh_placements, slice_local, to_dtensor
+from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments, map_output, output_index
-from ..plan.local import Local
+from ..parallel.local import Local
 from ..plan.plan import ShardingPlan, as_plan
-from ..plan.program import Boundary
 from ..runtime.skeleton import build_skeleton
 from .validation_report import PlacementMismatchError
 

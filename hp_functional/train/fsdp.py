@@ -33,7 +33,7 @@ from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.facets import ReducedOver, RowSplit
 from ..core.placement import ShardInfo, fmt_placements, splits
-from ..plan.program import Program
+from ..core.program import Program
 from ..runtime.apply_fn import ApplyFn, ThreadGuard
 from ..runtime.checkpoint import ActivationCheckpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
 from .fsdp_bucket import Bucket, Piece, Sync

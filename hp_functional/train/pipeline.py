@@ -22,10 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import PlanError
 from ..core.host_comm import all_reduce_, new_group
+from ..core.paths import path_matches
 from ..core.placement import ShardInfo
 from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan
-from ..plan.styles import path_matches
 from ..runtime.shard import shard
 from .module import FunctionalModule
 from .pipeline_trace import RootTrace, trace_root

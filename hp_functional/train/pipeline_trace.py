@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from ..analysis.trace import meta_copy
 from ..core.errors import PlanError
-from ..plan.trace import meta_copy
 
 IDS = "input_ids"
 _METADATA_ONLY = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,

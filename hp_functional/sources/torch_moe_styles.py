@@ -18,9 +18,10 @@ from torch.distributed.tensor import Partial, Placement, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..core.errors import PlanError
-from .experts import Experts, expert_weights
-from .experts_calls import ExpertsCall, experts_call
-from .styles import ModuleSpec, PrepareInput, PrepareOutput, Style
+from ..core.style import ModuleSpec, Style
+from ..parallel.experts.calls import ExpertsCall, experts_call
+from ..parallel.experts.styles import Experts, expert_weights
+from ..parallel.tensor.styles import PrepareInput, PrepareOutput
 
 #: torchtitan styles refused by name, with what to plan instead.
 _REFUSED = {

@@ -1,7 +1,7 @@
 """Context parallelism for any model: the sequence arguments declared instead of HF's names.
 
 ``ShardingPlan(..., cp_axis="cp", cp_inputs=hpf.ContextInputs(sequence={"tokens": 1},
-positions="positions"))`` replaces the HF root of ``plan.context`` (which knows ``input_ids``,
+positions="positions"))`` replaces the HF root of ``parallel.context.styles`` (which knows ``input_ids``,
 ``inputs_embeds``, ``position_ids`` and ``labels`` with HF's shift) by one that reads the
 declaration: each rank keeps its layout's positions of every sequence argument, hands the
 *global* positions to the argument that carries them (rotary embeddings), and, when
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from ..core import collectives as C
-from ..core.collectives import AxisGroup
-from ..core.cp_layout import check_layout, cp_chunks, cp_positions
-from ..core.errors import PlanError
-from .context import IGNORE, _named, _shifted, summed_cross_entropy
-from .local import Local
+from ...core import collectives as C
+from ...core.collectives import AxisGroup
+from ...core.cp_layout import check_layout, cp_chunks, cp_positions
+from ...core.errors import PlanError
+from ..local import Local
+from .styles import IGNORE, _named, _shifted, summed_cross_entropy
 
 #: ``loss(output, labels) -> Tensor``: the *sum* of the per-position losses of this rank's chunk.
 LossFn = Callable[[object, Tensor], Tensor]

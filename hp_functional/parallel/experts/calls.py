@@ -1,6 +1,6 @@
 """How ``hpf.Experts`` calls an experts module: its calling convention (docs/experts.md#calling-conventions).
 
-``Experts`` calls the module's own forward on the rows each rank received (``plan.experts``), so it
+``Experts`` calls the module's own forward on the rows each rank received (``parallel.experts.styles``), so it
 must know how to read the routing from the forward's arguments and how to call the forward back on
 rows of its local experts.  Built in: ``"routed"`` (HF's fused experts, ``RoutedCall``) and
 ``"sorted"`` (torchtitan's ``GroupedExperts``, ``SortedCall``), picked from the forward's positional
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import Shard
 
-from ..core.errors import PlanError
+from ...core.errors import PlanError
 
 
 class ExpertsCall:

@@ -25,7 +25,7 @@ from ..core.collectives import AxisGroup, raw_all_gather
 from ..core.errors import PlanError, ReplicationError
 from ..core.placement import AxisPlacements, is_placement
 from ..core.signature import map_output, output_index
-from .styles import Key, ModuleSpec, Style
+from ..core.style import Key, ModuleSpec, Style
 
 #: A placement on the entry's own axis, or placements keyed by mesh axis name.
 Layout = Placement | Mapping[str, Placement]

@@ -1,6 +1,6 @@
 """``auto_plan``'s blocks: the projections of one module paired colwise → rowwise from a traced
 forward, their packing, and the head counts the skeleton must hold divided (searched with the
-shape audit: ``plan.auto_heads``, ``plan.auto_audit``).  The rules and how ambiguity is resolved:
+shape audit: ``planner.heads``, ``analysis.audit``).  The rules and how ambiguity is resolved:
 docs/auto-plan.md#pairing-and-how-ambiguity-is-resolved and
 docs/auto-plan.md#head-counts-found-by-the-shape-audit.
 """
@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from ..analysis.trace import ModelTrace
 from ..core.errors import PlanError
-from .auto_heads import inside, join, says_heads, search_heads, splits_last
-from .styles import Colwise, Heads, NoParallel, Rowwise, Style, is_conv1d
-from .trace import ModelTrace
+from ..core.style import Style
+from ..parallel.tensor.styles import Colwise, Heads, NoParallel, Rowwise, is_conv1d
+from .heads import inside, join, says_heads, search_heads, splits_last
 
 COL_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "c_fc", "wq", "wk", "wv", "query",
              "key", "value", "q", "k", "v", "fc1", "fc_in", "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1",

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.collectives import AxisGroup
-from ..core.lowering import Step
-from ..core.placement import ShardInfo
+from .collectives import AxisGroup
+from .lowering import Step
+from .placement import ShardInfo
 
 if TYPE_CHECKING:
-    from .styles import ModuleSpec, Style
+    from .style import ModuleSpec, Style
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The vocab-parallel styles, written on the public ``Local`` mechanism (``plan.local``):
+"""The vocab-parallel styles, written on the public ``Local`` mechanism (``parallel.local``):
 
 * ``VocabEmbedding`` — an ``nn.Embedding`` with its table Shard(0): each rank looks up the ids in
   its range (the others shifted into range and zeroed) and the partial rows leave as Partial;
@@ -22,12 +22,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from ..core import collectives as C
-from ..core.collectives import AxisGroup
-from ..core.deprecation import renamed_keywords
-from ..core.errors import PlanError
-from .local import Local
-from .styles import ModuleSpec, Style, _require
+from ...core import collectives as C
+from ...core.collectives import AxisGroup
+from ...core.deprecation import renamed_keywords
+from ...core.errors import PlanError
+from ...core.style import ModuleSpec, Style, _require
+from ..local import Local
 
 
 def _localise_table(module: nn.Embedding, axes: Mapping[str, AxisGroup], *, axis: str) -> None:

@@ -1,5 +1,5 @@
 """``auto_plan(model, mesh)``: a tensor-parallel plan for a model that declares none, read off
-the model's module types, its structure and one forward traced on a meta copy (``plan.trace``).
+the model's module types, its structure and one forward traced on a meta copy (``analysis.trace``).
 
 Every module takes the role of the first rule that matches; the rules numbered in the comments
 below (1-7: MoE, embeddings, head, projections, norms, biases, the rest) are the table of
@@ -17,14 +17,15 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..analysis.trace import INPUT, ModelTrace, example_call, trace_model
 from ..core.errors import PlanError
-from . import auto_blocks as B
-from .auto_heads import inside, join
-from .auto_report import AutoPlan, collapse, coverage, merge_overrides
-from .auto_sp import sequence_parallel as sequence_parallel_plan
-from .styles import Colwise, NoParallel, Style
-from .trace import INPUT, ModelTrace, example_call, trace_model
-from .vocab import VocabEmbedding
+from ..core.style import Style
+from ..parallel.tensor.styles import Colwise, NoParallel
+from ..parallel.tensor.vocab import VocabEmbedding
+from . import blocks as B
+from .heads import inside, join
+from .report import AutoPlan, collapse, coverage, merge_overrides
+from .sp import sequence_parallel as sequence_parallel_plan
 
 EXPERTS = re.compile(r"expert", re.IGNORECASE)
 
@@ -38,7 +39,7 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
         model: the model to plan; only read (a meta model works).
         mesh: the device mesh; only the size of ``tp_axis`` is used.
         tp_axis: the mesh axis to shard over.
-        sequence_parallel: also shard the residual stream's sequence between the blocks (Megatron-SP, ``plan.auto_sp``).
+        sequence_parallel: also shard the residual stream's sequence between the blocks (Megatron-SP, ``planner.sp``).
         loss_parallel: keep the head's logits vocab-sharded and compute HF's causal-LM loss on them (needs
             ``get_output_embeddings()``).
         overrides: ``{path or pattern: style or None}`` merged into the generated plan (a style wins, ``None``

@@ -3,7 +3,7 @@
 A dict written for ``parallelize_module`` is a plan as it stands: ``ShardingPlan`` converts each
 torch style once, when the plan is built (``from_torch_style``), into the style here with the
 same placements, so nothing downstream knows torch's styles exist.  torchtitan's own styles are
-recognised by their class's shape instead (``plan.torch_moe_styles``).  The conversion table, why
+recognised by their class's shape instead (``sources.torch_moe_styles``).  The conversion table, why
 ``use_local_output`` changes nothing, and what raises: docs/plan-language.md#torchs-own-styles.
 """
 
@@ -27,9 +27,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..core.errors import PlanError
-from .styles import Colwise, ModuleSpec, PrepareInput, PrepareOutput, Rowwise, SequenceParallel, Style
+from ..core.style import ModuleSpec, Style
+from ..parallel.tensor.styles import Colwise, PrepareInput, PrepareOutput, Rowwise, SequenceParallel
+from ..parallel.tensor.vocab import VocabEmbedding
 from .torch_moe_styles import behaviour_style
-from .vocab import VocabEmbedding
 
 
 def _culprit(fqn: str, source: str) -> str:
@@ -195,7 +196,7 @@ _CONVERTERS = {
 
 def from_torch_style(style: ParallelStyle, entry: str, *, tp_axis: str = "tp", ep_tokens: str = "replicated") -> Style:
     """The style here with the placements of torch's ``style`` (or of torchtitan's, recognised by
-    its class's shape: ``plan.torch_moe_styles``); ``entry`` names the plan entry (``"plan entry
+    its class's shape: ``sources.torch_moe_styles``); ``entry`` names the plan entry (``"plan entry
     'lm_head'"``) in the PlanError a style or layout that cannot be expressed raises; ``tp_axis``
     and ``ep_tokens`` go to the experts styles (``Experts(tp_axis=, tokens=)``)."""
     where = f"{entry} ({style!r})"

@@ -19,9 +19,11 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..core.errors import PlanError
-from .experts import expert_weights, is_experts
-from .styles import Colwise, ModuleSpec, NoParallel, Rowwise, SequenceParallel, Style, layer_patterns, path_matches
-from .vocab import VocabEmbedding
+from ..core.paths import layer_patterns, path_matches
+from ..core.style import ModuleSpec, Style
+from ..parallel.experts.styles import expert_weights, is_experts
+from ..parallel.tensor.styles import Colwise, NoParallel, Rowwise, SequenceParallel
+from ..parallel.tensor.vocab import VocabEmbedding
 
 #: HF styles of a parameter entry (``LocalParams``).
 PARAM_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate")

@@ -23,13 +23,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import functional as F
 
-from ..core import collectives as C
-from ..core.collectives import AxisGroup
-from ..core.errors import PlanError
-from ..core.placement import StackedShard
-from .experts_calls import CALLS, ExpertsCall, experts_call
-from .local import Local
-from .styles import ModuleSpec, Style, layer_patterns, path_matches
+from ...core import collectives as C
+from ...core.collectives import AxisGroup
+from ...core.errors import PlanError
+from ...core.paths import layer_patterns, path_matches
+from ...core.placement import StackedShard
+from ...core.style import ModuleSpec, Style
+from ..local import Local
+from .calls import CALLS, ExpertsCall, experts_call
 
 #: ``Experts(tokens=)``: the ep ranks hold the same tokens (split among them), or each its own.
 TOKENS = ("replicated", "local")
@@ -128,7 +129,7 @@ def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: T
                      on_drop: OnDrop | None, call: ExpertsCall = CALLS["routed"]) -> Tensor:
     """This rank's tokens through their experts on whichever ranks own them (docs/experts.md#what-experts-does).
     ``top_k_index`` is ``[T, k]`` expert ids, or a one-hot mask ``[T, k, E]`` (HF's Switch), and
-    the module is called back the same way, through ``call.run`` (``plan.experts_calls``).
+    the module is called back the same way, through ``call.run`` (``parallel.experts.calls``).
     ``stacked``: the number of experts of a container of expert modules, called with global
     expert ids (its children are all there, the other ranks' ones empty); 0: fused experts,
     localised, called with local ids."""

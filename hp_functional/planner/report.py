@@ -14,8 +14,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ..core.errors import PlanError
-from .plan import ShardingPlan, _as_style, path_matches
-from .styles import Style
+from ..core.paths import path_matches
+from ..core.style import Style
+from ..plan.plan import ShardingPlan, _as_style
 
 _INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
 

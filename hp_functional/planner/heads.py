@@ -5,7 +5,7 @@ The candidates are the attributes whose traced ints fed a shape call inside the 
 1-D parameters as long as a head count.  Every subset, smallest first (among equals, those whose
 names say "heads" or "split" first), is tried by running the block alone on a meta copy at the
 local shapes its styles give, with its own traced arguments, and comparing it op by op with the
-global run (``plan.auto_audit``: the shape audit the compiler also runs).  A subset fits when
+global run (``analysis.audit``: the shape audit the compiler also runs).  A subset fits when
 every op's local result is its global result divided along the dim the plan says — a ``-1`` that
 lands the division on the sequence, or a head cut in two, does not fit.  The first that fits
 wins; None when none does.
@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from .auto_audit import compare, handoff, record
-from .styles import Style
-from .trace import RESHAPES, ModelTrace, ShapeCall
+from ..analysis.audit import compare, handoff, record
+from ..analysis.trace import RESHAPES, ModelTrace, ShapeCall
+from ..core.style import Style
 
 MAX_CANDIDATES = 6  # at most 2**6 replays per distinct block
 

@@ -21,14 +21,15 @@ from dataclasses import dataclass, replace
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core import collectives as C
-from ..core.collectives import AxisGroup
-from ..core.cp_layout import check_layout, cp_chunks, cp_positions
-from ..core.errors import PlanError
-from ..core.ring_attention import STRATEGIES, ContextAttention
-from .local import Local
-from .styles import ModuleSpec, Style, layer_patterns
-from .vocab import vocab_parallel_cross_entropy
+from ...core import collectives as C
+from ...core.collectives import AxisGroup
+from ...core.cp_layout import check_layout, cp_chunks, cp_positions
+from ...core.errors import PlanError
+from ...core.paths import layer_patterns
+from ...core.ring_attention import STRATEGIES, ContextAttention
+from ...core.style import ModuleSpec, Style
+from ..local import Local
+from ..tensor.vocab import vocab_parallel_cross_entropy
 
 IGNORE = -100  # HF's ignored label
 

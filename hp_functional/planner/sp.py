@@ -19,11 +19,12 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from ..analysis.trace import ModelTrace
 from ..core.errors import PlanError
-from .auto_blocks import Block, is_norm
-from .auto_heads import inside
-from .styles import Colwise, PrepareInput, Rowwise, SequenceParallel, Style
-from .trace import ModelTrace
+from ..core.style import Style
+from ..parallel.tensor.styles import Colwise, PrepareInput, Rowwise, SequenceParallel
+from .blocks import Block, is_norm
+from .heads import inside
 
 
 def first_arg(module: nn.Module) -> str:

@@ -1,6 +1,7 @@
 """Functional optimizers over the params pytree, in optax's shape: pure ``init``/``update`` equal to
 ``torch.optim.AdamW``/``SGD`` op for op, schedules, masks and groups by FQN, and where the state sits
-(``state_info``).  See docs/training.md#optimizers (and why not torchopt).
+(``state_info``).  Mask and group patterns follow the package's one pattern rule (``core.paths``,
+docs/plan-language.md#patterns).  See docs/training.md#optimizers (and why not torchopt).
 
 >>> opt = hpf.optim.adamw(hpf.optim.warmup_cosine(3e-4, 100, 10_000), weight_decay=0.1,
 ...                       mask=hpf.optim.decay_mask())
@@ -11,13 +12,15 @@
 from __future__ import annotations
 
 __all__ = [
-    "AdamWState", "Grads", "Mask", "Optimizer", "Params", "PartitionState", "SGDState", "Schedule", "adamw",
-    "constant", "decay_mask", "linear_warmup", "partition", "replicated_info", "sgd", "state_info", "warmup_cosine"
+    "AdamWState", "Grads", "Mask", "Optimizer", "Params", "PartitionState", "PatternMask", "SGDState", "Schedule",
+    "adamw", "constant", "decay_mask", "linear_warmup", "partition", "replicated_info", "sgd", "state_info",
+    "warmup_cosine"
 ]
 
-import fnmatch
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from fnmatch import fnmatchcase
 from typing import Any, NamedTuple
 
 import optree
@@ -26,13 +29,14 @@ from torch import Tensor
 from torch.distributed.tensor import Replicate
 
 from ..core.errors import PlanError, ShapeError
+from ..core.paths import most_specific_patterns, path_matches
 from ..core.placement import ShardInfo
 
 Params = Mapping[str, Tensor]
 Grads = Mapping[str, Tensor | None]
 #: a learning rate schedule: the step (a Python int or a 0-dim tensor) -> the learning rate
 Schedule = Callable[[Any], Any]
-#: a weight-decay mask: None (every leaf), a predicate on the FQN, or fnmatch patterns of the FQNs that decay
+#: a weight-decay mask: None (every leaf), a predicate on the FQN, or patterns of the FQNs that decay
 Mask = Callable[[str], bool] | str | Sequence[str] | None
 
 
@@ -139,25 +143,107 @@ def _lr_at(lr: float | Tensor | Schedule, step: int, where: str) -> float | Tens
     return value
 
 
-# ---------------------------------------------------------------- weight-decay masks
-def decay_mask(exclude: Iterable[str] = ("*bias", "*norm*")) -> Callable[[str], bool]:
+# ---------------------------------------------------------------- patterns (the one rule, and the old one for now)
+_RULE = "docs/plan-language.md#patterns"
+
+
+def _old_matches(pattern: str, fqn: str) -> bool:
+    """The optimizer's earlier rule: ``fnmatch`` on the whole FQN (``*`` crossing dots).  A pattern
+    with ``**`` was never meant for it and is read by the one rule alone."""
+    return path_matches(pattern, fqn) if "**" in pattern else fnmatchcase(fqn, pattern)
+
+
+def _new_spelling(pattern: str) -> str:
+    """An ``fnmatch`` FQN pattern written under the one rule, where it can be: a ``*`` that may cross
+    dots becomes ``**`` (``*`` → ``**``, ``*.bias`` → ``**.bias``, ``*bias`` → ``**.*bias``,
+    ``*norm*`` → ``**.*norm*.**``, ``layers.*.weight`` → ``layers.**.weight``)."""
+    out = []
+    for seg in pattern.split("."):
+        if seg in ("*", "**"):
+            out.append("**")
+            continue
+        if seg.startswith("*"):
+            out.append("**")
+        out.append(seg)
+        if seg.endswith("*") and len(seg) > 1:
+            out.append("**")
+    merged = [s for i, s in enumerate(out) if not (s == "**" and i and out[i - 1] == "**")]
+    return ".".join(merged)
+
+
+def _spelling_hint(pattern: str, fqns: Iterable[str]) -> str:
+    """How to write ``pattern`` under the one rule, checked on ``fqns``."""
+    new = _new_spelling(pattern)
+    same = all(path_matches(new, f) == fnmatchcase(f, pattern) for f in fqns)
+    return f"write {new!r}" + ("" if same else " (it does not match the same parameters here: check it)")
+
+
+class PatternMask:
+    """A mask given as FQN patterns: a leaf is selected when one of ``patterns`` matches its FQN
+    (``negate``: when none does), memoised (the FQNs are the same every step).
+
+    Patterns follow the one rule (``core.paths``).  For now a pattern without ``**`` whose
+    ``fnmatch`` match (the earlier rule: ``*`` crossing dots) differs on some FQN keeps its
+    ``fnmatch`` match, with one ``FutureWarning`` per pattern naming the FQN and the spelling under
+    the one rule."""
+
+    def __init__(self, patterns: Sequence[str], who: str, negate: bool = False):
+        self.patterns, self.who, self.negate = tuple(patterns), who, negate
+        self.memo: dict[str, bool] = {}
+        self.warned: set[str] = set()
+
+    def __call__(self, fqn: str) -> bool:
+        if fqn not in self.memo:
+            self.resolve((fqn,), stacklevel=2)
+        return self.memo[fqn]
+
+    def resolve(self, fqns: Iterable[str], stacklevel: int = 1) -> None:
+        """Decide every FQN of ``fqns`` not decided yet; warn (at ``stacklevel`` above the caller)
+        for each pattern whose two rules disagree on them."""
+        fqns = list(fqns)
+        differ: dict[str, list[str]] = {}
+        for fqn in fqns:
+            if fqn in self.memo:
+                continue
+            hit = False
+            for p in self.patterns:
+                old = _old_matches(p, fqn)
+                if old != path_matches(p, fqn):
+                    differ.setdefault(p, []).append(fqn)
+                hit = hit or old
+            self.memo[fqn] = hit != self.negate
+        for p, names in differ.items():
+            if p in self.warned:
+                continue
+            self.warned.add(p)
+            first, second = ("earlier rule (fnmatch)", "one pattern rule") if fnmatchcase(
+                names[0], p) else ("one pattern rule", "earlier rule (fnmatch)")
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            warnings.warn(
+                f"{self.who}: pattern {p!r} matches {names[0]!r}{more} by the {first} but not by the {second} "
+                f"({_RULE}: `*` one segment, `**` any number); the earlier rule decides for now: "
+                f"{_spelling_hint(p, fqns)}", FutureWarning, stacklevel=stacklevel + 1)
+
+
+def decay_mask(exclude: Iterable[str] = ("**.*bias", "**.*norm*.**")) -> Callable[[str], bool]:
     """A ``mask`` that decays every leaf except those whose FQN matches one of ``exclude``
-    (``fnmatch`` patterns, case-sensitive, ``*`` crossing dots): by default no decay on biases and norms."""
-    patterns = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-    return lambda fqn: not any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
+    (patterns under the one rule, docs/plan-language.md#patterns): by default no decay on biases
+    (an FQN ending in ``bias``) and norms (any segment containing ``norm``)."""
+    return PatternMask((exclude,) if isinstance(exclude, str) else tuple(exclude), "decay_mask", negate=True)
 
 
-def _mask_fn(mask: Mask) -> Callable[[str], bool]:
+def _mask_fn(mask: Mask, who: str) -> Callable[[str], bool]:
     """``mask`` as a predicate on the FQN; memoised (the FQNs are the same every step)."""
     if mask is None:
         return lambda fqn: True
-    if callable(mask):
-        pred = mask
-    else:
+    if isinstance(mask, PatternMask):
+        return mask
+    if not callable(mask):
         patterns = (mask,) if isinstance(mask, str) else tuple(mask)
         if not all(isinstance(p, str) for p in patterns):
-            raise TypeError(f"mask must be None, a callable fqn -> bool or fnmatch patterns, got {mask!r}")
-        pred = lambda fqn: any(fnmatch.fnmatchcase(fqn, p) for p in patterns)  # noqa: E731
+            raise TypeError(f"mask must be None, a callable fqn -> bool or FQN patterns, got {mask!r}")
+        return PatternMask(patterns, f"{who} mask")
+    pred = mask
     memo: dict[str, bool] = {}
 
     def decays(fqn: str) -> bool:
@@ -166,6 +252,12 @@ def _mask_fn(mask: Mask) -> Callable[[str], bool]:
         return memo[fqn]
 
     return decays
+
+
+def _resolve_mask(decays: Callable[[str], bool], params: Params) -> None:
+    """Decide a pattern mask on every FQN at once (its warnings point at the caller's caller)."""
+    if isinstance(decays, PatternMask):
+        decays.resolve(params, stacklevel=3)
 
 
 # ---------------------------------------------------------------- checks and foreach helpers
@@ -233,8 +325,9 @@ def adamw(
     ``lr``: a float, a 0-dim tensor (differentiable) or a schedule ``step -> lr``, called with the
     update's index as a Python int (see ``warmup_cosine``).
     ``mask``: which leaves get weight decay — ``None`` (all, torch's default), a callable ``fqn -> bool``,
-    or ``fnmatch`` patterns of the FQNs that decay (``decay_mask()`` excludes biases and norms); the
-    same as two torch param groups, one with ``weight_decay=0``."""
+    or FQN patterns of the FQNs that decay, under the one pattern rule (docs/plan-language.md#patterns;
+    ``decay_mask()`` excludes biases and norms); the same as two torch param groups, one with
+    ``weight_decay=0``."""
     b1, b2 = betas
     if not callable(lr):
         _check_lr(lr, "adamw")
@@ -244,15 +337,19 @@ def adamw(
         raise ValueError(f"adamw: invalid eps {eps!r} (must be >= 0)")
     if not weight_decay >= 0.0:
         raise ValueError(f"adamw: invalid weight_decay {weight_decay!r} (must be >= 0)")
-    decays = _mask_fn(mask)
+    decays = _mask_fn(mask, "adamw")
 
     def init(params: Params) -> AdamWState:
+        if weight_decay != 0:
+            _resolve_mask(decays, params)
         return AdamWState(_new_step(0), {k: torch.zeros_like(p) for k, p in params.items()},
                           {k: torch.zeros_like(p) for k, p in params.items()})
 
     def update(grads: Grads, state: AdamWState, params: Params) -> tuple[dict[str, Tensor], AdamWState]:
         _state_type(state, AdamWState, "adamw.update")
         _check("adamw.update", grads, params, **{"state.mu": state.mu, "state.nu": state.nu})
+        if weight_decay != 0:
+            _resolve_mask(decays, params)
         k = _step_of(state.step)
         lr_k, t = _lr_at(lr, k, "adamw"), k + 1
         bias_correction1, bias_correction2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
@@ -297,15 +394,19 @@ def sgd(
         raise ValueError(f"sgd: invalid weight_decay {weight_decay!r} (must be >= 0)")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("sgd: Nesterov momentum requires a momentum and zero dampening")
-    decays = _mask_fn(mask)
+    decays = _mask_fn(mask, "sgd")
 
     def init(params: Params) -> SGDState:
+        if weight_decay != 0:
+            _resolve_mask(decays, params)
         bufs = {k: torch.zeros_like(p) for k, p in params.items()} if momentum else {}
         return SGDState(_new_step(0), bufs)
 
     def update(grads: Grads, state: SGDState, params: Params) -> tuple[dict[str, Tensor], SGDState]:
         _state_type(state, SGDState, "sgd.update")
         _check("sgd.update", grads, params, **({"state.momentum": state.momentum} if momentum else {}))
+        if weight_decay != 0:
+            _resolve_mask(decays, params)
         k = _step_of(state.step)
         lr_k = _lr_at(lr, k, "sgd")
         new_p, new_buf = dict(params), dict(state.momentum)
@@ -340,13 +441,18 @@ def sgd(
 
 # ---------------------------------------------------------------- per-leaf groups
 def partition(optimizers: Mapping[str, Optimizer]) -> Optimizer:
-    """One optimizer per group of leaves: ``{pattern: optimizer}``, ``fnmatch`` patterns of FQNs
-    (case-sensitive, ``*`` crossing dots), the first matching pattern in the dict's order claims a
-    leaf, and every leaf must match one (end with ``"*"`` for the rest).  The state is
-    ``PartitionState({pattern: that optimizer's state over its leaves})``; a pattern that claims no
-    leaf still has a (leafless) state.  Torch's param groups with different hyperparameters.
+    """One optimizer per group of leaves: ``{pattern: optimizer}``, FQN patterns under the package's
+    one pattern rule (docs/plan-language.md#patterns: ``*`` one segment, ``**`` any number); a leaf
+    goes to the most specific pattern that matches it, whatever the dict's order, and every leaf
+    must match one (``"**"`` claims the rest).  The state is ``PartitionState({pattern: that
+    optimizer's state over its leaves})``; a pattern that claims no leaf still has a (leafless)
+    state.  Torch's param groups with different hyperparameters.
 
-    >>> opt = partition({"*embed_tokens*": sgd(1e-1), "*": adamw(1e-3)})"""
+    For now the earlier rule decides where the two differ — ``fnmatch`` (``*`` crossing dots), the
+    first matching pattern in the dict's order — with one ``FutureWarning`` per pattern naming the
+    leaf and how to write it under the one rule.
+
+    >>> opt = partition({"model.embed_tokens.weight": sgd(1e-1), "**": adamw(1e-3)})"""
     if not optimizers:
         raise ValueError("partition: no optimizers given")
     for pattern, opt in optimizers.items():
@@ -354,23 +460,51 @@ def partition(optimizers: Mapping[str, Optimizer]) -> Optimizer:
             raise TypeError(f"partition: expected {{pattern: Optimizer}}, got {pattern!r}: {type(opt).__name__}")
     patterns = list(optimizers)
     memo: dict[str, str] = {}
+    warned: set[tuple[str, str]] = set()
 
-    def label(fqn: str) -> str:
-        if fqn not in memo:
-            hit = next((p for p in patterns if fnmatch.fnmatchcase(fqn, p)), None)
+    def resolve(fqns: Iterable[str]) -> None:
+        """Label every FQN of ``fqns`` not labelled yet; warn (at the caller of init/update) where
+        the one rule would label it differently."""
+        fqns = list(fqns)
+        differ: dict[tuple[str, str], list[str]] = {}
+        for fqn in fqns:
+            if fqn in memo:
+                continue
+            hit = next((p for p in patterns if _old_matches(p, fqn)), None)
             if hit is None:
                 raise PlanError(f"partition: parameter {fqn!r} matches none of the patterns {patterns}; "
-                                "add a catch-all '*' last")
+                                "add a catch-all '**'")
             memo[fqn] = hit
-        return memo[fqn]
+            best = most_specific_patterns(fqn, patterns)
+            if best != [hit]:
+                differ.setdefault((hit, " and ".join(map(repr, best))), []).append(fqn)
+        for (hit, best), names in differ.items():
+            if (hit, best) in warned:
+                continue
+            warned.add((hit, best))
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            if not best:
+                then, how = "no pattern matches it (an error then)", _spelling_hint(hit, fqns)
+            elif " and " in best:
+                then, how = f"the equally specific {best} match it (an error then)", "make one of them more specific"
+            elif path_matches(hit, names[0]):
+                then, how = (f"the more specific {best} claims it", f"make {hit!r} more specific than {best}, or "
+                             f"{best} narrower")
+            else:
+                then, how = f"{best} claims it", _spelling_hint(hit, fqns)
+            warnings.warn(
+                f"partition: pattern {hit!r} claims {names[0]!r}{more} by the earlier rule (fnmatch, the first "
+                f"match wins); under the one pattern rule ({_RULE}: the most specific wins) {then}. The earlier "
+                f"rule decides for now: {how}", FutureWarning, stacklevel=3)
 
     def split(tree: Mapping[str, Any], keys: Iterable[str]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {p: {} for p in patterns}
         for k in keys:
-            out[label(k)][k] = tree[k]
+            out[memo[k]][k] = tree[k]
         return out
 
     def init(params: Params) -> PartitionState:
+        resolve(params)
         parts = split(params, params)
         return PartitionState({p: optimizers[p].init(parts[p]) for p in patterns})
 
@@ -379,6 +513,7 @@ def partition(optimizers: Mapping[str, Optimizer]) -> Optimizer:
         _check("partition.update", grads, params)
         if list(state.states) != patterns:
             raise PlanError(f"partition.update: the state's groups {list(state.states)} are not the patterns {patterns}")
+        resolve(params)
         ps, gs = split(params, params), split(grads, params)
         new_params: dict[str, Tensor] = {}
         states = {}

@@ -163,10 +163,12 @@ def _check_mesh(where: str, shard_info: Mapping[str, ShardInfo]) -> None:
 class SaveHandle:
     """A save in progress.  ``wait()`` (every rank must call it, in the same order as other
     collectives) finishes it: the checkpoint is visible at ``path`` when it returns.  A sync save's
-    handle is already finished."""
+    handle is already finished.  ``lane``: the ``AsyncLane`` an async save runs on (it holds the
+    handle as its pending save until ``wait()``)."""
 
-    def __init__(self, path: str, future: Future | None = None, commit: Callable[[], None] | None = None):
-        self.path, self._future, self._commit = path, future, commit
+    def __init__(self, path: str, future: Future | None = None, commit: Callable[[], None] | None = None,
+                 lane: AsyncLane | None = None):
+        self.path, self._future, self._commit, self._lane = path, future, commit, lane
         self._error: BaseException | None = None
 
     def done(self) -> bool:
@@ -179,10 +181,9 @@ class SaveHandle:
         if self._error is not None:
             raise self._error
         if self._commit is not None:
-            global _pending
             commit, self._commit = self._commit, None
-            if _pending is self:
-                _pending = None
+            if self._lane is not None:
+                self._lane.release(self)
             try:
                 try:
                     self._future.result()
@@ -195,17 +196,57 @@ class SaveHandle:
         return self.path
 
 
-_pending: SaveHandle | None = None  # the async save not yet waited for (one at a time)
-_async_groups: dict[tuple, dist.ProcessGroup] = {}
+class AsyncLane:
+    """One world's lane for async saves: the gloo process group of their thread and the save on
+    it not yet waited for (one at a time: two saves' collectives on one group from two threads
+    would interleave differently on different ranks)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.pending: SaveHandle | None = None
+
+    def finish_pending(self) -> None:
+        """Wait for the save still pending on this lane, if any (``SaveHandle.wait`` releases it)."""
+        if self.pending is not None:
+            self.pending.wait()
+
+    def hold(self, handle: SaveHandle) -> SaveHandle:
+        """Make ``handle`` this lane's pending save; returns it."""
+        self.pending = handle
+        return handle
+
+    def release(self, handle: SaveHandle) -> None:
+        """``handle`` is being waited for: it no longer blocks the next save."""
+        if self.pending is handle:
+            self.pending = None
 
 
-def _async_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A gloo group of its own for async_save's thread (cached): its collectives then never
-    interleave with the training's on the default group (a hazard for any backend)."""
-    key = (id(dist.group.WORLD), ranks)
-    if key not in _async_groups:
-        _async_groups[key] = new_group(ranks, backend="gloo")
-    return _async_groups[key]
+class AsyncSaves:
+    """The async-save lanes of this process, one per world (default process group and ranks).
+
+    A process-wide resource, hence one default object (``ASYNC_SAVES``) behind ``save``: a lane's
+    gloo group is created collectively (every rank, same order), so it is made once per world and
+    reused, and "one pending save at a time" is a property of that group, whoever calls ``save``.
+    It is read only through ``lane``; nothing outside this module touches it."""
+
+    def __init__(self):
+        self._lanes: dict[tuple, AsyncLane] = {}
+
+    def finish_pending(self) -> None:
+        """Wait for every lane's pending save (a collective, as ``SaveHandle.wait``)."""
+        for lane in list(self._lanes.values()):
+            lane.finish_pending()
+
+    def lane(self, ranks: tuple[int, ...]) -> AsyncLane:
+        """The lane of ``ranks`` in the current world, its gloo group created on first use (a collective)."""
+        key = (id(dist.group.WORLD), ranks)
+        if key not in self._lanes:
+            self._lanes[key] = AsyncLane(new_group(ranks, backend="gloo"))
+        return self._lanes[key]
+
+
+#: the process's async-save lanes (see ``AsyncSaves`` for why one object serves every ``save``)
+ASYNC_SAVES = AsyncSaves()
 
 
 def _on_rank0(fn: Callable[[], None], what: str) -> None:
@@ -260,7 +301,6 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
         A ``SaveHandle``: every rank must call its ``wait()`` (a sync save's is already finished), which returns
         ``path`` once the checkpoint is visible.
     """
-    global _pending
     path = os.fspath(path)
     if path.endswith(SCRATCH) or path.endswith(OLD):
         raise PlanError(f"save: {path!r} ends with {SCRATCH!r} or {OLD!r}, names reserved for checkpoints being written")
@@ -284,8 +324,7 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
                 raise PlanError(f"save: optimizer key {key!r} collides with a parameter's name")
             entries[key] = (leaf, info)
     extra_bytes = ckpt_extra.encode(extra)  # now: an unstorable extra fails before any collective, a later change is not saved
-    if _pending is not None:  # one async save at a time: finish the previous one first
-        _pending.wait()
+    ASYNC_SAVES.finish_pending()  # one async save at a time: finish the previous one first
     rank, world = dist.get_rank(), dist.get_world_size()
     tmp = path + SCRATCH
     _on_rank0(lambda: prepare_scratch(tmp, MARKER, "save"), f"save: cannot create {tmp!r}")  # before any rank's DCP does
@@ -303,13 +342,13 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
             raise as_checkpoint_error(exc, "save") from None
         commit()
         return SaveHandle(path)
+    lane = ASYNC_SAVES.lane(tuple(range(world)))
     try:
-        future = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(),
-                                process_group=_async_group(tuple(range(world))), async_stager=_Stager())
+        future = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(), process_group=lane.group,
+                                async_stager=_Stager())
     except CheckpointException as exc:
         raise as_checkpoint_error(exc, "save") from None
-    _pending = SaveHandle(path, future, commit)
-    return _pending
+    return lane.hold(SaveHandle(path, future, commit, lane))
 
 
 # ---------------------------------------------------------------- finding and checking checkpoints

@@ -6,7 +6,7 @@ See docs/guarantees.md#exact-or-refused-the-shape-audit.
 
 from __future__ import annotations
 
-__all__ = ["Memo", "audit_regions", "fingerprint"]
+__all__ = ["audit_regions", "fingerprint"]
 
 import inspect
 from collections import OrderedDict

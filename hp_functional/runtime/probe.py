@@ -12,10 +12,11 @@ gathered numbers), naming the worst parameter.  The probe also lends its real co
 
 from __future__ import annotations
 
-__all__ = ["VERDICTS", "probe_copy_or_reason", "probe_key", "probe_varying_uses", "run_probe"]
+__all__ = ["PROBE_CACHE", "ProbeCache", "probe_copy_or_reason", "probe_key", "probe_varying_uses", "run_probe"]
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from ..compile.agree import checksum
 from ..compile.build import varying_uses
 from ..compile.dataflow import synthesize_inputs
-from ..compile.lint_heads import Memo, fingerprint
+from ..compile.lint_heads import fingerprint
 from ..compile.reduce import Reduced, reduced_copy
 from ..core.errors import PlanError
 from ..core.facets import SummedOver
@@ -68,9 +69,45 @@ def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping
     return Reduced(twin, probe.names, probe.renames)
 
 
-#: verdicts of probes that passed, by ``probe_key``: the same structure, plan and mesh sharded
-#: again in one process (a notebook, a test suite, a sweep) is not probed again
-VERDICTS = Memo(64)
+class ProbeCache:
+    """The verdicts of probes that passed, by ``probe_key``: the same structure, plan and mesh
+    sharded again (a notebook, a test suite, a sweep) is not probed again.  Bounded: the least
+    recently used verdict goes first beyond ``size``.
+
+    ``shard(..., probe_cache=)`` takes one; its default is the process's ``PROBE_CACHE``, one
+    object because what it remembers (a proof that a plan computes a model's function) holds for
+    the whole process, and a caller that wants another scope (a fresh start in a test, a cache per
+    sweep, none at all: ``probe_cache=None``) passes its own.  Read and written only through
+    ``lookup`` and ``record``; whether every rank may skip the probe is decided in ``shard()``'s
+    agreement, so one rank's cache never makes the others wait."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._verdicts: OrderedDict[Hashable, str] = OrderedDict()
+
+    def lookup(self, key: Hashable) -> str | None:
+        """The verdict recorded for ``key``, or None if it was never probed (or has been dropped)."""
+        verdict = self._verdicts.get(key)
+        if verdict is not None:
+            self._verdicts.move_to_end(key)
+        return verdict
+
+    def record(self, key: Hashable, verdict: str) -> None:
+        """Remember that the probe of ``key`` passed with ``verdict`` (what ``checks["probe"]`` said)."""
+        self._verdicts[key] = verdict
+        self._verdicts.move_to_end(key)
+        while len(self._verdicts) > self.size:
+            self._verdicts.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
+
+    def __repr__(self) -> str:
+        return f"ProbeCache({len(self)} of {self.size} verdicts)"
+
+
+#: the process's probe verdicts, ``shard()``'s default ``probe_cache`` (see ``ProbeCache`` for why one)
+PROBE_CACHE = ProbeCache()
 
 
 def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | None, program) -> tuple:

@@ -1,12 +1,17 @@
-"""``shard(model, plan, mesh)``: compile once, agree across ranks, slice, build the skeleton.
+"""``shard(model, plan, mesh)``: compile once, agree across ranks, prove, materialise.
 
-Phases (hyper_parallel's ``apply_sharding_plan`` without touching the model):
-1. ``build_program`` — resolve, lint, place, analyse, lower (local: bad input raises on every
-   rank before any collective);
-2. ``agree`` — one small all-gather of a fingerprint of the program and the weights' checksums;
-3. slice the local shards into the params pytree (inverse: ``unshard``);
-4. build the private skeleton and install the local forwards on it, then the checkpointed
-   blocks (``runtime.checkpoint``) around them.
+``shard`` composes four steps, each a function of this module (docs/architecture.md#the-passes):
+
+1. ``compile_sharding`` — ``build_program`` (resolve, lint, place, analyse, lower: bad input raises
+   on every rank before any collective) and the proof's local preparation: the probe copy
+   (``runtime.probe``), on whose real forward the dataflow pass is re-run when the meta trace could not;
+2. ``agree_on`` — the values' and recompute's local checks, then one small all-gather of a
+   fingerprint of the program, the runtime and the weights' checksums (and whether every rank
+   proved this before: ``ProbeCache``);
+3. ``prove`` — the probe: the plan run on the copy against the copy unsharded, on the real ranks
+   (collectives: after the agreement, so ranks that disagree raise before it);
+4. ``materialise`` — slice this rank's shards (inverse: ``unshard``), build the private skeleton,
+   install the local forwards and the recomputed blocks (``runtime.checkpoint``) on it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 __all__ = ["shard"]
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..compile.agree import agree
 from ..compile.build import build_program
-from ..compile.reduce import plan_marks, reduced_plan
+from ..compile.reduce import Reduced, plan_marks, reduced_plan
+from ..core.deprecation import renamed_keywords
 from ..core.placement import ShardInfo
 from ..core.program import Program
 from ..core.raw_collectives import mesh_device
@@ -40,37 +47,41 @@ from .checkpoint import (
     neutralise_hf_checkpointing,
     resolve_checkpoint,
 )
-from .probe import VERDICTS, probe_copy_or_reason, probe_key, probe_varying_uses, run_probe
+from .probe import PROBE_CACHE, ProbeCache, probe_copy_or_reason, probe_key, probe_varying_uses, run_probe
 from .skeleton import build_skeleton
 from .values import Values
 
 #: ``install(skeleton, cache)``: a transform's last word on a freshly built skeleton (see ``Runtime``).
 Installer = Callable[[nn.Module, ConversionCache], None]
 
+#: ``shard()``'s result: ``(apply_fn, params, shard_info)``
+Sharded = tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]
+
 
 @dataclass(frozen=True)
 class Runtime:
     """What an ``apply_fn`` is built from, kept on it as ``apply_fn.runtime`` so that transforms
     (``hpf.fsdp``) build another ``apply_fn`` over the same program without the user's model:
-    ``template`` is a pristine skeleton (meta placeholders, owned buffers, nothing installed)."""
+    ``template`` is a pristine skeleton (meta placeholders, owned buffers, nothing installed);
+    ``remat``: the blocks recomputed in the backward."""
 
     template: nn.Module
     program: Program
-    checkpoint: CheckpointPlan | None
+    remat: CheckpointPlan | None
     checks: Mapping[str, str] = field(default_factory=dict)  # shard-time proof: what ran, what was skipped and why
 
     def build(self, program: Program | None = None, install: Installer | None = None) -> Callable:
         """A new ``apply_fn`` on a fresh skeleton (``program`` replaces this one's, e.g. with
-        fewer parameter conversions); ``install`` runs after the boundaries and checkpoints."""
-        return build_runtime(self.template, program or self.program, self.checkpoint, install)
+        fewer parameter conversions); ``install`` runs after the boundaries and recomputed blocks."""
+        return build_runtime(self.template, program or self.program, remat=self.remat, install=install)
 
 
-def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan | None = None,
+def build_runtime(model: nn.Module, program: Program, *, remat: CheckpointPlan | None = None,
                   install: Installer | None = None) -> ApplyFn:
     """The private skeleton of ``model`` with every boundary of ``program`` installed, and the
-    blocks of ``checkpoint`` checkpointed, as ``apply_fn``.  Hugging Face's own checkpointing is
-    turned off on the skeleton (``neutralise_hf_checkpointing``): ``shard()`` decided what replaces it.
-    ``install``, if given, then adds a transform's forwards (``Runtime.build``)."""
+    blocks of ``remat`` recomputed in the backward, as ``apply_fn``.  Hugging Face's own
+    checkpointing is turned off on the skeleton (``neutralise_hf_checkpointing``): ``shard()``
+    decided what replaces it.  ``install``, if given, then adds a transform's forwards (``Runtime.build``)."""
     skeleton = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of)
     neutralise_hf_checkpointing(skeleton)
     cache: ConversionCache = {}  # input conversions shared within one apply_fn call
@@ -84,18 +95,21 @@ def build_runtime(model: nn.Module, program: Program, checkpoint: CheckpointPlan
         inner = b.planned.style.local_forward(module, module.forward, fqn=b.planned.fqn, axis=b.planned.axis,
                                               axes=program.groups)
         install_boundary(module, b.planned.fqn, inner, b.in_steps, b.out_steps, cache)
-    blocks = install_checkpoints(skeleton, checkpoint, program.leaf_of, cache, program.mesh.device_type) if checkpoint else {}
+    blocks = install_checkpoints(skeleton, remat, program.leaf_of, cache, program.mesh.device_type) if remat else {}
     if install is not None:
         install(skeleton, cache)
-    apply_fn = make_apply_fn(skeleton, program, cache, lambda: build_runtime(model, program, checkpoint, install))
+    rebuild = functools.partial(build_runtime, model, program, remat=remat, install=install)
+    apply_fn = make_apply_fn(skeleton, program, cache, rebuild)
     return dataclasses.replace(apply_fn, checkpointed=blocks)
 
 
+@renamed_keywords(checkpoint="remat")
 def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
     seed: int | None = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
-    checkpoint: bool | Sequence[str] | ActivationCheckpoint | None = None, verify: bool = True,
-) -> tuple[Callable, dict[str, Tensor], dict[str, ShardInfo]]:
+    remat: bool | Sequence[str] | ActivationCheckpoint | None = None, verify: bool = True,
+    probe_cache: ProbeCache | None = PROBE_CACHE,
+) -> Sharded:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
     All checks are local and raise on every rank before any collective; then one small
@@ -117,82 +131,139 @@ def shard(
         agree_timeout: seconds to wait for every rank at the agreement before raising; None: the
             process group's timeout.
         verify_values: include the value checksums in the agreement (False: fingerprint only).
-        checkpoint: activation checkpointing (a block keeps no activations in the forward and is
+        remat: activation recompute (a block keeps no activations in the forward and is
             recomputed in the backward; works under ``.backward()`` and ``torch.func``): None —
             follow the model (the decoder layers on which Hugging Face's
             ``gradient_checkpointing_enable()`` was called, else none); False — none; True — every
             Hugging Face decoder layer; module-path patterns (``["model.layers.*"]``); or an
             ``ActivationCheckpoint``.  A pattern that matches no module raises ``PlanError``.
+            ``checkpoint=`` is its earlier name (a ``FutureWarning``).
         verify: the shard-time proof — the plan run on a small private copy of the model (one
             block of each kind, random init, a synthetic batch) against the same copy unsharded,
             loss and every gradient, on the real ranks; a mismatch raises ``PlanError``
             (``runtime.probe``; ``apply_fn.runtime.checks`` says what ran).  False skips it.
+        probe_cache: where passed proofs are remembered, so the same structure, plan and mesh is
+            probed once (``runtime.probe.ProbeCache``; default: the process's); None: always probe.
     Returns:
         ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns what
         ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups once)
         to this rank's local shard; ``shard_info`` says where each shard sits (a ``ShardInfo`` per key).
     """
+    program, checks, proof = compile_sharding(model, plan, mesh, seed=seed, verify=verify)
+    proved = None if proof is None or probe_cache is None else probe_cache.lookup(proof.key)
+    agreed = agree_on(model, program, weights=weights, seed=seed, agree_timeout=agree_timeout,
+                      verify_values=verify_values, remat=remat, proved_before=proved is not None)
+    if proof is not None:  # agreed, and before the weights are read: the copy is freed before they are taken
+        checks["probe"] = prove(proof, mesh=mesh, proved=proved if agreed.proved_before else None,
+                                probe_cache=probe_cache, agree_timeout=agree_timeout)
+        del proof
+    return materialise(model, program, agreed, checks=checks)
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What the shard-time proof runs on (``runtime.probe``): the private ``copy`` of the model,
+    the ``plan`` restated on its paths, the varying uses traced on it (None: the meta trace's)
+    and the ``key`` its verdict is remembered by (``probe_key``)."""
+
+    copy: Reduced
+    plan: ShardingPlan
+    uses: Mapping[str, frozenset[str]] | None
+    key: tuple
+
+
+def compile_sharding(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, seed: int | None,
+                     verify: bool) -> tuple[Program, dict[str, str], Proof | None]:
+    """``build_program`` and the proof's local preparation (no collective): the program, the
+    checks so far (how the dataflow was traced; why there is no proof) and the ``Proof`` to run."""
     program = build_program(model, plan, mesh)
     checks = {"dataflow": program.dataflow_skipped or "traced on meta tensors"}
-    probe, probe_uses = None, None
-    fake = dist.is_initialized() and dist.get_backend() == "fake"  # simulate(): collectives carry no numbers
-    if verify and seed is not None and not fake:
-        marks = plan_marks(program.boundaries, program.infos, program.leaf_of)
-        probe, why = probe_copy_or_reason(model, seed, mesh_device(mesh), marks)
+    skipped = _why_not_proved(verify=verify, seed=seed)
+    if skipped:
+        checks["probe"] = skipped
+        return program, checks, None
+    marks = plan_marks(program.boundaries, program.infos, program.leaf_of)
+    copy, why = probe_copy_or_reason(model, seed, mesh_device(mesh), marks)
+    if copy is None:
         checks["probe"] = why
-        if probe is not None:  # the plan restated on the copy's paths (its blocks are renumbered)
-            probe_plan = reduced_plan(as_plan(plan), model, probe, mesh.mesh_dim_names or ())
-        if probe is not None and program.dataflow_skipped:  # trace the real copy instead (local, no collective)
-            probe_uses, uses, skipped = probe_varying_uses(probe, probe_plan, mesh)
-            if not skipped:
-                program = build_program(model, plan, mesh, varying_uses=uses)
-                checks["dataflow"] = "traced on the probe's real copy"
-    key = probe_key(probe, probe_plan, mesh, probe_uses, program) if probe is not None else None
-    values, blocks, cached = _agreed(model, program, weights, seed, agree_timeout, verify_values, checkpoint,
-                                     key is not None and key in VERDICTS.items)  # probed before on every rank?
-    if probe is not None and cached:
-        checks["probe"] = f"{VERDICTS.get(key, str)} (probed before in this process: same structure, plan and mesh)"
-    elif probe is not None:  # agreed, and before the weights are read: its memory is freed before theirs is taken
-        def shard_probe(m, p, msh, uses):
-            prog = build_program(m, p, msh, varying_uses=uses)
-            return _shard(m, p, msh, prog, None, 0, agree_timeout, False, False)
-        checks["probe"] = run_probe(probe, probe_plan, mesh, shard_probe, probe_uses) or "exact on the probe copy"
-        VERDICTS.get(key, lambda: checks["probe"])
-        del probe, shard_probe
-    elif "probe" not in checks:
-        checks["probe"] = ("skipped: verify=False" if not verify else "skipped: seed=None (shapes only)" if seed is None
-                           else "skipped: a simulated (fake) process group carries no numbers")
-    apply_fn, params, infos = _materialised(model, program, values, blocks)
-    return dataclasses.replace(apply_fn, runtime=dataclasses.replace(apply_fn.runtime, checks=checks)), params, infos
+        return program, checks, None
+    copy_plan = reduced_plan(as_plan(plan), model, copy, mesh.mesh_dim_names or ())  # its blocks are renumbered
+    uses = None
+    if program.dataflow_skipped:  # trace the real copy instead (local, no collective)
+        uses, original_uses, failed = probe_varying_uses(copy, copy_plan, mesh)
+        if not failed:
+            program = build_program(model, plan, mesh, varying_uses=original_uses)
+            checks["dataflow"] = "traced on the probe's real copy"
+    return program, checks, Proof(copy, copy_plan, uses, probe_key(copy, copy_plan, mesh, uses, program))
 
 
-def _shard(model: nn.Module, plan, mesh: DeviceMesh, program: Program, weights, seed: int | None,
-           agree_timeout: float | None, verify_values: bool, checkpoint) -> tuple[Callable, dict[str, Tensor],
-                                                                                  dict[str, ShardInfo]]:
-    """``shard()`` after compiling: agree, slice, build the runtime."""
-    values, blocks, _ = _agreed(model, program, weights, seed, agree_timeout, verify_values, checkpoint)
-    return _materialised(model, program, values, blocks)
+def _why_not_proved(*, verify: bool, seed: int | None) -> str:
+    """Why ``shard()`` runs no proof ("" when it does)."""
+    if not verify:
+        return "skipped: verify=False"
+    if seed is None:
+        return "skipped: seed=None (shapes only)"
+    if dist.is_initialized() and dist.get_backend() == "fake":  # simulate(): collectives carry no numbers
+        return "skipped: a simulated (fake) process group carries no numbers"
+    return ""
 
 
-def _agreed(model: nn.Module, program: Program, weights, seed: int | None, agree_timeout: float | None,
-            verify_values: bool, checkpoint, flag: bool = False) -> tuple[Values, tuple | None, bool]:
-    """The local checks of the values and checkpointing, then the ranks' agreement (one small
-    all-gather: the plan, the runtime and the values' checksums; and whether every rank raised
-    ``flag``)."""
-    blocks = resolve_checkpoint(model, checkpoint)
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank agreed on: the ``values`` to slice, the blocks to recompute (``remat``)
+    and whether every rank proved this sharding before (``proved_before``: the probe is skipped)."""
+
+    values: Values
+    remat: CheckpointPlan | None
+    proved_before: bool
+
+
+def agree_on(model: nn.Module, program: Program, *, weights: str | os.PathLike | None, seed: int | None,
+             agree_timeout: float | None, verify_values: bool, remat, proved_before: bool = False) -> Agreed:
+    """The local checks of the values and of ``remat``, then the ranks' agreement (one small
+    all-gather: the plan, the runtime, the values' checksums and ``proved_before``, which
+    holds only if it holds on every rank)."""
+    blocks = resolve_checkpoint(model, remat)
     if blocks is not None:
-        check_recorded_outputs(model, "shard(checkpoint=...)", "drop checkpoint=")
+        check_recorded_outputs(model, "shard(remat=...)", "drop remat=")
     values = Values.prepare(model, program, weights, seed)
     runtime = {"checkpoint": repr(blocks), **values.fingerprint}  # ranks that recompute different blocks would hang
     everyone = agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout),
-                     values.checked if verify_values else None, runtime, flag)
-    return values, blocks, everyone
+                     values.checked if verify_values else None, runtime, proved_before)
+    return Agreed(values, blocks, everyone)
 
 
-def _materialised(model: nn.Module, program: Program, values: Values, blocks) -> tuple[Callable, dict[str, Tensor],
-                                                                                           dict[str, ShardInfo]]:
-    """This rank's shards and the runtime over its skeleton."""
-    params = values.local_shards()
-    template = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of, values.buffers)
-    apply_fn = dataclasses.replace(build_runtime(template, program, blocks), runtime=Runtime(template, program, blocks))
+def prove(proof: Proof, *, mesh: DeviceMesh, proved: str | None, probe_cache: ProbeCache | None,
+          agree_timeout: float | None) -> str:
+    """The proof's verdict (``checks["probe"]``): ``proved``, the verdict every rank remembers,
+    or the probe run now (a collective; a mismatch raises ``PlanError``) and recorded in ``probe_cache``."""
+    if proved is not None:
+        return f"{proved} (probed before in this process: same structure, plan and mesh)"
+    shard_copy = functools.partial(shard_unproved, agree_timeout=agree_timeout)
+    verdict = run_probe(proof.copy, proof.plan, mesh, shard_copy, proof.uses) or "exact on the probe copy"
+    if probe_cache is not None:
+        probe_cache.record(proof.key, verdict)
+    return verdict
+
+
+def shard_unproved(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh,
+                   varying_uses: Mapping[str, frozenset[str]] | None = None, *,
+                   agree_timeout: float | None) -> Sharded:
+    """``shard()`` of the probe's copy (``run_probe``'s ``shard_fn``): compiled with ``varying_uses``,
+    agreed on the fingerprint only, seed 0, nothing recomputed, no proof of its own."""
+    program = build_program(model, plan, mesh, varying_uses=varying_uses)
+    agreed = agree_on(model, program, weights=None, seed=0, agree_timeout=agree_timeout, verify_values=False,
+                      remat=False)
+    return materialise(model, program, agreed)
+
+
+def materialise(model: nn.Module, program: Program, agreed: Agreed, *,
+                checks: Mapping[str, str] | None = None) -> Sharded:
+    """This rank's shards and the runtime over its skeleton (``checks``: what the proof did,
+    kept as ``apply_fn.runtime.checks``)."""
+    params = agreed.values.local_shards()
+    template = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of,
+                              agreed.values.buffers)
+    runtime = Runtime(template, program, agreed.remat, dict(checks or {}))
+    apply_fn = dataclasses.replace(build_runtime(template, program, remat=agreed.remat), runtime=runtime)
     return apply_fn, params, program.infos

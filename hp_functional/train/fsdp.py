@@ -215,7 +215,7 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
     keys = tuple(program.infos)
     block_paths = _blocks(runtime.template, blocks)
     groups = group_parameters(runtime.template, program.leaf_of, keys, block_paths)
-    _check_nesting(groups, runtime.checkpoint.blocks if runtime.checkpoint else ())
+    _check_nesting(groups, runtime.remat.blocks if runtime.remat else ())
     infos = {k: split_info(program.infos[k], mesh, axes) for k in keys}
     agree(dataclasses.replace(program, mesh=mesh), None, None,
           {"fsdp": repr((axes, reshard_after_forward, str(param_dtype), str(reduce_dtype), [g.keys for g in groups]))})
@@ -224,7 +224,7 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
     buckets = tuple(_bucket(g, program, infos, group, sizes, param_dtype, reduce_dtype, sync) for g in groups)
     layout = FsdpLayout(axes[0] if len(axes) == 1 else axes, tuple(groups), buckets, reshard_after_forward, sync)
     state = CallState()
-    preserve_rng = runtime.checkpoint.preserve_rng if runtime.checkpoint else True
+    preserve_rng = runtime.remat.preserve_rng if runtime.remat else True
 
     def install(skeleton: nn.Module, cache) -> None:
         slots_of = {}

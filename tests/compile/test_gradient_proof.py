@@ -170,26 +170,30 @@ def test_proof_reports_what_it_cannot_see():
 
 
 def case_probe_memo():
-    from hp_functional.runtime.probe import VERDICTS
+    from hp_functional.runtime.probe import ProbeCache
 
     model = _model("apertus")
     plan = hpf.ShardingPlan.from_hf(model)
-    first = hpf.shard(model, plan, mesh())[0].runtime.checks["probe"]
-    again = hpf.shard(model, plan, mesh())[0].runtime.checks["probe"]
+    cache = ProbeCache()  # the caller's own: the process's default is not touched
+    first = hpf.shard(model, plan, mesh(), probe_cache=cache)[0].runtime.checks["probe"]
+    again = hpf.shard(model, plan, mesh(), probe_cache=cache)[0].runtime.checks["probe"]
+    remembered = len(cache)
     if rank() == 0:  # one rank forgets: every rank must probe again (the decision is agreed, or ranks would hang)
-        VERDICTS.items.clear()
-    third = hpf.shard(model, plan, mesh())[0].runtime.checks["probe"]
-    return first, again, third
+        cache = ProbeCache()
+    third = hpf.shard(model, plan, mesh(), probe_cache=cache)[0].runtime.checks["probe"]
+    unremembered = hpf.shard(model, plan, mesh(), probe_cache=None)[0].runtime.checks["probe"]
+    return first, again, third, unremembered, remembered
 
 
 def test_probe_verdicts_are_remembered_and_the_decision_agreed():
-    """The same structure, plan and mesh is probed once per process; whether to skip is decided
-    in ``shard()``'s one agreement all-gather, so one rank's cache never leaves the others waiting."""
-    for first, again, third in get_pool(2).run(case_probe_memo):
-        assert first in ("exact on the probe copy", "exact on the probe copy (probed before in this process: same "
-                         "structure, plan and mesh)"), first
-        assert again.endswith("(probed before in this process: same structure, plan and mesh)"), again
-        assert third == "exact on the probe copy", third
+    """The same structure, plan and mesh is probed once per cache (``shard(probe_cache=)``); whether
+    to skip is decided in ``shard()``'s one agreement all-gather, so one rank's cache never leaves
+    the others waiting; ``probe_cache=None`` always probes."""
+    for first, again, third, unremembered, remembered in get_pool(2).run(case_probe_memo):
+        assert first == "exact on the probe copy", first
+        assert again == "exact on the probe copy (probed before in this process: same structure, plan and mesh)", again
+        assert third == unremembered == "exact on the probe copy", (third, unremembered)
+        assert remembered == 1
 
 
 def case_fsdp_folds_cp(family: str, axis):

@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
         VocabEmbedding as VocabEmbedding,
         vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
     )
+    from .parallel.ulysses.styles import Ulysses as Ulysses
     from .plan.plan import ShardingPlan as ShardingPlan
     from .plan.recipes import llama_sp_plan as llama_sp_plan, megatron_plan as megatron_plan
     from .planner.auto import auto_plan as auto_plan
@@ -131,6 +132,7 @@ _LAZY: dict[str, str] = {
     "auto_plan": ".planner.auto",
     "ContextParallel": ".parallel.context.styles",
     "ContextInputs": ".parallel.context.inputs",
+    "Ulysses": ".parallel.ulysses.styles",
     "Experts": ".parallel.experts.styles",
     "expert_mesh": ".parallel.experts.styles",
     "ExpertsCall": ".parallel.experts.calls",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.rank_pool import RankPool
+from tests.support.rank_pool import RankPool
 
 _pools: dict[int, RankPool] = {}
 

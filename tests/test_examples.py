@@ -38,7 +38,7 @@ def case_jvp_example():
     """examples/jvp_fsdp_tp.py's check in the rank pool (the script itself is the same under torchrun)."""
     import importlib.util
 
-    from tests.helpers import mesh
+    from tests.support.helpers import mesh
 
     spec = importlib.util.spec_from_file_location("jvp_fsdp_tp", ROOT / "examples" / "jvp_fsdp_tp.py")
     example = importlib.util.module_from_spec(spec)

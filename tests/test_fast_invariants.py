@@ -25,7 +25,7 @@ from torch.func import grad, grad_and_value, jvp, vmap
 import hp_functional as hpf
 from hp_functional import collectives as C
 from tests.conftest import get_pool
-from tests.helpers import assert_close, mesh, rank, world
+from tests.support.helpers import assert_close, mesh, rank, world
 
 
 class Deferred:
@@ -57,8 +57,8 @@ def case_fsdp_scale(state) -> dict:
     * over ``("dp", "cp")`` at dp 1 × cp 2 (the titan-style Llama with ring attention): the ``cp``
       sum is folded into the one reduce-scatter, which must then divide by the dp size (1), not by
       the group's size (2); no ``cp`` reduction is left owed."""
-    from tests.test_context_inputs import CP
-    from tests.titan_llama import VOCAB, Transformer
+    from tests.parallel.test_context_inputs import CP
+    from tests.support.titan_llama import VOCAB, Transformer
 
     diffs, checks = {}, Deferred()
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def case_fsdp_scale(state) -> dict:
 
 
 def test_fsdp_reduce_scatter_scale_dp_mean_and_folded_cp_sum():
-    from tests.titan_llama import make_titan_state
+    from tests.support.titan_llama import make_titan_state
 
     print(get_pool(2).run(case_fsdp_scale, make_titan_state())[0])
 
@@ -100,7 +100,7 @@ def test_fsdp_reduce_scatter_scale_dp_mean_and_folded_cp_sum():
 # ---------------------------------------------------------------- every collective's backward
 def _asymmetric_splits(total: int, n: int, r: int) -> list[int]:
     """Rank ``r``'s send splits of an all-to-all-v whose sends differ from its receives (at ws 2
-    the cyclic splits of ``tests/test_collectives.py`` send what they receive, so a swapped
+    the cyclic splits of ``tests/core/test_collectives.py`` send what they receive, so a swapped
     transpose would go unnoticed): ``1 + r + j`` slices to rank j, the rest to the last rank."""
     head = [1 + r + j for j in range(n - 1)]
     return [*head, total - sum(head)]
@@ -108,7 +108,7 @@ def _asymmetric_splits(total: int, n: int, r: int) -> list[int]:
 
 def _asymmetric_case(dim: int) -> dict:
     """``all_to_all_v`` with ``_asymmetric_splits``: (fn, math, expected gradient) as the cases of
-    ``tests/test_collectives.py``, under the name ``all_to_all_v(asymmetric)``."""
+    ``tests/core/test_collectives.py``, under the name ``all_to_all_v(asymmetric)``."""
     n = world()
 
     def splits(total: int, r: int) -> tuple[list[int], list[int]]:
@@ -131,8 +131,8 @@ def _asymmetric_case(dim: int) -> dict:
 def case_collective_backwards() -> dict:
     """Each collective of ``C.COLLECTIVES`` at dim 1 and -1: forward and the gradient of
     ``<w_r, y_r>`` (``.backward()`` and ``torch.func.grad``) against the math of
-    ``tests/test_collectives.py``, and an all-to-all-v whose sends differ from its receives."""
-    from tests.test_collectives import _cases, _expected_grad, _inputs, _weights
+    ``tests/core/test_collectives.py``, and an all-to-all-v whose sends differ from its receives."""
+    from tests.core.test_collectives import _cases, _expected_grad, _inputs, _weights
 
     g = C.AxisGroup.from_mesh(mesh(), "tp")
     r, n = rank(), world()
@@ -166,7 +166,7 @@ def case_collective_jvp_and_vmap() -> dict:
     collective is linear) and its vmap rule over a leading batch dim (the op on each element).  A
     backward applies the transpose, itself a collective of the table, so its batching rule is
     checked here too."""
-    from tests.test_collectives import _cases, _inputs, _weights
+    from tests.core.test_collectives import _cases, _inputs, _weights
 
     g = C.AxisGroup.from_mesh(mesh(), "tp")
     r, n = rank(), world()

@@ -33,7 +33,7 @@ from hp_functional.core.cp_layout import cp_positions
 from hp_functional.core.ring_attention import RingAttention, allgather_attention
 from hp_functional.tools.models import build_model, tiny_config
 from tests.conftest import one_device
-from tests.helpers import assert_close
+from tests.support.helpers import assert_close
 
 pytestmark = pytest.mark.gpu
 

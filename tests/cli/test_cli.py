@@ -19,7 +19,7 @@ from hp_functional.cli.main import main
 from hp_functional.tools.models import tiny_config
 from hp_functional.tools.tables import collapsed_params
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 C = tiny_config("llama")
 
 # a Llama-3-8B-shaped config (built on the meta device by ``plan``: nothing is allocated)

@@ -23,7 +23,7 @@ from torch.func import grad_and_value
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.helpers import assert_close, mesh, rank, world
+from tests.support.helpers import assert_close, mesh, rank, world
 
 FAMILIES = {
     "apertus": {},
@@ -201,7 +201,7 @@ def case_fsdp_folds_cp(family: str, axis):
     rank.  Over ("dp", "cp") the cp sum is folded into the reduce-scatter (torchtitan's
     ``dp_shard_cp``): no all-reduce on cp in the backward; over "dp" alone one per bucket.  Either
     way the gradient (mean over dp) is the unsharded model's on the global batch."""
-    from tests.test_fsdp import Collectives
+    from tests.train.test_fsdp import Collectives
 
     model = _model(family)
     m = mesh((2, 2), ("dp", "cp"))

@@ -13,9 +13,9 @@ from torch.func import grad_and_value
 import hp_functional as hpf
 from hp_functional.core.placement import GroupedShard, slice_local
 from tests.conftest import get_pool
-from tests.helpers import assert_close, build_hf, make_hf_state, mesh, world
-from tests.models import AttrAttention, attn_plan
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, build_hf, make_hf_state, mesh, world
+from tests.support.models import AttrAttention, attn_plan
+from tests.support.snapshot import assert_unchanged, snapshot
 
 K = "model.layers.0.self_attn.k_proj.weight"
 

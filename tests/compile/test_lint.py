@@ -10,8 +10,8 @@ from torch.distributed.tensor import Replicate, Shard
 import hp_functional as hpf
 from hp_functional import PlanWarning, lint, simulate
 from hp_functional.compile.lint import collapse
-from tests.helpers import build_hf
-from tests.models import MLP, PLANS, AttrAttention, attn_plan
+from tests.support.helpers import build_hf
+from tests.support.models import MLP, PLANS, AttrAttention, attn_plan
 
 L = "model.layers.*"
 
@@ -106,7 +106,7 @@ def test_each_finding(name):
 
 def test_heads_split_by_too_many_ranks():
     """8 ranks and 4 heads of 8: q/k/v_proj would leave 4 features (half a head) per rank.  (Fewer
-    KV heads than ranks alone are replicated, not cut: tests/test_kv_heads.py.)"""
+    KV heads than ranks alone are replicated, not cut: tests/compile/test_kv_heads.py.)"""
 
     def run(m):
         model = build_hf("llama", num_attention_heads=4, hidden_size=32)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hp_functional as hpf
-from tests.helpers import assert_close, build_hf, mesh
+from tests.support.helpers import assert_close, build_hf, mesh
 
 
 class Attn(nn.Module):

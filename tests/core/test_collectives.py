@@ -1,5 +1,5 @@
 """Each collective's forward, backward, jvp, vmap and vmap(grad) against the math, on gloo ranks;
-the table of transpose pairs is closed (higher orders: tests/test_higher_order.py)."""
+the table of transpose pairs is closed (higher orders: tests/core/test_higher_order.py)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch.func import grad, jvp, vjp, vmap
 import hp_functional as hpf
 from hp_functional import collectives as C
 from tests.conftest import get_pool
-from tests.helpers import assert_close, cyclic_splits, mesh, rank, world
+from tests.support.helpers import assert_close, cyclic_splits, mesh, rank, world
 
 SHAPE = (4, 8, 12)  # every split dim divisible by 2 and 4
 

@@ -35,9 +35,9 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp,
 import hp_functional as hpf
 from hp_functional import collectives as C
 from tests.conftest import get_pool
-from tests.helpers import assert_close, cyclic_splits, mesh, rank, world
-from tests.models import MLP, build_llama, make_llama_state
-from tests.test_collectives import exchange
+from tests.core.test_collectives import exchange
+from tests.support.helpers import assert_close, cyclic_splits, mesh, rank, world
+from tests.support.models import MLP, build_llama, make_llama_state
 
 TOL = {"atol": 1e-9, "rtol": 1e-9}  # fp64 throughout
 F64 = C.Precision(torch.float64, torch.float64, torch.float64)  # FSDP's pair without a cast
@@ -464,7 +464,7 @@ def case_compile_limits():
     on the same compiled function raises (donated buffers); (2) on a fresh compile the
     create_graph grad works but the double backward raises; (3) torch.func.grad of a compiled
     region drops every custom backward (pytorch/pytorch#193279): copy_to's all-reduce is lost,
-    so ∂f/∂x is this rank's term only.  The plain ``.backward()`` keeps it (tests/test_compile.py)."""
+    so ∂f/∂x is this rank's term only.  The plain ``.backward()`` keeps it (tests/runtime/test_torch_compile.py)."""
     g, r, n = _group(), rank(), world()
     W, x = _randn(0, n, 3), _randn(1, 3)
 

@@ -16,7 +16,7 @@ import hp_functional as hpf
 from hp_functional.core.collectives import AxisGroup
 from hp_functional.core.ring_attention import STRATEGIES, ContextAttention
 from tests.conftest import get_pool
-from tests.helpers import assert_close, mesh, world
+from tests.support.helpers import assert_close, mesh, world
 
 
 def _group():

@@ -25,7 +25,7 @@ from torch.func import grad_and_value
 import hp_functional as hpf
 from hp_functional.sources.hf import LocalParams, hf_entries
 from tests.conftest import get_pool
-from tests.helpers import assert_close, mesh
+from tests.support.helpers import assert_close, mesh
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
             num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,

@@ -6,8 +6,8 @@ from torch.distributed.tensor import Replicate
 from torch.func import grad_and_value
 
 import hp_functional as hpf
-from tests.helpers import assert_close, build_hf, make_hf_state, mesh
-from tests.models import build_llama, make_llama_state
+from tests.support.helpers import assert_close, build_hf, make_hf_state, mesh
+from tests.support.models import build_llama, make_llama_state
 
 
 def case_llama(state, plan_kind: str, mesh_shape, cfg, family: str = "llama"):

@@ -8,7 +8,7 @@ import pytest
 from hp_functional.tools.model_configs import tiny_config_for
 from hp_functional.tools.sweep import EXACT, LITTLE, REFUSED, UNBUILDABLE, check_family, combine, heads_allow
 from tests.conftest import get_pool
-from tests.helpers import mesh
+from tests.support.helpers import mesh
 
 # dense with HF plans (GQA, tied/scaled embedding, packed qkv/gate_up), auto_plan (GPT-2's Conv1D
 # and OPT's attention), and MoE (experts: HF's tp_plan leaves them whole, so exact but sharded little)

@@ -1,6 +1,6 @@
 """torchtitan's own models and plans (the installed package, the ``titan`` extra) through
 ``ShardingPlan.from_torch``: the plan dicts torchtitan's ``parallelize`` functions hand to
-``parallelize_module`` (recorded, not applied: ``tests/torchtitan_real.py``) given to ``shard``.
+``parallelize_module`` (recorded, not applied: ``tests/support/torchtitan_real.py``) given to ``shard``.
 
 * Llama 3 ``apply_tp`` (sequence parallel, gathered head and loss parallel) and dense Qwen 3
   ``apply_non_moe_tp`` at tp 2 and 4;
@@ -22,8 +22,8 @@ from torch.func import grad_and_value
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.helpers import assert_close, mesh
-from tests.torchtitan_real import HAVE_TITAN, SEQ, VOCAB, WHY
+from tests.support.helpers import assert_close, mesh
+from tests.support.torchtitan_real import HAVE_TITAN, SEQ, VOCAB, WHY
 
 pytestmark = [pytest.mark.skipif(not HAVE_TITAN, reason=WHY), pytest.mark.slow]
 
@@ -81,7 +81,7 @@ def case_dense(family: str, loss_parallel: bool):
     """Llama 3 / Qwen 3 with torchtitan's own TP plan function, recorded and given to ``from_torch``."""
     from contextlib import nullcontext
 
-    from tests import torchtitan_real as T
+    from tests.support import torchtitan_real as T
 
     if family == "llama3":
         from torchtitan.models.llama3.infra.parallelize import apply_tp
@@ -116,7 +116,7 @@ def deepseek_plans(model, layout: str) -> tuple[dict, tuple[int, ...], tuple[str
     from torchtitan.models.deepseek_v3.infra.parallelize import apply_non_moe_tp
     from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
 
-    from tests import torchtitan_real as T
+    from tests.support import torchtitan_real as T
 
     entries: dict = {}
     if layout in ("tp", "ep_tp"):
@@ -131,7 +131,7 @@ def deepseek_plans(model, layout: str) -> tuple[dict, tuple[int, ...], tuple[str
 def case_deepseek(layout: str):
     """DeepSeek-V3 (MLA, MoE) with torchtitan's plans: ``NoParallel``, the MLA expand by the
     global ``n_heads`` (localised by ``from_torch``), and the MoE experts styles."""
-    from tests import torchtitan_real as T
+    from tests.support import torchtitan_real as T
 
     model = T.deepseek_v3()
     entries, shape, names = deepseek_plans(model, layout)
@@ -164,7 +164,7 @@ def case_context(strategy: str, tp: bool):
     on a (cp, tp) mesh."""
     from torchtitan.models.llama3.infra.parallelize import apply_tp
 
-    from tests import torchtitan_real as T
+    from tests.support import torchtitan_real as T
 
     model = T.llama3(max_seq_len=64)  # the shard-time probe's batch is 8 x world size long
     entries = T.parallelize_plans(apply_tp, model, "tp", False, False)["tp"] if tp else {}
@@ -210,8 +210,8 @@ def case_bad_input():
     PlanError naming the entry or the attribute, before any collective; the model untouched."""
     from torchtitan.distributed.expert_parallel import ReordererSequenceParallel
 
-    from tests import torchtitan_real as T
-    from tests.helpers import plan_errors
+    from tests.support import torchtitan_real as T
+    from tests.support.helpers import plan_errors
 
     model = T.deepseek_v3(n_heads=3)
     entries, _, _ = deepseek_plans(model, "tp")

@@ -32,8 +32,8 @@ from hp_functional import collectives as C
 from hp_functional.core.host_comm import all_gather_objects
 from hp_functional.core.placement import slice_local
 from tests.conftest import get_pool
-from tests.helpers import build_hf, make_hf_state, mesh
-from tests.models import BufferNet
+from tests.support.helpers import build_hf, make_hf_state, mesh
+from tests.support.models import BufferNet
 
 COLUMNS = ("grad", "vjp", "jvp", "vmap", "vmap_grad", "jvp_grad", "grad_grad", "hessian")
 LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

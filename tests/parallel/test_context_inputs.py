@@ -15,8 +15,8 @@ from torch.func import grad_and_value
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.helpers import assert_close, assert_errors, mesh, plan_errors
-from tests.titan_llama import VOCAB, Transformer, make_titan_state, titan_tp_plan
+from tests.support.helpers import assert_close, assert_errors, mesh, plan_errors
+from tests.support.titan_llama import VOCAB, Transformer, make_titan_state, titan_tp_plan
 
 SEQ = 16
 CP = hpf.ContextInputs(sequence={"tokens": 1}, positions="positions")

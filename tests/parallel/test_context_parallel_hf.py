@@ -12,8 +12,8 @@ from torch.func import grad_and_value
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.helpers import assert_close, assert_errors, build_hf, make_hf_state, mesh, plan_errors, rank, world
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, assert_errors, build_hf, make_hf_state, mesh, plan_errors, rank, world
+from tests.support.snapshot import assert_unchanged, snapshot
 
 SEQ = 16
 

@@ -17,8 +17,8 @@ from torch.func import grad_and_value
 import hp_functional as hpf
 from hp_functional.core.placement import slice_local
 from tests.conftest import get_pool
-from tests.helpers import assert_close, assert_errors, mesh, plan_errors, rank, world
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, assert_errors, mesh, plan_errors, rank, world
+from tests.support.snapshot import assert_unchanged, snapshot
 
 LAYERS = 2
 

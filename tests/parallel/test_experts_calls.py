@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import grad_and_value
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh
+from tests.support.helpers import assert_close, mesh
 
 E, H, INTER, K = 4, 8, 6, 2
 

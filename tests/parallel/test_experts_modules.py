@@ -19,8 +19,8 @@ from torch.nn import functional as F
 import hp_functional as hpf
 from hp_functional.core.placement import StackedShard, slice_local
 from tests.conftest import get_pool
-from tests.helpers import assert_close, assert_errors, mesh, plan_errors, rank, world
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, assert_errors, mesh, plan_errors, rank, world
+from tests.support.snapshot import assert_unchanged, snapshot
 
 EXPERTS, HIDDEN = 4, 16
 

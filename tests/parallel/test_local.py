@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh
-from tests.models import MLP, make_mlp_state
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, mesh
+from tests.support.models import MLP, make_mlp_state
+from tests.support.snapshot import assert_unchanged, snapshot
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "local_attention.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local_attention.py"
 
 
 def _example():

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh, rank, world
+from tests.support.helpers import assert_close, mesh, rank, world
 
 
 def _split_sizes(vocab: int, n: int) -> list[int]:

@@ -5,8 +5,8 @@ import torch
 from torch.func import grad, grad_and_value, vmap
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh
-from tests.models import MLP, PLANS, make_mlp_state
+from tests.support.helpers import assert_close, mesh
+from tests.support.models import MLP, PLANS, make_mlp_state
 
 
 def case_mlp(state, plan_name: str, mesh_shape):

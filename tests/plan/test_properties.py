@@ -22,8 +22,8 @@ from torch.distributed.tensor import Replicate, Shard
 import hp_functional as hpf
 from hp_functional.core.style import ModuleSpec, Style
 from hp_functional.sources.hf import HF_STYLES
-from tests import property_cases as pc
-from tests.property_cases import BlockSpec, Case, MixSpec, NetSpec
+from tests.support import property_cases as pc
+from tests.support.property_cases import BlockSpec, Case, MixSpec, NetSpec
 
 MESHES = {
     2: [((2,), ("tp",)), ((2,), ("model",)), ((1, 2), ("dp", "tp")), ((2, 1), ("dp", "tp"))],

@@ -17,9 +17,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
 from hp_functional.tools.models import TINY
-from tests.helpers import assert_close, build_hf, mesh
-from tests.models import MLP
-from tests.titan_llama import RMSNorm
+from tests.support.helpers import assert_close, build_hf, mesh
+from tests.support.models import MLP
+from tests.support.titan_llama import RMSNorm
 
 
 # ---------------------------------------------------------------- a decoder of our own

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh
+from tests.support.helpers import assert_close, mesh
 
 
 def build(kind: str, state=None):

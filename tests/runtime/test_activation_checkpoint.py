@@ -7,16 +7,16 @@ import warnings
 
 import pytest
 import torch
+from hp_functional.runtime.checkpoint import ActivationCheckpoint
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 import hp_functional as hpf
 from hp_functional.runtime import shard as shard_module
-from hp_functional.runtime.checkpoint import ActivationCheckpoint
-from tests.helpers import assert_close, mesh, raised
-from tests.models import MLP, build_llama, make_llama_state
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, mesh, raised
+from tests.support.models import MLP, build_llama, make_llama_state
+from tests.support.snapshot import assert_unchanged, snapshot
 
 LAYERS = ["model.layers.0", "model.layers.1"]
 

@@ -6,9 +6,9 @@ from torch.distributed.tensor import Shard
 from torch.func import grad_and_value
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh
-from tests.models import AttrAttention, attn_plan
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, mesh
+from tests.support.models import AttrAttention, attn_plan
+from tests.support.snapshot import assert_unchanged, snapshot
 
 
 def case_attr_heads(state, user_handler: bool):

@@ -8,9 +8,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
-from tests.helpers import mesh, raised, world
-from tests.models import MLP, PLANS, build_llama, make_llama_state
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import mesh, raised, world
+from tests.support.models import MLP, PLANS, build_llama, make_llama_state
+from tests.support.snapshot import assert_unchanged, snapshot
 
 
 class Odd(nn.Module):

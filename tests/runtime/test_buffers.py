@@ -4,7 +4,7 @@ buffer in its forward) at tp 2 and 4, against ``torch.func.functional_call`` of 
 model with the same buffers: loss, every gradient and every buffer after the step, under
 ``torch.func.grad``, ``.backward()`` and ``vmap``; the caller's tensors untouched; a call without
 ``buffers=`` as before; save/load and unshard over params and buffers merged; bad buffers named
-before any collective.  (torchtitan's MoE token counts: ``tests/test_torchtitan.py``.)"""
+before any collective.  (torchtitan's MoE token counts: ``tests/models/test_torchtitan.py``.)"""
 
 import pytest
 import torch
@@ -12,8 +12,8 @@ from torch.func import functional_call, grad_and_value, vmap
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.helpers import assert_close, mesh, world
-from tests.models import BufferNet
+from tests.support.helpers import assert_close, mesh, world
+from tests.support.models import BufferNet
 
 Net = BufferNet
 

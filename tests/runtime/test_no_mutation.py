@@ -5,9 +5,9 @@ import torch
 from torch.func import grad
 
 import hp_functional as hpf
-from tests.helpers import mesh
-from tests.models import build_llama, make_llama_state
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import mesh
+from tests.support.models import build_llama, make_llama_state
+from tests.support.snapshot import assert_unchanged, snapshot
 
 
 def case_no_mutation(state):

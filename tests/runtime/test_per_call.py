@@ -16,8 +16,8 @@ from hp_functional.core import lowering, placement
 from hp_functional.parallel.tensor import styles
 from hp_functional.plan import plan
 from hp_functional.runtime import boundary, skeleton
-from tests.helpers import assert_close, mesh
-from tests.models import build_llama, make_llama_state
+from tests.support.helpers import assert_close, mesh
+from tests.support.models import build_llama, make_llama_state
 
 
 def _subclasses(cls: type) -> list[type]:

@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.helpers import mesh
-from tests.models import build_llama, make_llama_state
+from tests.support.helpers import mesh
+from tests.support.models import build_llama, make_llama_state
 
 THREADS, CALLS = 4, 5
 

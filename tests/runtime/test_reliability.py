@@ -14,10 +14,10 @@ from torch.func import grad, vmap
 import hp_functional as hpf
 from hp_functional.compile import agree as agree_module
 from tests.conftest import get_pool
-from tests.helpers import assert_close, build_hf, mesh, rank, world
-from tests.models import build_llama, make_llama_state
-from tests.rank_pool import RankFailure, RankPool
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, build_hf, mesh, rank, world
+from tests.support.models import build_llama, make_llama_state
+from tests.support.rank_pool import RankFailure, RankPool
+from tests.support.snapshot import assert_unchanged, snapshot
 
 
 # ------------------------------------------------------------------ cross-rank agreement

@@ -11,7 +11,7 @@ from torch.func import grad_and_value
 import hp_functional as hpf
 from hp_functional.core import counter_rng
 from hp_functional.core.placement import GroupedShard, ShardInfo, StackedShard, local_layout, slice_local
-from tests.helpers import assert_close, build_hf, make_hf_state, mesh, raised
+from tests.support.helpers import assert_close, build_hf, make_hf_state, mesh, raised
 
 LLAMA = {"attention_dropout": 0.3}
 PHI3 = {"attention_dropout": 0.2, "resid_pdrop": 0.2}
@@ -269,7 +269,7 @@ def case_rng_cp_declared_inputs(state, seed: int = 3):
     """A model without HF's arguments (the torchtitan-style Llama, ``hpf.ContextInputs``) at cp 2, contiguous:
     a dropout after each block's feed-forward, with the whole batch (positional tokens) and with cp_sharded
     chunks, against the unsharded model under the same generator."""
-    from tests.titan_llama import VOCAB, Transformer
+    from tests.support.titan_llama import VOCAB, Transformer
 
     model = Transformer()
     model.load_state_dict(state)
@@ -301,7 +301,7 @@ def case_rng_cp_declared_inputs(state, seed: int = 3):
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_rng_cp_declared_inputs_matches_unsharded(pool):
-    from tests.titan_llama import make_titan_state
+    from tests.support.titan_llama import make_titan_state
 
     for draws, worst in pool.run(case_rng_cp_declared_inputs, make_titan_state()):
         assert draws == 2 and worst < 1e-5

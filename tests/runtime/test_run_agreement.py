@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 import hp_functional as hpf
 from hp_functional.runtime import inputs
 from tests.conftest import get_pool
-from tests.helpers import mesh, rank
-from tests.models import build_llama, make_llama_state
+from tests.support.helpers import mesh, rank
+from tests.support.models import build_llama, make_llama_state
 
 
 def _error(fn, *args, **kwargs) -> str | None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh
-from tests.models import build_llama, make_llama_state
+from tests.support.helpers import assert_close, mesh
+from tests.support.models import build_llama, make_llama_state
 
 
 def _grads(params) -> dict[str, torch.Tensor]:

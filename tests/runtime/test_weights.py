@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import get_pool
-from tests.helpers import assert_close, build_hf, make_hf_state, mesh, rank
+from tests.support.helpers import assert_close, build_hf, make_hf_state, mesh, rank
 
 #: tied (no lm_head in the file), untied with biases, packed gate_up with a vocab-parallel embedding
 FAMILIES = {"llama": {"tie_word_embeddings": True}, "qwen2": {}, "phi3": {}}
@@ -214,7 +214,7 @@ def test_bad_checkpoints_raise_on_every_rank_naming_the_tensor(saved, tmp_path):
 def _plain_module(folder: str) -> float:
     """torch's reset_parameters as the init (no HF), and weights= from a plain save_file."""
     import hp_functional as hpf
-    from tests.models import MLP
+    from tests.support.models import MLP
 
     plan = {"up": "colwise", "down": "rowwise"}
     with torch.device("meta"):
@@ -236,7 +236,7 @@ def _plain_module(folder: str) -> float:
 def test_a_plain_module_loads_and_initialises_on_meta(pool, tmp_path):
     from safetensors.torch import save_file
 
-    from tests.models import MLP, make_mlp_state
+    from tests.support.models import MLP, make_mlp_state
 
     model = MLP()
     model.load_state_dict(make_mlp_state())

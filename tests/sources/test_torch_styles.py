@@ -1,7 +1,7 @@
 """Torch's own ParallelStyle plans (the dict ``parallelize_module`` takes) accepted as they are:
 torchtitan's Llama SP plan and a plain Megatron plan on a tiny HF Llama — loss, logits and every
 gradient vs the unsharded model; the same placements as our own plan; torchtitan's ``apply_tp``
-plan (gathered head and loss parallel) on a torchtitan-style Llama (``tests/titan_llama.py``) vs
+plan (gathered head and loss parallel) on a torchtitan-style Llama (``tests/support/titan_llama.py``) vs
 the unsharded model and torch's ``parallelize_module``; bad styles raise."""
 
 import pytest
@@ -19,8 +19,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh, world
-from tests.models import build_llama, make_llama_state
+from tests.support.helpers import assert_close, mesh, world
+from tests.support.models import build_llama, make_llama_state
 
 L = "model.layers.*"
 
@@ -206,8 +206,8 @@ def case_titan(state, loss_parallel: bool):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel, parallelize_module
 
-    from tests.helpers import rank
-    from tests.titan_llama import VOCAB, Transformer, titan_tp_plan
+    from tests.support.helpers import rank
+    from tests.support.titan_llama import VOCAB, Transformer, titan_tp_plan
 
     m, model = mesh(), Transformer()
     model.load_state_dict(state)
@@ -261,7 +261,7 @@ def case_titan(state, loss_parallel: bool):
 @pytest.mark.parametrize("loss_parallel", [False, True], ids=["gathered_head", "loss_parallel"])
 @pytest.mark.slow
 def test_torchtitan_model_and_plan_match_unsharded_and_parallelize_module(pool, loss_parallel):
-    from tests.titan_llama import make_titan_state
+    from tests.support.titan_llama import make_titan_state
 
     out = pool.run(case_titan, make_titan_state(), loss_parallel)
     p = out[0][1]

@@ -1,4 +1,4 @@
-"""Run by tests/test_dcp.py under ``torchrun --nproc-per-node 2``: save checkpoint A completely,
+"""Run by tests/train/test_dcp.py under ``torchrun --nproc-per-node 2``: save checkpoint A completely,
 then start checkpoint B and kill rank 1 half-way through writing its data file."""
 
 import os
@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import hp_functional as hpf
 from hp_functional.train import dcp
-from tests.models import MLP, PLANS, make_mlp_state
+from tests.support.models import MLP, PLANS, make_mlp_state
 
 
 def main(root: str) -> None:

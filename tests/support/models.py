@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import hp_functional as hpf
-from tests.helpers import build_hf, make_hf_state
+from tests.support.helpers import build_hf, make_hf_state
 
 
 def make_llama_state(**cfg):

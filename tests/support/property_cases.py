@@ -1,4 +1,4 @@
-"""Models, plan building blocks and the per-rank checks behind tests/test_properties.py.
+"""Models, plan building blocks and the per-rank checks behind tests/plan/test_properties.py.
 
 A case is plain data (``Case``): a model description (``NetSpec``), a mesh, the plan's entries
 and the layouts the caller passes and receives.  Every rank rebuilds the same model from the
@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
-from tests.helpers import mesh
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import mesh
+from tests.support.snapshot import assert_unchanged, snapshot
 
 ACTS = {"gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh}
 

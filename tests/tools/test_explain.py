@@ -7,8 +7,8 @@ from torch.distributed.tensor import Shard
 import hp_functional as hpf
 from hp_functional import explain, simulate
 from hp_functional.tools.models import tiny_config
-from tests.helpers import build_hf, mesh
-from tests.models import MLP, PLANS
+from tests.support.helpers import build_hf, mesh
+from tests.support.models import MLP, PLANS
 
 B, S = 2, 8  # batch and sequence of the example inputs
 

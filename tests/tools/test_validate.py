@@ -9,9 +9,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import hp_functional as hpf
 from hp_functional import PlacementMismatchError, ValidationError, validate, validate_placements
-from tests.helpers import build_hf, make_hf_state, mesh, world
-from tests.models import MLP, make_mlp_state
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import build_hf, make_hf_state, mesh, world
+from tests.support.models import MLP, make_mlp_state
+from tests.support.snapshot import assert_unchanged, snapshot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ def _local_attention():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "local_attention.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "local_attention.py"
     spec = importlib.util.spec_from_file_location("local_attention", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

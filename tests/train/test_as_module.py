@@ -15,9 +15,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh
-from tests.models import MLP, PLANS, build_llama, make_llama_state, make_mlp_state
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, mesh
+from tests.support.models import MLP, PLANS, build_llama, make_llama_state, make_mlp_state
+from tests.support.snapshot import assert_unchanged, snapshot
 
 LR = 1e-2
 

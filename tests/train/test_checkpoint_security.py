@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.helpers import build_hf, make_hf_state, mesh
-from tests.models import MLP, PLANS, make_mlp_state
+from tests.support.helpers import build_hf, make_hf_state, mesh
+from tests.support.models import MLP, PLANS, make_mlp_state
 
 MARKER = "hpf_complete.json"
 

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hp_functional as hpf
 from hp_functional.core.placement import ShardInfo
 from hp_functional.train.data_parallel import plan_buckets
-from tests.helpers import assert_close, mesh, world
-from tests.models import build_llama, make_llama_state
+from tests.support.helpers import assert_close, mesh, world
+from tests.support.models import build_llama, make_llama_state
 
 INF = math.inf
 

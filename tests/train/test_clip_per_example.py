@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 import hp_functional as hpf
-from tests.helpers import assert_close, mesh, raised
-from tests.models import MLP, PLANS, build_llama, make_llama_state, make_mlp_state
+from tests.support.helpers import assert_close, mesh, raised
+from tests.support.models import MLP, PLANS, build_llama, make_llama_state, make_mlp_state
 
 GLOBAL_BATCH, SEQ = 6, 8
 

@@ -25,10 +25,10 @@ from hp_functional.core.placement import slice_local
 from hp_functional.train.dcp import MARKER, latest, load, save
 from hp_functional.train.optim import state_info
 from tests.conftest import get_pool
-from tests.helpers import build_hf, make_hf_state, mesh, raised
-from tests.models import MLP, PLANS, build_llama, make_llama_state, make_mlp_state
+from tests.support.helpers import build_hf, make_hf_state, mesh, raised
+from tests.support.models import MLP, PLANS, build_llama, make_llama_state, make_mlp_state
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LR = 1e-3
 LAYOUTS = ("tp", "tp1", "dp2xtp2", "fsdp")  # tp: over every rank (tp 2 at 2 ranks, tp 4 at 4)
 
@@ -98,12 +98,12 @@ def case_save(state, root: str):
 
 @pytest.fixture(scope="module")
 def crash_run(tmp_path_factory):
-    """The kill-a-rank run (``tests/dcp_crash_script.py`` under torchrun), started before the pool
+    """The kill-a-rank run (``tests/support/dcp_crash_script.py`` under torchrun), started before the pool
     cases so that its process starts overlap theirs; ``test_killed_rank...`` waits for it."""
     root, logs = tmp_path_factory.mktemp("crash"), tmp_path_factory.mktemp("crash_log")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "dcp_crash_script.py"), str(root)]
+           str(ROOT / "tests" / "support" / "dcp_crash_script.py"), str(root)]
     with open(logs / "torchrun.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     yield proc, root, logs / "torchrun.log"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import get_pool
-from tests.helpers import assert_close, build_hf, make_hf_state, mesh, rank
+from tests.support.helpers import assert_close, build_hf, make_hf_state, mesh, rank
 
 LR = 0.5
 
@@ -46,7 +46,7 @@ def _model(kind: str):
     import hp_functional as hpf
 
     if kind == "packed":
-        from tests.test_weights import _plan
+        from tests.runtime.test_weights import _plan
 
         model = build_hf("phi3", make_hf_state("phi3"))  # gate_up_proj packed_colwise, a vocab-parallel embedding
         return model, _plan("phi3", model), mesh(), None, True  # back at HF's plan: plain colwise, no blocks
@@ -64,7 +64,7 @@ def _model(kind: str):
         layer = "roberta.encoder.layer.*"
         plan = hpf.ShardingPlan({f"{layer}.intermediate.dense": hpf.Colwise(gather_output=True)})
         return model, plan, mesh(), hpf.ShardingPlan({}), True
-    from tests.test_experts import build_moe, make_moe_state
+    from tests.parallel.test_experts import build_moe, make_moe_state
 
     model = build_moe("mixtral", make_moe_state("mixtral"))  # ep 2 -> back at HF's tp plan (experts packed colwise)
     return model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), mesh((2,), ("ep",)), None, False

@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_functional as hpf
 from hp_functional.train import fsdp as fsdp_module
-from tests.helpers import assert_close, mesh
-from tests.models import build_llama, make_llama_state
+from tests.support.helpers import assert_close, mesh
+from tests.support.models import build_llama, make_llama_state
 
 STEPS = 20
 LR = 1e-3
@@ -128,7 +128,7 @@ def case_train(state, world: int, kind: str, func: bool):
 @pytest.mark.slow
 def test_trains_like_the_unsharded_model(pool, kind, func):
     """FSDP x TP and DP x TP at 4 ranks (dp 2 x tp 2), FSDP alone at 2 ranks (DP alone is
-    ``tests/test_clip_dp.py``'s one-step case)."""
+    ``tests/train/test_clip_dp.py``'s one-step case)."""
     worst = pool.run(case_train, make_llama_state(), pool.world, kind, func)
     print(f"{kind} world {pool.world}: max |loss - unsharded| over {STEPS} steps {max(worst):.2e}")
 

@@ -234,7 +234,7 @@ def test_state_is_a_pytree_that_saves_and_resumes():
 
 def test_state_info():
     """Moments share their parameter's ShardInfo; the step is replicated on the params' mesh."""
-    from tests.models import MLP, PLANS
+    from tests.support.models import MLP, PLANS
 
     def case(mesh):
         _, params, info = hpf.shard(MLP(), PLANS["tp"], mesh)

@@ -18,8 +18,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import hp_functional as hpf
 from hp_functional.core.placement import slice_local
 from tests.conftest import get_pool
-from tests.helpers import assert_close, assert_errors, build_hf, make_hf_state, mesh, plan_errors
-from tests.snapshot import assert_unchanged, snapshot
+from tests.support.helpers import assert_close, assert_errors, build_hf, make_hf_state, mesh, plan_errors
+from tests.support.snapshot import assert_unchanged, snapshot
 
 LAYERS = 4
 MICROBATCHES = 4

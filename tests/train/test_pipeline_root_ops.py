@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.helpers import assert_close, assert_errors, mesh, plan_errors
+from tests.support.helpers import assert_close, assert_errors, mesh, plan_errors
 
 LAYERS = 4
 MICROBATCHES = 2

@@ -8,7 +8,7 @@
 Each family runs in a process group of its own (gloo on CPU, ``tp`` ranks spawned once per world
 size and reused: a process start with transformers imported costs seconds), with a timeout: a
 family that outlives it is a ``hang`` and its ranks are killed and respawned.  The per-rank check
-is ``hp_functional.tools.sweep.check_family`` (the suite's ``tests/test_model_sweep.py`` runs the
+is ``hp_functional.tools.sweep.check_family`` (the suite's ``tests/models/test_model_sweep.py`` runs the
 same function).
 """
 

@@ -11,7 +11,7 @@ The public names are imported lazily (PEP 562): ``import hp_functional`` imports
 nor anything else until a name is first used, so the ``hp-functional`` command line (whose
 module lives under this package) starts fast.  ``_LAZY`` is the one place that says which
 submodule defines each name, and ``__all__`` is derived from it; the ``TYPE_CHECKING`` block
-repeats it for static tools (``tests/test_cli.py`` checks that the two agree).
+repeats it for static tools (``tests/cli/test_cli.py`` checks that the two agree).
 """
 
 from __future__ import annotations

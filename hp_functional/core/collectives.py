@@ -558,7 +558,7 @@ def mean_scatter(x: Tensor, dim: int, precision: Precision, divisor: int | Tenso
 
 #: Every collective of this module by its public function's name: the one table of conjugate
 #: pairs.  The transpose's transpose is the collective itself and the transpose's type is the
-#: reverse (tests/test_collectives.py checks both, and that the module docstring's table agrees).
+#: reverse (tests/core/test_collectives.py checks both, and that the module docstring's table agrees).
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
     AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, AllToAllV, SendTo, RecvFrom, CopyTo, ReduceFrom,
     GatherFrom, SplitTo, PartialFrom, LeaveRegion, CopyToReplicas, ReduceFromReplicas, GatherParams, MeanScatter)}

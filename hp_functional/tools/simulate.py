@@ -71,7 +71,7 @@ def simulate(
         # Under LocalTensorMode a LocalTensor holds one value per simulated rank, and the collectives whose forward
         # and backward are both rank-independent (all_reduce, all_gather, reduce_scatter, all_to_all, copy_to,
         # reduce_from; gather_from forward only) give real results on any axis of an N-D mesh, under .backward()
-        # and torch.func.grad (tests/test_simulate.py).  split_to, partial_from and leave_region (so
+        # and torch.func.grad (tests/tools/test_simulate.py).  split_to, partial_from and leave_region (so
         # Rowwise(input_layout=Replicate()), Rowwise biases, PrepareInput Replicate → Shard) take the fake group's
         # rank as a Python int and give every simulated rank that rank's slice; so do shard()'s parameter slicing
         # and VocabEmbedding's vocabulary range.  A whole sharded model gives no real numbers here: use real ranks.

@@ -1,7 +1,7 @@
 """One row of the support table: a tiny model of one HF causal-LM family, sharded over a 1-D
 ``tp`` mesh with the plan a new user would reach for, against the unsharded model in the same
 process.  ``benchmarks/models.py`` runs it for every family (one process group per family);
-``tests/test_model_sweep.py`` runs it for a fixed few inside the rank pools.
+``tests/models/test_model_sweep.py`` runs it for a fixed few inside the rank pools.
 
 ``check_family`` runs on every rank of the mesh and returns a plain dict (picklable):
 ``outcome`` is one of ``OUTCOMES``; ``reason`` the first line of the error (with its site for a

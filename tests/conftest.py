@@ -24,7 +24,7 @@ def pytest_sessionfinish(session, exitstatus):
         p.close()
 
 
-# ---- one-device tests (tests/test_gpu.py): --device and the ``gpu`` marker (issue 34)
+# ---- one-device tests (tests/test_gpu.py): --device and the ``gpu`` marker
 def pytest_addoption(parser):
     parser.addoption("--device", default=None,
                      help="device type of the one-device tests (default cpu; the tests marked gpu default to cuda, "

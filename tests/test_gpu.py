@@ -1,4 +1,4 @@
-"""The device paths on one accelerator, at world size 1 (issue 34): every check against the
+"""The device paths on one accelerator, at world size 1: every check against the
 unsharded model on the same device.
 
     pytest tests/test_gpu.py --device cuda      # on a GPU (nccl, world size 1); what benchmarks/gpu_check.sh runs

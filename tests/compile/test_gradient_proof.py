@@ -1,4 +1,4 @@
-"""Issue 30: the gradient of what ``apply_fn`` returns is its gradient, on the models where it
+"""The gradient of what ``apply_fn`` returns is its gradient, on the models where it
 was silently wrong, and the shard-time proof (dataflow pass + numeric probe) refuses what it
 cannot make exact.
 

@@ -116,7 +116,7 @@ def test_vjp_of_vjp_is_the_collective(pool):
     assert all(len(r) == len(C.COLLECTIVES) for r in pool.run(case_vjp_of_vjp))
 
 
-# ---------------------------------------------------------------- the issue's minimal case
+# ---------------------------------------------------------------- the minimal case (once off by the world size)
 def case_minimal():
     """w sharded (one vector per rank), x replicated, f(w, x) = reduce_from(Σ w·copy_to(x)):
     grad of ‖∂f/∂x‖² w.r.t. w is 2·Σ_r w_r (it was world × that)."""

@@ -1,5 +1,5 @@
-"""``ShardingPlan.from_hf`` on HF families that were refused or crashed (issue 30, "not silent
-but blocking"), each against the unsharded model at ws 2 and 4: loss and every gradient
+"""``ShardingPlan.from_hf`` on HF families that were once refused or crashed (loudly, but
+blocking), each against the unsharded model at ws 2 and 4: loss and every gradient
 (``.backward()`` and ``torch.func.grad``), and a rank holding well under 80 % of the
 parameters where HF's plan shards more than the head.
 

@@ -1,11 +1,11 @@
-"""``hpf.auto_plan`` is exact or refuses (issue 30, findings 1 and 2), checked against the
+"""``hpf.auto_plan`` is exact or refuses, checked against the
 unsharded model: loss and every gradient under ``.backward()`` and ``torch.func.grad``.
 
 * OPT views its local q/k/v with ``self.num_heads`` and a ``-1`` that, with the head count left
   global, lands on the sequence dim (with SDPA's ``is_causal`` nothing else notices): auto_plan
   must divide ``num_heads``.
 * BioGPT's mask asks a meta tensor for a value (``Tensor.item()``): the trace takes a one-element
-  boolean as True and goes on (issue 30: the trace stopped there in 17 families).
+  boolean as True and goes on (the trace used to stop there, in 17 families).
 * GPT-BigCode is multi-query (one KV head) with a fused ``c_attn`` = q | k | v: splitting its
   single K/V head over the ranks is wrong; auto_plan gathers the block (exact) instead.
 """

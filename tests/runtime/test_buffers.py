@@ -1,4 +1,4 @@
-"""Model state through ``apply_fn`` (issue 32 item 1): ``hpf.buffers`` and ``apply_fn(...,
+"""Model state through ``apply_fn``: ``hpf.buffers`` and ``apply_fn(...,
 buffers=)`` on a TP model (Colwise → Rowwise → BatchNorm1d, plus a module counting into a
 buffer in its forward) at tp 2 and 4, against ``torch.func.functional_call`` of the unsharded
 model with the same buffers: loss, every gradient and every buffer after the step, under

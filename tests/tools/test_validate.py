@@ -224,7 +224,7 @@ def case_local_attention(states: dict, broken: bool):
 
 
 def test_local_attention_without_weights_is_not_a_divergence(pool, states):
-    """issue 30 finding 6: the attention weights only the reference returns are "not compared",
+    """The attention weights only the reference returns are "not compared",
     not a divergence of max|Δ| inf; everything both sides return is compared, and a real
     divergence of the same module is still reported."""
     ok, text, rows = pool.run(case_local_attention, states, False)[0]

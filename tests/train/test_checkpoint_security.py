@@ -1,4 +1,4 @@
-"""Checkpoint security and integrity (issue 31): loading executes nothing from disk (a pickle
+"""Checkpoint security and integrity: loading executes nothing from disk (a pickle
 payload as ``.metadata``, as ``extra`` or as a tensor record never runs: a marker file it would
 create never appears), ``save``/``export_hf`` delete nothing they did not create, 16 flipped bytes
 in a parameter, an AdamW moment or an exported safetensors tensor are named (file and tensor) on

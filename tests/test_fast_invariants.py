@@ -76,7 +76,7 @@ def case_fsdp_scale(state) -> dict:
     model.load_state_dict(state)
     m = mesh((1, 2), ("dp", "cp"))
     plan = hpf.ShardingPlan({}).with_entries({"layers.*.attention.inner_attention": hpf.ContextParallel("ring")},
-                                             cp_axis="cp", cp_inputs=CP)
+                                             axes={"cp": "cp"}, settings={"cp_inputs": CP})
     apply_fn, params, info = hpf.fsdp(*hpf.shard(model, plan, m, verify=False), m, ("dp", "cp"))
     assert not any(i.axes_of(hpf.ReducedOver) for i in info.values()), "the cp sum is folded, nothing owed"
     gen = torch.Generator().manual_seed(7)

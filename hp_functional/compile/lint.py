@@ -26,7 +26,7 @@ from ..core.placement import replica_group
 from ..core.program import Planned
 from ..core.signature import arg_slots
 from ..core.style import ModuleSpec
-from ..parallel.context.styles import ContextParallel
+from ..parallel.tensor.plugin import loss_head
 from ..parallel.tensor.styles import SequenceParallel
 from ..plan.plan import ShardingPlan
 from .lint_heads import audit_regions
@@ -56,16 +56,13 @@ def lint_entries(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> tupl
         return [Finding("error", "mesh", "the mesh must be a DeviceMesh with named dims "
                         "(init_device_mesh(device_type, shape, mesh_dim_names=(...)))", "mesh")], None
     findings, good = [], {}
-    def cp_axis(entries: dict) -> str | None:  # a plan of entries without a ContextParallel has no CP
-        return plan.cp_axis if any(isinstance(s, ContextParallel) for s in entries.values()) else None
-
     for pattern, style in plan.entries.items():  # each entry alone: unmatched pattern, unknown axis
         try:
-            plan.with_entries({pattern: style}, loss_parallel=False, cp_axis=cp_axis({pattern: style})).resolve(model, mesh)
+            plan.restricted({pattern: style}).resolve(model, mesh)
             good[pattern] = style
         except PlanError as exc:
             findings.append(Finding("error", pattern, str(exc), "entry"))
-    usable = plan.with_entries(good, cp_axis=cp_axis(good))
+    usable = plan.with_entries(good, axes=plan.restricted(good).axes)  # the roles the usable entries use
     return findings + _conflicts(model, usable) + shadowed(model, usable), usable
 
 
@@ -85,7 +82,7 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
                 findings.append(Finding("error", p.fqn, str(exc), "argument"))
     by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
     entries = {p.fqn for p in planned}  # with an entry, even one whose style failed
-    head = plan.loss_head(model) if plan.loss_parallel else None
+    head = loss_head(plan, model) if plan.settings.get("loss_parallel") else None
     modules = dict(model.named_modules())
     parents = {fqn.rpartition(".")[0] for fqn, m in modules.items() if isinstance(m, nn.Linear) and fqn in by_fqn}
     for parent in sorted(parents):
@@ -94,7 +91,7 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
     out_head = getattr(model, "get_output_embeddings", lambda: None)()
     skip = {head, *(f for f, m in modules.items() if out_head is not None and m is out_head)} - {None}
     try:
-        rules = {n: {plan.tp_axis: r.placement} for n, r in plan.param_rules(model).items()}
+        rules = {n: {plan.axes["tp"]: r.placement} for n, r in plan.param_rules(model).items()}
     except PlanError:  # a handler that matches nothing: placing the parameters raises it
         rules = {}
     named = {f.where.rpartition(".")[0] for f in findings if f.level == "error"}  # already refused: no second error

@@ -46,7 +46,7 @@ def llama_sp_plan(tp_axis: str = "tp") -> ShardingPlan:
         f"{L}.mlp.down_proj": Rowwise(output_layout=Shard(1)),
         "model.norm": SequenceParallel(),
         "lm_head": Colwise(input_layout=Shard(1), gather_output=True),
-    }, tp_axis=tp_axis)
+    }, {"tp": tp_axis})
 
 
 def megatron_plan(model: nn.Module, partial_exit: bool = True) -> ShardingPlan:
@@ -63,9 +63,9 @@ def megatron_plan(model: nn.Module, partial_exit: bool = True) -> ShardingPlan:
             is only entered as a region (``PrepareInput``), leaves replicated, and its Rowwise all-reduces in
             the backward too.
     Returns:
-        a new ``ShardingPlan`` on the base plan's ``tp_axis``."""
+        a new ``ShardingPlan`` on the base plan's ``tp`` axis."""
     base = ShardingPlan.from_hf(model)
-    entries, axis = dict(base.entries), base.tp_axis
+    entries, axis = dict(base.entries), base.axes["tp"]
     for block, arg, out_proj in (("self_attn", "hidden_states", "o_proj"), ("mlp", "x", "down_proj")):
         if partial_exit:
             entries[f"model.layers.*.{block}"] = ModuleSpec(
@@ -75,4 +75,4 @@ def megatron_plan(model: nn.Module, partial_exit: bool = True) -> ShardingPlan:
             entries[f"model.layers.*.{block}.{out_proj}"] = Rowwise(output_layout=Partial())
         else:
             entries[f"model.layers.*.{block}"] = PrepareInput({arg: (Replicate(), Replicate())})
-    return ShardingPlan(entries, tp_axis=axis)
+    return ShardingPlan(entries, {"tp": axis})

@@ -66,8 +66,8 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
     cov = coverage(model, g.entries, g.roles, g.special, g.param_roles, tp_axis)
     paths = [p for p, _ in model.named_modules()]
     params = [p for p, _ in model.named_parameters(remove_duplicate=False)]
-    return AutoPlan(collapse(g.entries, paths), tp_axis, coverage=cov, notes=tuple(g.notes), loss_parallel=loss_parallel,
-                    special_handlers=collapse(g.special, params))
+    return AutoPlan(collapse(g.entries, paths), {"tp": tp_axis}, coverage=cov, notes=tuple(g.notes),
+                    settings={"loss_parallel": loss_parallel}, special_handlers=collapse(g.special, params))
 
 
 class _Generator:

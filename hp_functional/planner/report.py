@@ -127,7 +127,7 @@ def _role(roles: Mapping[str, str], path: str) -> str:
     return roles.get(path, "unplanned")
 
 
-@dataclass(frozen=True, eq=False, kw_only=True)
+@dataclass(frozen=True, eq=False, init=False)
 class AutoPlan(ShardingPlan):
     """The ``ShardingPlan`` ``auto_plan`` returns: a plan like any other, plus ``coverage`` (every
     parameter, planned or replicated, and why) and ``notes`` (decisions worth reading: gathered
@@ -135,6 +135,12 @@ class AutoPlan(ShardingPlan):
 
     coverage: Coverage
     notes: tuple[str, ...] = ()
+
+    def __init__(self, entries: Mapping[str, Style], axes: Mapping[str, str] | None = None, *, coverage: Coverage,
+                 notes: tuple[str, ...] = (), **rest: object) -> None:
+        super().__init__(entries, axes, **rest)
+        object.__setattr__(self, "coverage", coverage)
+        object.__setattr__(self, "notes", tuple(notes))
 
     def explain(self) -> str:
         """The plan's entries, the notes and the coverage table, as text."""

@@ -116,8 +116,8 @@ def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | N
     own constants), the plan restated on it, the mesh, the varying uses and the conversions the
     compiled ``program`` gives the parameters (what the dataflow pass decided)."""
     steps = tuple(sorted((k, tuple((s.name, s.axis) for s in v)) for k, v in program.param_steps.items()))
-    settings = (plan.tp_axis, plan.loss_parallel, plan.cp_axis, plan.cp_layout, repr(plan.cp_inputs), plan.ep_axis,
-                plan.tp_optional,
+    settings = (tuple(sorted(plan.axes.items())), tuple(sorted((k, repr(v)) for k, v in plan.settings.items())),
+                tuple(sorted(plan.optional_roles)),
                 tuple(sorted(plan.special_handlers.items())), tuple(sorted((k, id(h)) for k, h in plan.handlers.items())))
     return (fingerprint(probe.model), tuple((n, checksum(b)) for n, b in probe.model.named_buffers()),
             tuple(sorted((k, repr(v)) for k, v in plan.entries.items())), settings,
@@ -212,7 +212,8 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying) -> str:
             no_backward = exc
         except Exception:  # noqa: BLE001
             return f"skipped: the model does not take the synthesized batch ({type(exc).__name__}: {str(exc)[:120]})"
-    declared = plan.cp_inputs if plan.cp_axis is not None else None  # a non-HF model's CP root computes the loss
+    # a non-HF model's CP root computes the loss from the labels argument it declares
+    declared = plan.settings.get("cp_inputs") if plan.axes.get("cp") is not None else None
     labels = {declared.labels: next(iter(batch.values()))} if declared is not None else {}
     apply_fn, params, info = shard_fn(model, plan, mesh, varying)
     try:

@@ -9,7 +9,7 @@ whole on a mesh without ``ep``.  See docs/whole-transformers.md#hf-plans-as-tran
 
 from __future__ import annotations
 
-__all__ = ["HF_STYLES", "hf_entries", "tp_experts"]
+__all__ = ["HF_STYLES", "hf_plan"]
 
 import inspect
 from collections.abc import Mapping
@@ -21,7 +21,8 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from ..core.errors import PlanError
 from ..core.paths import layer_patterns, path_matches
 from ..core.style import ModuleSpec, Style
-from ..parallel.experts.styles import expert_weights, is_experts
+from ..parallel.context.styles import attention_patterns
+from ..parallel.experts.styles import expert_weights, hf_ep_entries, is_experts
 from ..parallel.tensor.styles import Colwise, NoParallel, Rowwise, SequenceParallel
 from ..parallel.tensor.vocab import VocabEmbedding
 
@@ -180,3 +181,43 @@ def hf_entries(model: nn.Module, raw: Mapping[str, object]) -> tuple[dict[str, o
                                 "must be unplanned (it becomes the rank-varying region of the shared k_rot)")
             entries[attention] = MlaRegion()
     return entries, dropped
+
+
+def hf_plan(model: nn.Module, *, tp_axis: str, loss_parallel: bool, cp_axis: str | None, cp_strategy: str,
+            cp_layout: str, ep_axis: str | None, ep_tokens: str, parallelisms: tuple) -> dict[str, object]:
+    """``ShardingPlan.from_hf``'s keyword arguments for ``ShardingPlan``: the entries a Hugging Face
+    model declares, read as transformers applies them (``hf_entries``), the experts' entries
+    (``parallel.experts``) and, with ``cp_axis``, the style of the parallelism in ``parallelisms``
+    that offers ``cp_strategy`` on every attention module."""
+    raw = dict(getattr(model, "_tp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    if not raw:
+        base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+        raw = {prefix + k: v for k, v in base.items()}
+    raw, unplanned = hf_entries(model, raw)
+    if ep_axis is not None:
+        raw = hf_ep_entries(model, raw, tp_axis, ep_tokens)
+    else:
+        ep_plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+        raw.update(tp_experts(model, raw, ep_plan, prefix, unplanned))
+    if not raw and cp_axis is None:
+        dropped = f" (its entries match nothing here: {sorted(unplanned)})" if unplanned else ""
+        raise PlanError(f"{type(model).__name__} declares no tp_plan (neither _tp_plan nor config.base_model_tp_plan)"
+                        f"{dropped}")
+    axes = {"tp": tp_axis}
+    if cp_axis is not None:
+        offered = {name: make for p in parallelisms if p.role == "cp" for name, make in p.strategies.items()}
+        if cp_strategy not in offered:
+            raise PlanError(f"cp_strategy={cp_strategy!r}: the context-parallel strategy must be one of {sorted(offered)}")
+        attention = attention_patterns(model)
+        if not attention:
+            raise PlanError(f"cp_axis={cp_axis!r}: {type(model).__name__} has no attention module (a module class "
+                            "named *Attention with an is_causal attribute) to plan context parallelism on")
+        raw.update(dict.fromkeys(attention, offered[cp_strategy]()))
+        axes["cp"] = cp_axis
+    if ep_axis is not None:
+        axes["ep"] = ep_axis
+    optional = ("tp",) if cp_axis is not None or ep_axis is not None else ()
+    return dict(entries=raw, axes=axes, settings={"loss_parallel": loss_parallel, "cp_layout": cp_layout},
+                optional_roles=optional, unplanned=unplanned)

@@ -98,7 +98,7 @@ def check_placements(
     packed = sorted(k for k, i in program.infos.items() if i.blocks)
     if packed:
         raise PlanError(f"validate_placements: packed parameters {packed[:3]} have no DTensor layout; use validate()")
-    if plan.loss_parallel and kwargs.get("labels") is not None:
+    if plan.settings.get("loss_parallel") and kwargs.get("labels") is not None:
         raise PlanError("validate_placements: the loss_parallel labels= loss is not checked by DTensor; pass no labels")
     dmodel = build_skeleton(model, {k: i.global_shape for k, i in program.infos.items()}, program.leaf_of)
     local = {k: slice_local(model.get_parameter(k), i) for k, i in program.infos.items()}

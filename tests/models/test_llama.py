@@ -44,7 +44,7 @@ def case_llama(state, plan_kind: str, mesh_shape, cfg, family: str = "llama"):
 
     out = apply_fn(params, input_ids=ids, labels=ids)
     ref_logits = ref.logits.detach()
-    if plan.loss_parallel:  # logits stay vocab-sharded: compare this rank's slice
+    if plan.settings["loss_parallel"]:  # logits stay vocab-sharded: compare this rank's slice
         tp = m["tp"]
         ref_logits = ref_logits.chunk(tp.size(), -1)[tp.get_local_rank()]
     assert_close(out.logits, ref_logits, "logits")

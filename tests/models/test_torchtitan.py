@@ -174,9 +174,9 @@ def case_context(strategy: str, tp: bool):
     if tp:  # torchtitan's plan gives the attention module a PrepareModuleInput: one style per module
         with pytest.raises(hpf.PlanError, match="layers.0.attention.*loses to the more specific"):
             hpf.shard(model, plan.with_entries({**plan.entries, "layers.*.attention": hpf.ContextParallel(strategy)},
-                                               cp_axis="cp", cp_inputs=cp), m)
+                                               axes={"cp": "cp"}, settings={"cp_inputs": cp}), m)
     plan = plan.with_entries({**plan.entries, "layers.*.attention.inner_attention": hpf.ContextParallel(strategy)},
-                             cp_axis="cp", cp_inputs=cp)
+                             axes={"cp": "cp"}, settings={"cp_inputs": cp})
     apply_fn, params, info = hpf.shard(model, plan, m)
     assert apply_fn.runtime.checks["probe"].startswith("exact"), apply_fn.runtime.checks
     gen = torch.Generator().manual_seed(7)

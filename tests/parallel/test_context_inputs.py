@@ -28,7 +28,8 @@ def _plan(tp: bool, strategy: str, inputs=CP, attention="layers.*.attention.inne
     if attention == "layers.*.attention":  # torchtitan's per-block entries (exact paths) for the attention's TP input
         style = entries.pop("layers.*.attention")
         entries |= {f"layers.{i}.attention": style for i in range(2)}
-    return base.with_entries({**entries, attention: hpf.ContextParallel(strategy)}, cp_axis="cp", cp_inputs=inputs)
+    return base.with_entries({**entries, attention: hpf.ContextParallel(strategy)}, axes={**base.axes, "cp": "cp"},
+                             settings={**base.settings, "cp_inputs": inputs})
 
 
 def case_titan_cp(state, tp: bool, strategy: str):

@@ -192,12 +192,12 @@ def case_bad_input(state):
             "padding": lambda: apply_fn(params, input_ids=_ids(), attention_mask=torch.ones(2, SEQ).tril()[:2])}))
     errors.update(plan_errors({
         "no attention": lambda: hpf.ShardingPlan.from_hf(torch.nn.Sequential(torch.nn.Linear(2, 2)), cp_axis="cp"),
-        "no entry": lambda: hpf.ShardingPlan({"model.norm": hpf.NoParallel()}, cp_axis="cp"),
+        "no entry": lambda: hpf.ShardingPlan({"model.norm": hpf.NoParallel()}, axes={"cp": "cp"}),
         "no cp_axis": lambda: hpf.ShardingPlan({"model.layers.*.self_attn": hpf.ContextParallel()}),
         "axis": lambda: hpf.shard(model, hpf.ShardingPlan.from_hf(model, cp_axis="seq"), m),
         "strategy": lambda: hpf.shard(model, hpf.ShardingPlan.from_hf(model, cp_axis="cp", cp_strategy="x"), m),
         "no sdpa": lambda: hpf.shard(model, hpf.ShardingPlan({"model.layers.*.mlp": hpf.ContextParallel()},
-                                                            cp_axis="cp"), m)[0](params, input_ids=_ids()),
+                                                            axes={"cp": "cp"}), m)[0](params, input_ids=_ids()),
     }))
     return errors
 

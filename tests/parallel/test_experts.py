@@ -152,7 +152,7 @@ def case_routing(state, index, capacity_factor):
     module = _experts_module(state)
     drops = []
     plan = hpf.ShardingPlan({"": hpf.Experts(capacity_factor=capacity_factor,
-                                             on_drop=lambda fqn, n: drops.append(int(n)))}, ep_axis="ep")
+                                             on_drop=lambda fqn, n: drops.append(int(n)))}, axes={"ep": "ep"})
     m = mesh((world(),), ("ep",))
     apply_fn, params, info = hpf.shard(module, plan, m)
     gen = torch.Generator().manual_seed(3)
@@ -233,7 +233,7 @@ def case_bad_input(state):
                                                                    ep_axis="ep"), m),
         "no ep axis": lambda: hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="experts"), m),
         "no experts": lambda: hpf.shard(model, hpf.ShardingPlan({"model.layers.0.self_attn": hpf.Experts()},
-                                                                ep_axis="ep"), m),
+                                                                axes={"ep": "ep"}), m),
         "no ep_axis": lambda: hpf.ShardingPlan({"model.layers.*.mlp.experts": hpf.Experts()}),
         "tokens": lambda: apply_fn(params, input_ids=torch.zeros(1, 2 * world() + 1, dtype=torch.long)),
     })
@@ -316,7 +316,7 @@ def case_ep_shares_dp(state):
     _, _, shared = hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m)
     errors = plan_errors({"shared tokens": lambda: hpf.reduce_gradients(grads, shared, m, dp_axis="ep"),
                           "tokens": lambda: hpf.shard(model, hpf.ShardingPlan(
-                              {"model.layers.*.mlp.experts": hpf.Experts(tokens="mine")}, ep_axis="ep"), m),
+                              {"model.layers.*.mlp.experts": hpf.Experts(tokens="mine")}, axes={"ep": "ep"}), m),
                           "ep divides": lambda: hpf.expert_mesh(dense, ep=3)})
     return worst, errors
 

@@ -87,7 +87,7 @@ def case_calls(kind: str):
     torch.manual_seed(0)
     model = {"sorted": SortedMoE, "custom": ByIdMoE}[kind]()
     style = hpf.Experts() if kind == "sorted" else hpf.Experts(call=ByIdCall())
-    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan({"experts": style}, ep_axis="ep"), mesh(names=("ep",)))
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan({"experts": style}, axes={"ep": "ep"}), mesh(names=("ep",)))
     x = torch.randn(16, H, generator=torch.Generator().manual_seed(1))
     t = torch.randn(16, H, generator=torch.Generator().manual_seed(2))
     ref = model(x)

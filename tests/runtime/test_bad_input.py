@@ -36,7 +36,7 @@ PLAN_ROWS = {
     "packed_gather": ({"fused": hpf.Colwise(packed=4, gather_output=True)}, hpf.PlanError,
                       "a packed Colwise keeps its output sharded", "fused"),
     "unknown_axis": ({"proj": hpf.Colwise(axis="ep")}, hpf.PlanError, "mesh axis 'ep' is not in the mesh", "proj"),
-    "unknown_tp_axis": (hpf.ShardingPlan({"emb": "embedding_rowwise"}, tp_axis="model"), hpf.PlanError,
+    "unknown_tp_axis": (hpf.ShardingPlan({"emb": "embedding_rowwise"}, axes={"tp": "model"}), hpf.PlanError,
                         "mesh axis 'model' is not in the mesh", "emb"),
     "wrong_module": ({"emb": hpf.Colwise()}, hpf.PlanError, "Colwise needs a Linear, got Embedding", "emb"),
     "hf_unsupported": ({"proj": "grouped_gemm"}, hpf.PlanError, "style 'grouped_gemm' is not supported", "proj"),

@@ -278,8 +278,8 @@ def case_rng_cp_declared_inputs(state, seed: int = 3):
     model.train()
     m = mesh((2,), ("cp",))
     inputs = hpf.ContextInputs(sequence={"tokens": 1}, positions="positions")
-    plan = hpf.ShardingPlan({"layers.*.attention.inner_attention": hpf.ContextParallel("ring")}, cp_axis="cp",
-                            cp_layout="contiguous", cp_inputs=inputs)
+    plan = hpf.ShardingPlan({"layers.*.attention.inner_attention": hpf.ContextParallel("ring")}, axes={"cp": "cp"},
+                            settings={"cp_layout": "contiguous", "cp_inputs": inputs})
     apply_fn, params, info = hpf.shard(model, plan, m, verify=False)
     gen = torch.Generator().manual_seed(7)
     ids, labels = torch.randint(0, VOCAB, (2, CP_SEQ), generator=gen), torch.randint(0, VOCAB, (2, CP_SEQ), generator=gen)

@@ -46,7 +46,7 @@ def case_compile(state, plan_kind: str):
         ref = model(input_ids=ids, labels=ids)
         ref.loss.backward()
         ref_logits = ref.logits.detach()
-        if plan.loss_parallel:
+        if plan.settings["loss_parallel"]:
             ref_logits = ref_logits.chunk(mesh().size(), -1)[torch.distributed.get_rank()]
         assert_close(out.loss, eager.loss.detach(), "compiled vs eager loss", atol=1e-6, rtol=1e-6)
         assert_close(out.logits, eager.logits.detach(), "compiled vs eager logits", atol=1e-6, rtol=1e-6)

@@ -228,7 +228,7 @@ def module_types(spec: NetSpec) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------- rank checks
 def _plan(case: Case) -> hpf.ShardingPlan:
-    return hpf.ShardingPlan(case.entries, tp_axis=case.tp_axis)
+    return hpf.ShardingPlan(case.entries, axes={"tp": case.tp_axis})
 
 
 def _axis(case: Case, m):

@@ -44,7 +44,7 @@ class ContextParallel(Style):
     passes its own mask, the module's ``is_causal`` attribute (see ``ContextAttention``).
     The skeleton's copy of the module's ``config`` selects ``_attn_implementation="sdpa"``.
 
-    >>> plan = hpf.ShardingPlan({"model.layers.*.self_attn": hpf.ContextParallel("ring")}, cp_axis="cp")
+    >>> plan = hpf.ShardingPlan({"model.layers.*.self_attn": hpf.ContextParallel("ring")}, axes={"cp": "cp"})
     """
 
     strategy: str = "ring"
@@ -170,7 +170,7 @@ def check_context_entries(entries: Mapping[str, Style], cp_axis: str | None, cp_
     context = {p: s for p, s in entries.items() if isinstance(s, ContextParallel)}
     if context and cp_axis is None:
         raise PlanError(f"plan entry {next(iter(context))!r}: ContextParallel needs the plan's cp_axis "
-                        "(ShardingPlan(..., cp_axis='cp'))")
+                        "(ShardingPlan(..., axes={'cp': 'cp'}))")
     if cp_axis is not None and not context:
         raise PlanError(f"cp_axis={cp_axis!r}: the plan has no ContextParallel entry (no attention module found to "
                         "attend over the sharded sequence)")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.collectives import AxisGroup
+from ..core.collectives import AxisGroup, CopyTo
 from ..core.errors import PlanError, PlanWarning
 from ..core.facets import ReducedOver
 from ..core.program import Planned, Program
@@ -101,7 +101,7 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
     dtypes = {leaf: model.get_parameter(leaf).dtype for leaf in placed.infos}
     infos = {k: i.with_facet(ReducedOver, ReducedOver(owed) if owed else None)
              for k, i in placed.infos.items()
-             for owed in [tuple(s.axis for s in param_steps.get(k, ()) if s.name == "copy_to")]}
+             for owed in [tuple(s.axis for s in param_steps.get(k, ()) if s.collective is CopyTo)]}
     return Program(
         mesh=mesh,
         boundaries=boundaries,
@@ -111,17 +111,18 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
         groups=groups,
         dtypes=dtypes,
         param_buckets=bucket_parameter_conversions(param_steps, infos, dtypes),
-        dataflow_skipped="" if varying_uses is not None else flow.skipped,
+        dataflow_skipped=None if varying_uses is not None else flow.skipped,
     )
 
 
-def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> tuple[dict[str, frozenset[str]], str]:
+def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh
+                  ) -> tuple[dict[str, frozenset[str]], str | None]:
     """(``compile.dataflow``'s varying uses of ``model``'s parameters traced on ``model`` itself —
-    real tensors, for a private probe copy whose forward cannot run on meta —, why not if it failed)."""
+    real tensors, for a private probe copy whose forward cannot run on meta —, why not if it failed: None when it ran)."""
     program = _build(model, as_plan(plan), mesh, run_lint=False, real=True)
     uses: dict[str, frozenset[str]] = {}
     for key, steps in program.param_steps.items():
-        axes = frozenset(s.axis for s in steps if s.name == "copy_to")
+        axes = frozenset(s.axis for s in steps if s.collective is CopyTo)
         if axes:
             uses[key] = axes
     return uses, program.dataflow_skipped

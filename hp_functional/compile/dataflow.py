@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import Partial, Shard
 from torch.overrides import TorchFunctionMode
 
 from ..analysis.trace import _leaves, _to_meta
 from ..core.errors import PlanError
+from ..core.lowering import Step
 from ..core.placement import ShardInfo, splits
 from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments
@@ -31,10 +33,10 @@ from .regions import Varying
 @dataclass(frozen=True)
 class Dataflow:
     """The pass's result: ``varying_uses`` parameter FQN → axes on which rank-varying data
-    reaches it; ``skipped`` the reason when the forward could not be traced (else "")."""
+    reaches it; ``skipped`` the reason the forward could not be traced, None when it was."""
 
     varying_uses: dict[str, frozenset[str]]
-    skipped: str = ""
+    skipped: str | None = None  # None: traced
 
 
 def synthesize_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
@@ -46,12 +48,6 @@ def synthesize_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
     ids = torch.zeros(1, 8, dtype=torch.long)
     params = inspect.signature(model.forward).parameters
     return ((), {"input_ids": ids}) if "input_ids" in params else ((ids,), {})
-
-
-#: collectives after which a boundary hands a value on identical on every rank of the axis
-_INVARIANT_AFTER = frozenset({"reduce_from", "gather_from", "leave_region", "reduce_from_replicas"})
-#: collectives after which a boundary hands a value on split across the ranks of the axis
-_VARYING_AFTER = frozenset({"split_to", "partial_from", "all_to_all", "reduce_scatter"})
 
 
 class _Taint(TorchFunctionMode):
@@ -137,10 +133,10 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     parameter's gradient a per-rank share there.  A replicated parameter used both with varying
     and with invariant data on an axis that the module tree does not already decide raises
     ``PlanError`` (one conversion cannot give both uses their gradient).  Where no batch can be
-    synthesized or the forward fails, the result is empty with the reason in ``skipped``, and
-    ``shard()``'s numeric probe is what checks the plan.  ``covered``: leaf → axes its conversions
-    already have; ``real``: run ``model`` itself on real tensors (a private probe copy) instead
-    of a meta copy."""
+    synthesized or the forward fails, the result is empty with the reason in ``skipped`` (None
+    when it ran), and ``shard()``'s numeric probe is what checks the plan.  ``covered``: leaf →
+    axes its conversions already have; ``real``: run ``model`` itself on real tensors (a private
+    probe copy) instead of a meta copy."""
     inputs = inputs or synthesize_inputs(model)
     if inputs is None:
         return Dataflow({}, f"{type(model).__name__} does not start with an embedding: no batch to trace")
@@ -198,8 +194,18 @@ def _reduced_path(fqn: str, reduced: Reduced) -> str | None:
     return None
 
 
-def _axes_after(steps, names: frozenset[str]) -> frozenset[str]:
-    return frozenset(s.axis for s in steps if s.name in names)
+def _invariant_after(steps: Sequence[Step]) -> frozenset[str]:
+    """The axes on which ``steps`` hand the value on identical on every rank: their collective's
+    type ends rank-invariant (V→I: reduced, gathered or leaving a region)."""
+    return frozenset(s.axis for s in steps if s.collective.makes_invariant)
+
+
+def _split_after(steps: Sequence[Step]) -> frozenset[str]:
+    """The axes on which ``steps`` hand the value on split across the ranks: placed ``Shard`` or
+    ``Partial`` after it (split, partial, all-to-all, reduce-scatter).  The type column cannot say
+    this: a value handed on ``Replicate`` to rank-varying compute (an all-gather's, an all-reduce's,
+    an entry's identity) is typed rank-varying too, yet equal on every rank; it keeps the axes it had."""
+    return frozenset(s.axis for s in steps if isinstance(s.dst, (Shard, Partial)))
 
 
 def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
@@ -207,9 +213,9 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
     (invariant on an axis it is gathered or reduced over, varying on one it is split over);
     everything inside varies on the module's ``data_axes``; each output leaves invariant on an
     axis where the boundary reduces or gathers it, varying where it splits it, else as computed."""
-    ins = {k: (_axes_after(st, _INVARIANT_AFTER), _axes_after(st, _VARYING_AFTER)) for k, st in b.in_steps.items()}
+    ins = {k: (_invariant_after(st), _split_after(st)) for k, st in b.in_steps.items()}
     out_steps = [s for steps in b.out_steps.values() for s in steps]
-    reduced, split_out = _axes_after(out_steps, _INVARIANT_AFTER), _axes_after(out_steps, _VARYING_AFTER)
+    reduced, split_out = _invariant_after(out_steps), _split_after(out_steps)
 
     slots = arg_slots(module.forward, list(ins), b.planned.fqn) if ins else []
 

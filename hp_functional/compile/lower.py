@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import Placement, Replicate
 
 from ..core.buckets import BUCKET_BYTES, plan_buckets
-from ..core.collectives import AxisGroup
+from ..core.collectives import AxisGroup, CopyTo
 from ..core.errors import PlanError
 from ..core.lowering import Step, lower
 from ..core.placement import ShardInfo, splits
@@ -124,7 +124,7 @@ def bucket_parameter_conversions(param_steps: Mapping[str, Sequence[Step]], info
     buckets of one dtype up to ``bucket_bytes`` (``core.buckets.plan_buckets``)."""
     by_axes: dict[tuple[str, ...], list[str]] = {}
     for key, steps in param_steps.items():
-        if steps and all(s.name == "copy_to" for s in steps):
+        if steps and all(s.collective is CopyTo for s in steps):
             by_axes.setdefault(tuple(s.axis for s in steps), []).append(key)
     out = []
     for axes, keys in by_axes.items():

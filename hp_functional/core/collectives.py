@@ -242,6 +242,12 @@ class Collective(NamedTuple):
             return self.eager.apply(x, *args)
         return self.eager.apply_unbound(_unwrap_if_dead(x), *args)
 
+    @property
+    def makes_invariant(self) -> bool:
+        """Whether its output is rank-invariant (``types`` ends in I: "V→I"): the value it hands
+        on is identical on every rank of its axis, whatever it was before."""
+        return self.types.split("→")[1] == "I"
+
 
 def _collective(name: str, forward: Callable, types: str, transpose: str,
                 transpose_args: Callable[..., tuple] = _same_args,

@@ -53,21 +53,25 @@ from .placement import is_grouped, replica_group
 
 @dataclass(frozen=True)
 class Step:
-    """One lowered conversion: the function to run and, for ``explain``, what it communicates."""
+    """One lowered conversion: the function to run, the collective of ``core.collectives`` it
+    applies (the table's entry: code asks ``step.collective is C.CopyTo`` or reads its ``types``)
+    and where it leaves the value, and, for ``explain``, what it communicates."""
 
     fn: Callable[[Tensor], Tensor]
     axis: str
-    forward: str  # collective in the forward ("all_gather(1)", "identity", ...)
-    backward: str  # collective in the backward
-    name: str = ""  # the collective of core.collectives it applies ("copy_to", ...)
+    forward: str  # communication in the forward ("all_gather(1)", "identity", ...), for people
+    backward: str  # communication in the backward, for people
+    collective: C.Collective  # the entry it applies (C.CopyTo, ...)
+    dst: Placement  # the value's placement on ``axis`` after it
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.fn(x)
 
 
-def _step(op: Callable, g: C.AxisGroup, fwd: str, bwd: str, *args) -> Step:
-    """A Step running ``op(x, *args, g)``."""
-    return Step(lambda x: op(x, *args, g), g.axis, fwd, bwd, op.__name__)
+def _step(op: Callable, g: C.AxisGroup, dst: Placement, fwd: str, bwd: str, *args) -> Step:
+    """A Step running ``op(x, *args, g)`` (a public function of ``core.collectives``: the table
+    names each entry by it), leaving ``dst``."""
+    return Step(lambda x: op(x, *args, g), g.axis, fwd, bwd, C.COLLECTIVES[op.__name__], dst)
 
 
 def lower(
@@ -81,36 +85,36 @@ def lower(
     if is_grouped(src) or is_grouped(dst):
         if is_grouped(src) and isinstance(dst, S) and dst.dim == src.dim:
             n = replica_group(src)
-            return _step(C.copy_to_replicas, g, "identity", f"all_reduce(replicas of {n})", C.Replicas(n))
+            return _step(C.copy_to_replicas, g, dst, "identity", f"all_reduce(replicas of {n})", C.Replicas(n))
         raise PlanError(f"{where}: no redistribution from {src} to {dst} on axis {g.axis!r} (a GroupedShard "
                         f"is used as its Shard({getattr(src, 'dim', 0)}) slice only)")
     if src == dst and not isinstance(src, R):
         return None
     if isinstance(src, R) and isinstance(dst, R):
         if consumer_varying and not src_varying:
-            return _step(C.copy_to, g, "identity", "all_reduce")
+            return _step(C.copy_to, g, dst, "identity", "all_reduce")
         if src_varying and not consumer_varying:
-            return _step(C.leave_region, g, "identity", "keep_on_rank0")
+            return _step(C.leave_region, g, dst, "identity", "keep_on_rank0")
         return None
     if isinstance(src, S) and isinstance(dst, R):
         if consumer_varying:
-            return _step(C.all_gather, g, f"all_gather({src.dim})",
+            return _step(C.all_gather, g, dst, f"all_gather({src.dim})",
                          f"reduce_scatter({src.dim})", src.dim)
-        return _step(C.gather_from, g, f"all_gather({src.dim})", "split", src.dim)
+        return _step(C.gather_from, g, dst, f"all_gather({src.dim})", "split", src.dim)
     if isinstance(src, P) and isinstance(dst, R):
         if consumer_varying:
-            return _step(C.all_reduce, g, "all_reduce", "all_reduce")
-        return _step(C.reduce_from, g, "all_reduce", "identity")
+            return _step(C.all_reduce, g, dst, "all_reduce", "all_reduce")
+        return _step(C.reduce_from, g, dst, "all_reduce", "identity")
     if isinstance(src, P) and isinstance(dst, S):
-        return _step(C.reduce_scatter, g, f"reduce_scatter({dst.dim})",
+        return _step(C.reduce_scatter, g, dst, f"reduce_scatter({dst.dim})",
                      f"all_gather({dst.dim})", dst.dim)
     if isinstance(src, S) and isinstance(dst, S):
-        return _step(C.all_to_all, g,
+        return _step(C.all_to_all, g, dst,
                      f"all_to_all({src.dim}->{dst.dim})", f"all_to_all({dst.dim}->{src.dim})", src.dim, dst.dim)
     if isinstance(src, R) and isinstance(dst, (S, P)):
         if src_varying:
             raise PlanError(f"{where}: Replicate -> {dst} on axis {g.axis!r} inside a rank-varying region is not supported")
         if isinstance(dst, S):
-            return _step(C.split_to, g, "split", f"all_gather({dst.dim})", dst.dim)
-        return _step(C.partial_from, g, "keep_on_rank0", "identity")
+            return _step(C.split_to, g, dst, "split", f"all_gather({dst.dim})", dst.dim)
+        return _step(C.partial_from, g, dst, "keep_on_rank0", "identity")
     raise PlanError(f"{where}: no redistribution from {src} to {dst} on axis {g.axis!r}")

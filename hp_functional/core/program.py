@@ -71,5 +71,5 @@ class Program:
     dtypes: dict[str, torch.dtype]  # leaf key → dtype (for the cross-rank fingerprint)
     # how apply_fn runs the copy_to-only conversions of param_steps: bucketed (param_steps still lists them all)
     param_buckets: tuple[ParamBucket, ...] = ()
-    # why compile.dataflow could not trace the model ("" when it did): shard()'s probe then traces a real copy
-    dataflow_skipped: str = ""
+    # why compile.dataflow could not trace the model (None when it did): shard()'s probe then traces a real copy
+    dataflow_skipped: str | None = None

@@ -115,7 +115,7 @@ def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | N
     dtypes and config (``compile.lint_heads.fingerprint``), the bits of its buffers (the model's
     own constants), the plan restated on it, the mesh, the varying uses and the conversions the
     compiled ``program`` gives the parameters (what the dataflow pass decided)."""
-    steps = tuple(sorted((k, tuple((s.name, s.axis) for s in v)) for k, v in program.param_steps.items()))
+    steps = tuple(sorted((k, tuple((s.collective.name, s.axis) for s in v)) for k, v in program.param_steps.items()))
     settings = (tuple(sorted(plan.axes.items())), tuple(sorted((k, repr(v)) for k, v in plan.settings.items())),
                 tuple(sorted(plan.optional_roles)),
                 tuple(sorted(plan.special_handlers.items())), tuple(sorted((k, id(h)) for k, h in plan.handlers.items())))
@@ -160,9 +160,10 @@ def shrink_vocab(twin: nn.Module, vocab: int) -> None:
             c.vocab_size = vocab
 
 
-def probe_varying_uses(probe: Reduced, plan, mesh) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]], str]:
+def probe_varying_uses(probe: Reduced, plan, mesh) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]],
+                                                             str | None]:
     """``compile.dataflow`` on the probe's real copy: (its varying uses by the copy's FQNs, the same
-    by the original FQNs, why not if that forward failed too)."""
+    by the original FQNs, why not if that forward failed too: None when it ran)."""
     uses, skipped = varying_uses(probe.model, plan, mesh)
     return uses, {o: axes for k, axes in uses.items() for o in probe.names.get(k, [k])}, skipped
 

@@ -264,7 +264,7 @@ def _check_data_axes(program, infos: Mapping[str, ShardInfo], data: tuple[str, .
     for k, steps in program.param_steps.items():
         axis = next((s.axis for s in steps if s.axis in data), None)
         if axis is not None:
-            raise PlanError(f"{WHERE}: parameter {k} is converted over the data axis {axis!r} ({steps[0].name}), "
+            raise PlanError(f"{WHERE}: parameter {k} is converted over the data axis {axis!r} ({steps[0].collective.name}), "
                             "which would mix the examples of different ranks")
 
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..compile.agree import agree
-from ..core.collectives import AxisGroup
+from ..core.collectives import AxisGroup, CopyTo
 from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.facets import ReducedOver, RowSplit
@@ -287,8 +287,8 @@ def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: A
     for k in g.keys:
         shape = torch.Size(program.infos[k].local_shape)
         steps = program.param_steps.get(k, ())
-        folded = {s.axis for s in steps if s.name == "copy_to" and s.axis in sizes}
-        kept = tuple(s for s in steps if not (s.name == "copy_to" and s.axis in folded))
+        folded = {s.axis for s in steps if s.collective is CopyTo and s.axis in sizes}
+        kept = tuple(s for s in steps if not (s.collective is CopyTo and s.axis in folded))
         divisor = math.prod(n for a, n in sizes.items() if a not in folded)
         piece = Piece(k, shape, infos[k].facet(RowSplit).chunk(group.size), start, kept, divisor)
         pieces.append(piece)

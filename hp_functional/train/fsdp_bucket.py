@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.collectives import AxisGroup, Precision, gather_params
+from ..core.collectives import AxisGroup, CopyTo, Precision, gather_params
 from ..core.lowering import Step
 
 
@@ -80,9 +80,9 @@ class Bucket:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         # replicated parameters consumed by rank-varying compute (every piece converted by copy_to on
         # the same axes, as under context parallelism): one copy_to on the gathered buffer instead
-        signatures = {tuple((s.name, s.axis) for s in p.steps) for p in self.pieces}
+        signatures = {tuple((s.collective, s.axis) for s in p.steps) for p in self.pieces}
         shared = next(iter(signatures)) if len(signatures) == 1 else ()
-        self.copy_to = self.pieces[0].steps if shared and all(n == "copy_to" for n, _ in shared) else ()
+        self.copy_to = self.pieces[0].steps if shared and all(c is CopyTo for c, _ in shared) else ()
         # mean over the fsdp axes, sum over those folded (a per-piece divisor only where they differ)
         divisors = {p.divisor for p in self.pieces}
         self.divisor: int | Tensor = divisors.pop() if len(divisors) == 1 else torch.cat(

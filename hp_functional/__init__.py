@@ -70,9 +70,9 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .plan.recipes import llama_sp_plan as llama_sp_plan, megatron_plan as megatron_plan
     from .planner.auto import auto_plan as auto_plan
     from .runtime.apply_fn import ApplyFn as ApplyFn
-    from .runtime.checkpoint import ActivationCheckpoint as ActivationCheckpoint
     from .runtime.meta_init import init_weights as init_weights
     from .runtime.pretrained import from_pretrained as from_pretrained
+    from .runtime.remat import Remat as Remat
     from .runtime.rng import Rng as Rng, rng as rng
     from .runtime.shard import shard as shard
     from .runtime.state import buffers as buffers
@@ -152,7 +152,7 @@ _LAZY: dict[str, str] = {
     "buffers": ".runtime.state",
     "VocabEmbedding": ".parallel.tensor.vocab",
     "default_handlers": ".core.style",
-    "ActivationCheckpoint": ".runtime.checkpoint",
+    "Remat": ".runtime.remat",
     "ApplyFn": ".runtime.apply_fn",
     "vocab_parallel_cross_entropy": ".parallel.tensor.vocab",
     "shard": ".runtime.shard",
@@ -202,7 +202,8 @@ __all__ = sorted([*_LAZY, *_SUBMODULES])  # derived: _LAZY is the one export tab
 
 
 #: earlier public names -> their names now (a FutureWarning on use; not in ``__all__``).
-_RENAMED: dict[str, str] = {"Checkpoint": "ActivationCheckpoint"}  # beside CheckpointError (DCP) it misled
+_RENAMED: dict[str, str] = {  # beside CheckpointError (DCP) "checkpoint" misled: activation recompute is remat
+    "Checkpoint": "Remat", "ActivationCheckpoint": "Remat"}
 
 
 def __getattr__(name: str):

@@ -189,11 +189,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              "for store, attr, value in reversed(saved):\n            store[attr] = value", "return",
              ("tests/runtime/test_buffers.py",), "after apply_fn(..., buffers=) the skeleton holds its own buffers again"),
     # ------------------------------------------------------------ transforms, randomness, per-example clipping
-    Mutation("recompute-jvp-without-rng", "hp_functional/runtime/checkpoint.py::Recompute.jvp",
+    Mutation("recompute-jvp-without-rng", "hp_functional/runtime/remat.py::Recompute.jvp",
              "with _replayed_rng(call.rng, call.block.device_type):", "with _replayed_rng(None, call.block.device_type):",
              ("tests/test_fast_invariants.py::test_checkpoint_recompute_replays_dropout_rng",),
              "the recompute's jvp replays the forward's RNG (dropout) like its backward"),
-    Mutation("recompute-jvp-tangents-dropped", "hp_functional/runtime/checkpoint.py::Recompute.jvp",
+    Mutation("recompute-jvp-tangents-dropped", "hp_functional/runtime/remat.py::Recompute.jvp",
              "            out[k] = t\n", "            out[k] = torch.zeros_like(t)\n",
              ("tests/models/test_transform_matrix.py",), "jvp through an activation-recomputed block is exact"),
     Mutation("gaussian-like-index-offset", "hp_functional/core/counter_rng.py::global_index",
@@ -213,7 +213,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "coef = (max_norm / (norms_t + 1e-6)).clamp(max=1.0)", "coef = torch.ones_like(norms_t)",
              ("tests/train/test_clip_per_example.py",), "clip_per_example clips each example's whole-model norm to max_norm"),
     # ------------------------------------------------------------ recompute, training, optimizers
-    Mutation("recompute-rng-not-replayed", "hp_functional/runtime/checkpoint.py::_replayed_rng",
+    Mutation("recompute-rng-not-replayed", "hp_functional/runtime/remat.py::_replayed_rng",
              "torch.set_rng_state(cpu)", "pass", ("tests/test_fast_invariants.py", "tests/runtime/test_activation_checkpoint.py"),
              "a recomputed block draws the forward's dropout masks", core=True),
     Mutation("reduce-gradients-sums", "hp_functional/train/data_parallel.py::reduce_gradients",

@@ -243,9 +243,8 @@ def case_recompute_replays_rng() -> dict:
     ref.backward()
     ref_grads = {k: p.grad for k, p in model.named_parameters()}
     plain = hpf.shard(model, _DROP_PLAN, m, verify=False)
-    ck = hpf.shard(model, _DROP_PLAN, m, checkpoint=["layers.*"], verify=False)
-    no_replay = hpf.shard(model, _DROP_PLAN, m, verify=False,
-                          checkpoint=hpf.ActivationCheckpoint(blocks=("layers.*",), preserve_rng=False))
+    ck = hpf.shard(model, _DROP_PLAN, m, remat=["layers.*"], verify=False)
+    no_replay = hpf.shard(model, _DROP_PLAN, m, verify=False, remat=hpf.Remat(blocks=("layers.*",), preserve_rng=False))
     diffs, checks = {}, Deferred()
     for func in (False, True):
         for label, sharded in (("plain", plain), ("checkpointed", ck)):

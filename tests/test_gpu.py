@@ -101,8 +101,8 @@ def test_activation_checkpointing(device):
     model, ids = _llama(device), _ids(device)
     ref_loss, ref_grads = _reference(model, ids)
     mesh = init_device_mesh(device, (1,), mesh_dim_names=("tp",))
-    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh, checkpoint=True)
-    assert apply_fn.checkpointed, "no block was checkpointed"
+    apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh, remat=True)
+    assert apply_fn.remat_blocks, "no block was recomputed"
     grads, loss = torch.func.grad_and_value(lambda p: apply_fn(p, input_ids=ids, labels=ids).loss)(params)
     _compare(loss, grads, info, ref_loss, ref_grads)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 __all__ = ["ApplyFn", "ThreadGuard", "make_apply_fn"]
 
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -29,13 +30,14 @@ from .rng import active_rng
 from .state import BufferSlots
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class ApplyFn:
     """The ``apply_fn`` that ``hpf.shard`` (and a transform over it) returns: called as
     ``apply_fn(params, *args, buffers=None, **kwargs)``, it runs ``call``.  The other fields are
     read-only records: ``program`` (explain, validate), ``buffer_slots`` (``hpf.buffers``),
-    ``input_check`` (``.values = True`` compares values too), ``checkpointed`` (block path → its
-    recompute), ``runtime`` (what a transform rebuilds from: ``runtime.shard.Runtime``), ``fsdp``
+    ``input_check`` (``.values = True`` compares values too), ``remat_blocks`` (block path → its
+    recompute, ``shard(remat=...)``; ``checkpointed`` is its earlier name, a FutureWarning),
+    ``runtime`` (what a transform rebuilds from: ``runtime.shard.Runtime``), ``fsdp``
     (``hpf.fsdp``'s layout) and ``transforms``: what made it, in the order applied — ``"shard"``,
     then at most one ``"fsdp"`` (the one composition order; ``then`` refuses another)."""
 
@@ -43,10 +45,28 @@ class ApplyFn:
     program: Program
     buffer_slots: BufferSlots
     input_check: InputAgreement | None = None
-    checkpointed: Mapping[str, object] = field(default_factory=dict)
+    remat_blocks: Mapping[str, object] = field(default_factory=dict)
     runtime: object | None = None
     fsdp: object | None = None
     transforms: tuple[str, ...] = ("shard",)
+
+    def __init__(self, call: Callable, program: Program, buffer_slots: BufferSlots,
+                 input_check: InputAgreement | None = None, remat_blocks: Mapping[str, object] | None = None,
+                 runtime: object | None = None, fsdp: object | None = None, transforms: tuple[str, ...] = ("shard",),
+                 *, checkpointed: Mapping[str, object] | None = None):
+        # ``checkpointed=``: the field's earlier name, still passed by ``dataclasses.replace`` callers not yet renamed
+        blocks = checkpointed if checkpointed is not None else remat_blocks
+        for name, value in (("call", call), ("program", program), ("buffer_slots", buffer_slots),
+                            ("input_check", input_check), ("remat_blocks", {} if blocks is None else blocks),
+                            ("runtime", runtime), ("fsdp", fsdp), ("transforms", transforms)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def checkpointed(self) -> Mapping[str, object]:
+        """The earlier name of ``remat_blocks`` (a FutureWarning)."""
+        warnings.warn("apply_fn.checkpointed is now apply_fn.remat_blocks (activation recompute, named apart from "
+                      "checkpoints on disk)", FutureWarning, stacklevel=2)
+        return self.remat_blocks
 
     def __call__(self, params: Mapping[str, Tensor], *args, **kwargs):
         rng = active_rng()  # an open `with hpf.rng(seed):` maps this call's random ops (runtime.rng)

@@ -1,15 +1,15 @@
-"""Activation checkpointing, decided once in ``shard(..., checkpoint=...)``: a checkpointed block
-runs its forward without keeping its activations and recomputes them in the backward, as a
-differentiable function of its leaves (``Recompute``), since ``torch.utils.checkpoint`` meets the
-skeleton's meta placeholders and does not compose with ``torch.func``.
-See docs/transforms.md#activation-checkpointing (why, and the limits).
+"""Activation recompute (remat), decided once in ``shard(..., remat=...)``: a remat block runs its
+forward without keeping its activations and recomputes them in the backward, as a differentiable
+function of its leaves (``Recompute``), since ``torch.utils.checkpoint`` meets the skeleton's meta
+placeholders and does not compose with ``torch.func``.  (Named apart from checkpoints on disk,
+``train.dcp``.)  See docs/transforms.md#activation-recompute-remat (why, and the limits).
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "ActivationCheckpoint", "CheckpointPlan", "CheckpointedForward", "check_recorded_outputs", "install_checkpoints",
-    "neutralise_hf_checkpointing", "resolve_checkpoint"
+    "Remat", "RematForward", "RematPlan", "check_recorded_outputs", "install_remat", "neutralise_hf_checkpointing",
+    "resolve_remat"
 ]
 
 import difflib
@@ -34,16 +34,18 @@ _CACHE_KWARGS = ("cache", "past_key_values", "layer_past")  # HF's names for a l
 
 
 @dataclass(frozen=True)
-class ActivationCheckpoint:
-    """Which blocks ``shard()`` checkpoints, and how.
+class Remat:
+    """Which blocks ``shard()`` recomputes in the backward (activation recompute, "remat"), and how.
 
     ``blocks``: True — the Hugging Face decoder layers (instances of ``GradientCheckpointingLayer``);
-    or module-path patterns in the plan's syntax (``"model.layers.*"``; ``*`` is one segment).
+    or module-path patterns under the one pattern rule (``"model.layers.*"``; ``*`` is one segment,
+    ``**`` any number: docs/plan-language.md#patterns).
     ``preserve_rng``: replay the forward's RNG state in the recompute, so dropout masks match
     (costs a copy of the RNG state per block and call).
 
-    ``shard(model, plan, mesh, checkpoint=True)`` is ``checkpoint=ActivationCheckpoint()``;
-    ``checkpoint=["model.layers.*"]`` is ``ActivationCheckpoint(blocks=("model.layers.*",))``.
+    ``shard(model, plan, mesh, remat=True)`` is ``remat=Remat()``; ``remat=["model.layers.*"]`` is
+    ``Remat(blocks=("model.layers.*",))``.  Its earlier name ``hpf.ActivationCheckpoint`` still
+    works, with a FutureWarning.
     """
 
     blocks: bool | tuple[str, ...] = True
@@ -58,30 +60,29 @@ class ActivationCheckpoint:
         elif not isinstance(blocks, bool) and isinstance(blocks, Sequence):
             blocks = tuple(blocks)
         if not (blocks is True or (isinstance(blocks, tuple) and all(isinstance(b, str) for b in blocks))):
-            raise PlanError(f"checkpoint blocks must be True or module-path patterns (strings), got {self.blocks!r}")
+            raise PlanError(f"remat blocks must be True or module-path patterns (strings), got {self.blocks!r}")
         object.__setattr__(self, "blocks", blocks)
 
 
 @dataclass(frozen=True)
-class CheckpointPlan:
-    """What ``resolve_checkpoint`` decided: the checkpointed blocks' paths (``named_modules``
-    order) and whether their recompute replays the RNG."""
+class RematPlan:
+    """What ``resolve_remat`` decided: the recomputed blocks' paths (``named_modules`` order) and
+    whether their recompute replays the RNG."""
 
     blocks: tuple[str, ...]
     preserve_rng: bool = True
 
 
-def as_checkpoint(value: object) -> ActivationCheckpoint | None:
-    """``shard()``'s ``checkpoint=`` as a policy: None (follow the model: the layers on which
-    Hugging Face's ``gradient_checkpointing_enable()`` was called), False (off), True, patterns
-    or an ``ActivationCheckpoint``."""
-    if value is None or isinstance(value, ActivationCheckpoint):
+def as_remat(value: object) -> Remat | None:
+    """``shard()``'s ``remat=`` as a policy: None (follow the model: the layers on which Hugging
+    Face's ``gradient_checkpointing_enable()`` was called), False (off), True, patterns or a ``Remat``."""
+    if value is None or isinstance(value, Remat):
         return value
     if value is False:
-        return ActivationCheckpoint(blocks=())
+        return Remat(blocks=())
     if value is True or isinstance(value, str | Sequence):
-        return ActivationCheckpoint(blocks=value)
-    raise PlanError(f"shard(checkpoint=...): expected None, a bool, module-path patterns or hpf.ActivationCheckpoint, "
+        return Remat(blocks=value)
+    raise PlanError(f"shard(remat=...): expected None, a bool, module-path patterns or hpf.Remat, "
                     f"got {type(value).__name__}")
 
 
@@ -104,12 +105,12 @@ def hf_checkpointed(model: nn.Module) -> tuple[list[str], list[str]]:
     return layers, others
 
 
-def resolve_checkpoint(model: nn.Module, checkpoint: object) -> CheckpointPlan | None:
-    """The blocks ``checkpoint`` names in ``model`` (see ``as_checkpoint``), or None for none.
+def resolve_remat(model: nn.Module, remat: object) -> RematPlan | None:
+    """The blocks ``remat`` names in ``model`` (see ``as_remat``), or None for none.
     Reads the model only; raises ``PlanError`` (on every rank, before any collective) for a
     pattern that matches no module, nested blocks, ``True`` on a model without Hugging Face
     decoder layers, or Hugging Face checkpointing that cannot be mapped to blocks."""
-    policy = as_checkpoint(checkpoint)
+    policy = as_remat(remat)
     modules = dict(model.named_modules())
     if policy is None:
         layers, others = hf_checkpointed(model)
@@ -120,30 +121,30 @@ def resolve_checkpoint(model: nn.Module, checkpoint: object) -> CheckpointPlan |
                 f"{type(model).__name__} has Hugging Face gradient checkpointing enabled on "
                 f"{', '.join(p or 'the model itself' for p in others[:3])}, which "
                 "hp_functional cannot map to blocks (torch.utils.checkpoint does not work inside apply_fn): pass "
-                "shard(..., checkpoint=[module-path patterns]) or call model.gradient_checkpointing_disable()")
-        policy, blocks = ActivationCheckpoint(), layers
+                "shard(..., remat=[module-path patterns]) or call model.gradient_checkpointing_disable()")
+        policy, blocks = Remat(), layers
     elif policy.blocks is True:
         layer = _hf_layer_class()
         blocks = [p for p, m in modules.items() if layer is not None and isinstance(m, layer)]
         if not blocks:
             raise PlanError(
-                f"shard(checkpoint=True): {type(model).__name__} has no Hugging Face decoder layers "
-                f"({_HF_LAYER}); name the blocks with module-path patterns, e.g. checkpoint=['layers.*']")
+                f"shard(remat=True): {type(model).__name__} has no Hugging Face decoder layers "
+                f"({_HF_LAYER}); name the blocks with module-path patterns, e.g. remat=['layers.*']")
     else:
         blocks = []
         for pattern in policy.blocks:
             hits = [p for p in modules if path_matches(pattern, p)]
             if not hits:
                 close = difflib.get_close_matches(pattern, [p for p in modules if p], n=3, cutoff=0.5)
-                raise PlanError(f"checkpoint pattern {pattern!r} matches no module; closest paths: {close}")
+                raise PlanError(f"remat pattern {pattern!r} matches no module; closest paths: {close}")
             blocks += hits
         chosen = set(blocks)
         blocks = [p for p in modules if p in chosen]  # named_modules order, once each
     for outer in blocks:
         inner = next((b for b in blocks if b != outer and (outer == "" or b.startswith(outer + "."))), None)
         if inner is not None:
-            raise PlanError(f"checkpoint blocks nest: {inner!r} is inside {outer!r}; name only one of them")
-    return CheckpointPlan(tuple(blocks), policy.preserve_rng) if blocks else None
+            raise PlanError(f"remat blocks nest: {inner!r} is inside {outer!r}; name only one of them")
+    return RematPlan(tuple(blocks), policy.preserve_rng) if blocks else None
 
 
 def check_recorded_outputs(model: nn.Module, who: str, instead: str) -> None:
@@ -154,7 +155,7 @@ def check_recorded_outputs(model: nn.Module, who: str, instead: str) -> None:
     would be silently lost)."""
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         raise PlanError(f"{who}: {type(model).__name__} has config.output_router_logits=True: its auxiliary loss reads "
-                        "router logits recorded inside each decoder layer, whose gradient a recomputed (checkpointed) "
+                        "router logits recorded inside each decoder layer, whose gradient a recomputed (remat) "
                         f"block cannot carry; {instead}, or set config.output_router_logits=False (no aux loss)")
 
 
@@ -162,7 +163,7 @@ def neutralise_hf_checkpointing(skeleton: nn.Module) -> None:
     """Turn off Hugging Face's own checkpointing on the private skeleton (its recompute would
     meet meta placeholders) and drop the input-require-grads hook that
     ``gradient_checkpointing_enable()`` registers on the input embeddings (it calls
-    ``requires_grad_()``, which ``torch.func`` refuses; our checkpointing does not need it).
+    ``requires_grad_()``, which ``torch.func`` refuses; our recompute does not need it).
     The user's model keeps both."""
     for m in skeleton.modules():
         if m.__dict__.get("gradient_checkpointing") is True:
@@ -197,12 +198,12 @@ def _replayed_rng(state: tuple[Tensor, Tensor | None] | None, device_type: str):
 
 
 class _Call:
-    """One call of a checkpointed block: what its forward and recompute need besides the leaves
+    """One call of a remat block: what its forward and recompute need besides the leaves
     (the non-tensor arguments, where the tensors go, the RNG state, the output structure)."""
 
     __slots__ = ("block", "flat", "spec", "where", "rng", "out_spec", "out_consts", "out_where", "diff")
 
-    def __init__(self, block: CheckpointedForward, flat: list, spec, where: tuple[int, ...], rng):
+    def __init__(self, block: RematForward, flat: list, spec, where: tuple[int, ...], rng):
         self.block, self.flat, self.spec, self.where, self.rng = block, flat, spec, where, rng
         self.out_spec = self.out_consts = self.out_where = self.diff = None
 
@@ -239,7 +240,7 @@ class _Call:
 
 
 class Recompute(torch.autograd.Function):
-    """A checkpointed block as a function of its leaves (its parameter tensors, then its tensor
+    """A remat block as a function of its leaves (its parameter tensors, then its tensor
     inputs), an ``autograd.Function`` with ``setup_context`` so that ``torch.func`` takes it:
     forward — the block under ``no_grad``, saving only the leaves;
     backward — the leaves bound into the block's ``_parameters`` slots of the skeleton (what was
@@ -355,8 +356,8 @@ def _grad_func(call: _Call, leaves: list[Tensor], wanted: list[int], out_grads: 
     return vjp_fn(cotangents)
 
 
-class CheckpointedForward:
-    """The forward installed on a checkpointed skeleton module: ``inner`` (its local forward,
+class RematForward:
+    """The forward installed on a remat block of the skeleton: ``inner`` (its local forward,
     boundaries included) through ``Recompute`` when grad is enabled, else ``inner`` itself."""
 
     def __init__(self, fqn: str, module: nn.Module, inner: Callable, slots: Sequence[tuple[dict, str, int]],
@@ -403,7 +404,7 @@ class CheckpointedForward:
         if not dropped and not kwargs.get("use_cache"):
             return kwargs
         if dropped:
-            warnings.warn(f"checkpointed {self.what} blocks run without their KV cache ({', '.join(dropped)}=None) when "
+            warnings.warn(f"recomputed (remat) {self.what} blocks run without their KV cache ({', '.join(dropped)}=None) when "
                           "differentiated, as with Hugging Face's checkpointing: the recompute would write it twice "
                           "(pass use_cache=False to the model to silence this)", UserWarning, stacklevel=3)
         kwargs = dict(kwargs)
@@ -414,9 +415,9 @@ class CheckpointedForward:
         return kwargs
 
 
-def install_checkpoints(skeleton: nn.Module, plan: CheckpointPlan, leaf_of: Mapping[str, str],
-                        cache: ConversionCache | None, device_type: str) -> dict[str, CheckpointedForward]:
-    """Make each block of ``plan`` a ``CheckpointedForward`` on the skeleton (after the
+def install_remat(skeleton: nn.Module, plan: RematPlan, leaf_of: Mapping[str, str],
+                  cache: ConversionCache | None, device_type: str) -> dict[str, RematForward]:
+    """Make each block of ``plan`` a ``RematForward`` on the skeleton (after the
     boundaries are installed, so a block's own conversions are part of what it recomputes).
     ``leaf_of``: every parameter FQN → its leaf key (tied aliases share one leaf)."""
     installed = {}
@@ -429,7 +430,7 @@ def install_checkpoints(skeleton: nn.Module, plan: CheckpointPlan, leaf_of: Mapp
             if name.startswith(prefix):
                 owner, _, attr = name.rpartition(".")
                 slots.append((skeleton.get_submodule(owner)._parameters, attr, keys.setdefault(key, len(keys))))
-        wrapper = CheckpointedForward(fqn, module, module.forward, slots, tuple(keys), cache, device_type, plan.preserve_rng)
+        wrapper = RematForward(fqn, module, module.forward, slots, tuple(keys), cache, device_type, plan.preserve_rng)
         module.forward = wrapper
         installed[fqn] = wrapper
     return installed

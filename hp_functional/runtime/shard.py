@@ -39,13 +39,13 @@ from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan, as_plan
 from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
-from .checkpoint import (
-    ActivationCheckpoint,
-    CheckpointPlan,
+from .remat import (
+    Remat as ActivationCheckpoint,
+    RematPlan as CheckpointPlan,
     check_recorded_outputs,
-    install_checkpoints,
+    install_remat as install_checkpoints,
     neutralise_hf_checkpointing,
-    resolve_checkpoint,
+    resolve_remat as resolve_checkpoint,
 )
 from .probe import PROBE_CACHE, ProbeCache, probe_copy_or_reason, probe_key, probe_varying_uses, run_probe
 from .skeleton import build_skeleton

@@ -35,7 +35,7 @@ from ..core.facets import ReducedOver, RowSplit
 from ..core.placement import ShardInfo, fmt_placements, splits
 from ..core.program import Program
 from ..runtime.apply_fn import ApplyFn, ThreadGuard
-from ..runtime.checkpoint import ActivationCheckpoint, CheckpointedForward, check_recorded_outputs, resolve_checkpoint
+from ..runtime.remat import Remat, RematForward, check_recorded_outputs, resolve_remat
 from .fsdp_bucket import Bucket, Piece, Sync
 from .fsdp_forwards import CallState, GatherOnUse, ReshardedBlock
 
@@ -237,9 +237,9 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
                 module = skeleton.get_submodule(g.block)
                 slots = tuple((s, a, index[k]) for o in slots_of if _inside(o, g.block) for s, a, k in slots_of[o])
                 inner = module.forward
-                recompute = isinstance(inner, CheckpointedForward) and inner.fqn == g.block
+                recompute = isinstance(inner, RematForward) and inner.fqn == g.block
                 if recompute:
-                    inner = inner.inner  # the block is recomputed already: no second checkpoint around it
+                    inner = inner.inner  # the block is recomputed already: no second remat around it
                 module.forward = ReshardedBlock(g.block, module, inner, slots, bucket, state, cache,
                                                 program.mesh.device_type, preserve_rng, recompute)
                 continue
@@ -257,19 +257,19 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
     new_params = {k: _rows(params[k], infos[k]) for k in keys}
     call = _fsdp_apply(inner, layout, state, placeholders, infos)
     out = apply_fn.then("fsdp", call, fsdp=layout, program=inner.program, buffer_slots=inner.buffer_slots,
-                        input_check=inner.input_check, checkpointed=inner.checkpointed)
+                        input_check=inner.input_check, remat_blocks=inner.remat_blocks)
     return out, new_params, infos
 
 
-def _check_nesting(groups: Sequence[Group], checkpointed: Sequence[str]) -> None:
+def _check_nesting(groups: Sequence[Group], remat: Sequence[str]) -> None:
     """A group's forwards read this call's leaves, so none may run inside a block that
-    ``shard(checkpoint=...)`` recomputes after the call (its own block may be one: it is wrapped)."""
+    ``shard(remat=...)`` recomputes after the call (its own block may be one: it is wrapped)."""
     for g in groups:
         for m in g.modules if g.block is None else (g.block,):
-            outer = next((b for b in checkpointed if b != m and _inside(m, b)), None)
+            outer = next((b for b in remat if b != m and _inside(m, b)), None)
             if outer is not None:
-                raise PlanError(f"fsdp: group {g.name} runs inside the checkpointed block {outer!r}, which is recomputed "
-                                f"after apply_fn returns; make {outer!r} an fsdp block (blocks=[...]) or checkpoint "
+                raise PlanError(f"fsdp: group {g.name} runs inside the remat block {outer!r}, which is recomputed "
+                                f"after apply_fn returns; make {outer!r} an fsdp block (blocks=[...]) or recompute "
                                 "smaller blocks")
 
 
@@ -302,10 +302,10 @@ def _bucket(g: Group, program: Program, infos: Mapping[str, ShardInfo], group: A
 def _blocks(template: nn.Module, patterns: Sequence[str] | None) -> tuple[str, ...]:
     """The block paths: ``patterns`` resolved, or the Hugging Face decoder layers (none for other models)."""
     if patterns is not None:
-        resolved = resolve_checkpoint(template, ActivationCheckpoint(blocks=tuple(patterns)))
+        resolved = resolve_remat(template, Remat(blocks=tuple(patterns)))
         return resolved.blocks if resolved else ()
     try:
-        resolved = resolve_checkpoint(template, ActivationCheckpoint(blocks=True))
+        resolved = resolve_remat(template, Remat(blocks=True))
     except PlanError:  # not a Hugging Face model: no blocks, one group per run of modules
         return ()
     return resolved.blocks if resolved else ()

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..core.errors import PlanError
-from ..runtime.checkpoint import CheckpointedForward
+from ..runtime.remat import RematForward
 from .fsdp_bucket import Bucket
 
 
@@ -93,12 +93,12 @@ def _storage(t: Tensor) -> int | None:
         return None
 
 
-class ReshardedBlock(CheckpointedForward):
+class ReshardedBlock(RematForward):
     """A block whose gathered parameters are freed after its forward and gathered again for its
     backward (one more all-gather; the reduce-scatter stays one).  Eager ``.backward()``: autograd
     saves a ``_Regather`` token instead of each gathered parameter (``saved_tensors_hooks``, as
     FSDP2 frees the storage of what autograd saved), so nothing is recomputed.  Under
-    ``torch.func`` (which has no saved-tensor hooks) and in a block ``shard(checkpoint=...)``
+    ``torch.func`` (which has no saved-tensor hooks) and in a block ``shard(remat=...)``
     recomputes anyway: a recomputed block (``Recompute``) whose leaves are the block's *local*
     leaves, bound by gathering them.  Under ``torch.compile``: torch's selective checkpoint that
     recomputes only the gathers."""

@@ -10,7 +10,7 @@ from torch import nn
 import hp_functional as hpf
 from hp_functional.core.errors import PlanError
 from hp_functional.core.paths import Candidate, most_specific, most_specific_patterns, path_matches, specificity
-from hp_functional.runtime.checkpoint import ActivationCheckpoint as Remat, resolve_checkpoint as resolve_remat
+from hp_functional.runtime.remat import Remat, resolve_remat
 from hp_functional.train.fsdp import _blocks
 
 

@@ -1,13 +1,15 @@
-"""Activation checkpointing decided in ``shard(..., checkpoint=...)``: loss and every gradient equal
-the unsharded model and the non-checkpointed sharded run, under ``.backward()`` and
+"""Activation recompute (remat) decided in ``shard(..., remat=...)``: loss and every gradient equal
+the unsharded model and the sharded run without remat, under ``.backward()`` and
 ``torch.func.grad_and_value``; dropout masks replayed; Hugging Face's
 ``gradient_checkpointing_enable()`` models; bad input; fewer saved activation bytes."""
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
-from hp_functional.runtime.checkpoint import ActivationCheckpoint
+from hp_functional.runtime.apply_fn import ApplyFn
+from hp_functional.runtime.remat import Remat
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call, grad, grad_and_value, vmap
@@ -87,14 +89,14 @@ def case_llama_checkpoint(state, plan_kind: str):
     fresh = build_llama(state)
     before = snapshot(fresh)
     plain_fn, plain_params, info = hpf.shard(fresh, _plan(plan_kind, fresh), mesh())
-    ck_fn, ck_params, _ = hpf.shard(fresh, _plan(plan_kind, fresh), mesh(), checkpoint=True)
-    assert list(ck_fn.checkpointed) == LAYERS and not plain_fn.checkpointed
+    ck_fn, ck_params, _ = hpf.shard(fresh, _plan(plan_kind, fresh), mesh(), remat=True)
+    assert list(ck_fn.remat_blocks) == LAYERS and not plain_fn.remat_blocks
     plain = _grads(plain_fn, plain_params, info, ids)
     checkpointed = _grads(ck_fn, ck_params, info, ids)
     _compare(plain, reference, "unsharded vs sharded")
     _compare(checkpointed, reference, "unsharded vs checkpointed")
     _compare(checkpointed, plain, "sharded vs checkpointed")
-    assert all(not w.cache for w in ck_fn.checkpointed.values()), "a recompute left conversions in the cache"
+    assert all(not w.cache for w in ck_fn.remat_blocks.values()), "a recompute left conversions in the cache"
 
     # saved activations, counted in the same run
     _, plain_saved = saved_bytes(lambda: plain_fn(plain_params, input_ids=ids, labels=ids).loss)
@@ -118,7 +120,7 @@ def case_dropout(state):
     assert model.training
     ids = _ids(3)
     plain_fn, plain_params, info = hpf.shard(model, hpf.llama_sp_plan(), mesh())
-    ck_fn, ck_params, _ = hpf.shard(model, hpf.llama_sp_plan(), mesh(), checkpoint=["model.layers.*"])
+    ck_fn, ck_params, _ = hpf.shard(model, hpf.llama_sp_plan(), mesh(), remat=["model.layers.*"])
     plain = _grads(plain_fn, plain_params, info, ids, seed=11)
     _compare(_grads(ck_fn, ck_params, info, ids, seed=11), plain, "dropout: plain vs checkpointed")
     # dropout is really on: another seed gives another loss; without the RNG replay the
@@ -127,7 +129,7 @@ def case_dropout(state):
     other = plain_fn(plain_params, input_ids=ids, labels=ids).loss.detach()
     assert not torch.allclose(other, plain["backward"][0])
     no_replay_fn, no_replay_params, _ = hpf.shard(
-        model, hpf.llama_sp_plan(), mesh(), checkpoint=ActivationCheckpoint(blocks=("model.layers.*",), preserve_rng=False))
+        model, hpf.llama_sp_plan(), mesh(), remat=Remat(blocks=("model.layers.*",), preserve_rng=False))
     no_replay = _grads(no_replay_fn, no_replay_params, info, ids, seed=11, func=False)
     assert_close(no_replay["backward"][0], plain["backward"][0], "the forward is the same without the replay")
     key = "model.layers.0.self_attn.q_proj.weight"
@@ -151,11 +153,11 @@ def case_hf_gradient_checkpointing(state):
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     before = snapshot(hf)
     apply_fn, params, info = hpf.shard(hf, hpf.ShardingPlan.from_hf(hf), mesh())
-    assert list(apply_fn.checkpointed) == LAYERS  # our checkpointing, on exactly HF's layers
+    assert list(apply_fn.remat_blocks) == LAYERS  # our checkpointing, on exactly HF's layers
     _compare(_grads(apply_fn, params, info, ids), reference, "gradient_checkpointing_enable()")
-    off_fn, off_params, _ = hpf.shard(hf, hpf.ShardingPlan.from_hf(hf), mesh(), checkpoint=False)
-    assert not off_fn.checkpointed
-    _compare(_grads(off_fn, off_params, info, ids), reference, "gradient_checkpointing_enable(), checkpoint=False")
+    off_fn, off_params, _ = hpf.shard(hf, hpf.ShardingPlan.from_hf(hf), mesh(), remat=False)
+    assert not off_fn.remat_blocks
+    _compare(_grads(off_fn, off_params, info, ids), reference, "gradient_checkpointing_enable(), remat=False")
     assert_unchanged(before, snapshot(hf))  # the user's flags and HF's input hook stay on the model
     assert hf.model.layers[0].gradient_checkpointing and hf._require_grads_hooks
 
@@ -164,7 +166,7 @@ def case_hf_gradient_checkpointing(state):
         warnings.simplefilter("ignore")
         every_other.activation_checkpointing_enable(every_n_layers=2)
     fn, _, _ = hpf.shard(every_other, hpf.ShardingPlan.from_hf(every_other), mesh(), verify_values=False)
-    assert list(fn.checkpointed) == ["model.layers.0"]
+    assert list(fn.remat_blocks) == ["model.layers.0"]
     return True
 
 
@@ -187,10 +189,10 @@ def case_bad_checkpoint(state):
     agree, shard_module.agree = shard_module.agree, no_collective
     try:
         rows = {
-            "no_match": raised(lambda: hpf.shard(model, plan, m, checkpoint=["model.layerz.*"])),
-            "nested": raised(lambda: hpf.shard(model, plan, m, checkpoint=["model.layers.*", "model.layers.*.mlp"])),
-            "not_hf": raised(lambda: hpf.shard(mlp, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, checkpoint=True)),
-            "wrong_type": raised(lambda: hpf.shard(model, plan, m, checkpoint=3)),
+            "no_match": raised(lambda: hpf.shard(model, plan, m, remat=["model.layerz.*"])),
+            "nested": raised(lambda: hpf.shard(model, plan, m, remat=["model.layers.*", "model.layers.*.mlp"])),
+            "not_hf": raised(lambda: hpf.shard(mlp, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, remat=True)),
+            "wrong_type": raised(lambda: hpf.shard(model, plan, m, remat=3)),
             "hf_unmapped": raised(lambda: hpf.shard(old_style, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m)),
         }
     finally:
@@ -200,11 +202,11 @@ def case_bad_checkpoint(state):
 
 
 BAD_ROWS = {
-    "no_match": ("checkpoint pattern 'model.layerz.*' matches no module", "model.layers"),
-    "nested": ("checkpoint blocks nest", "'model.layers.0.mlp' is inside 'model.layers.0'"),
+    "no_match": ("remat pattern 'model.layerz.*' matches no module", "model.layers"),
+    "nested": ("remat blocks nest", "'model.layers.0.mlp' is inside 'model.layers.0'"),
     "not_hf": ("has no Hugging Face decoder layers", "patterns"),
-    "wrong_type": ("shard(checkpoint=...)", "got int"),
-    "hf_unmapped": ("Hugging Face gradient checkpointing enabled on the model itself", "checkpoint=[module-path patterns]"),
+    "wrong_type": ("shard(remat=...)", "got int"),
+    "hf_unmapped": ("Hugging Face gradient checkpointing enabled on the model itself", "remat=[module-path patterns]"),
 }
 
 
@@ -256,8 +258,8 @@ def case_branches(state):
         return ((fn(p, x) - y) ** 2).mean()
 
     ref_fn = lambda p, x: functional_call(model, p, (x,))  # noqa: E731
-    apply_fn, params, info = hpf.shard(model, BRANCH_PLAN, mesh(), checkpoint=["block"])
-    assert list(apply_fn.checkpointed) == ["block"]
+    apply_fn, params, info = hpf.shard(model, BRANCH_PLAN, mesh(), remat=["block"])
+    assert list(apply_fn.remat_blocks) == ["block"]
     want = grad(loss)(ref_params, xs[0], ys[0], ref_fn)
     loss(params, xs[0], ys[0], apply_fn).backward()
     for label, got in (("backward", {k: p.grad for k, p in params.items()}),
@@ -288,9 +290,18 @@ def test_block_sharing_an_input_and_vmap_grad(pool):
     pool.run(case_branches, make_branches_state())
 
 
-def test_the_earlier_name_checkpoint_still_works_with_a_warning():
-    """``hpf.Checkpoint`` (activation recomputation, easily read as DCP's) is now
-    ``hpf.ActivationCheckpoint``; the old name warns and is the same class."""
-    with pytest.warns(FutureWarning, match="ActivationCheckpoint"):
-        assert hpf.Checkpoint is hpf.ActivationCheckpoint is ActivationCheckpoint
-    assert "Checkpoint" not in hpf.__all__
+def test_the_earlier_names_still_work_with_a_warning():
+    """``hpf.Checkpoint`` and ``hpf.ActivationCheckpoint`` (activation recompute, easily read as
+    DCP's checkpoints) are now ``hpf.Remat``; the old names warn and are the same class, as does
+    ``apply_fn.checkpointed`` (now ``apply_fn.remat_blocks``), also where a caller still builds
+    the ``ApplyFn`` with ``checkpointed=``."""
+    for old in ("Checkpoint", "ActivationCheckpoint"):
+        with pytest.warns(FutureWarning, match=f"hp_functional.{old} is now hp_functional.Remat"):
+            assert getattr(hpf, old) is hpf.Remat is Remat
+        assert old not in hpf.__all__
+    blocks = {"up": object()}
+    for apply_fn in (ApplyFn(print, None, None, remat_blocks=blocks),
+                     dataclasses.replace(ApplyFn(print, None, None), checkpointed=blocks)):
+        with pytest.warns(FutureWarning, match="apply_fn.remat_blocks"):
+            assert apply_fn.checkpointed is apply_fn.remat_blocks is blocks
+        assert apply_fn.then("fsdp", len).remat_blocks is blocks

@@ -7,13 +7,12 @@ any backend: gloo, nccl, hccl).  ``core.collectives`` pairs each with its transp
 from __future__ import annotations
 
 __all__ = [
-    "PENDING", "Replicas", "all_gather_rows", "check_perm", "get_timeout", "mesh_device", "raw_all_gather",
-    "raw_all_reduce", "raw_all_to_all", "raw_all_to_all_v", "raw_ppermute", "raw_recv", "raw_reduce_scatter",
-    "raw_replica_sum", "raw_send", "raw_split", "ring", "run_pending", "set_timeout", "start_all_reduce",
+    "PendingCheck", "PendingSlot", "Replicas", "all_gather_rows", "check_perm", "get_timeout", "mesh_device",
+    "raw_all_gather", "raw_all_reduce", "raw_all_to_all", "raw_all_to_all_v", "raw_ppermute", "raw_recv",
+    "raw_reduce_scatter", "raw_replica_sum", "raw_send", "raw_split", "ring", "set_timeout", "start_all_reduce",
     "start_ppermute", "wait"
 ]
 
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import NamedTuple, Protocol
@@ -28,7 +27,8 @@ _funcol = torch.ops._c10d_functional
 
 
 class Group(Protocol):
-    """What a raw op needs of its mesh axis (``collectives.AxisGroup`` is one)."""
+    """What a raw op needs of its mesh axis (``collectives.AxisGroup`` is one); ``pending``: the
+    axis's ``PendingSlot`` (a group without one runs no pending check)."""
 
     axis: str
     group_name: str
@@ -81,27 +81,53 @@ def get_timeout(group_name: str | None = None) -> timedelta:
     return default_pg_timeout
 
 
-class _Pending(threading.local):
-    """A check to run before this thread's next collective (``apply_fn``'s input agreement for a
-    new signature: placed there, every local check of the call before it has run)."""
+class PendingCheck:
+    """A check that runs once, before the first collective over any axis it is armed on
+    (``apply_fn``'s input agreement for a new signature: there, every local check of the call
+    before it has run).  ``arm`` puts it in the ``PendingSlot`` of each axis the call communicates
+    over, ``disarm`` takes it out when the call ends: the collectives find it in the group they are
+    handed, nothing is read from afar."""
 
-    check: Callable[[], None] | None = None
+    __slots__ = ("_check",)
+
+    def __init__(self, check: Callable[[], None]):
+        self._check: Callable[[], None] | None = check
+
+    def run(self) -> None:
+        """Run the check unless it has run (one collective's ``run`` is every axis's)."""
+        check, self._check = self._check, None
+        if check is not None:
+            check()
+
+    def arm(self, groups: Sequence[Group]) -> PendingCheck:
+        """Place this check in every group's slot; returns it."""
+        for g in groups:
+            g.pending.check = self
+        return self
+
+    def disarm(self, groups: Sequence[Group]) -> None:
+        """Empty the slots this check was placed in (``arm``) that still hold it."""
+        for g in groups:
+            if g.pending.check is self:
+                g.pending.check = None
 
 
-PENDING = _Pending()
+class PendingSlot:
+    """A mesh axis's slot for the ``PendingCheck`` its next collective runs first (kept on the
+    axis's group, ``collectives.AxisGroup.pending``); empty between calls."""
+
+    __slots__ = ("check",)
+
+    def __init__(self):
+        self.check: PendingCheck | None = None
 
 
-def run_pending() -> None:
-    """Run (once) the check waiting for this thread's next collective, if any."""
-    check = PENDING.check
-    if check is not None:
-        PENDING.check = None
-        check()
-
-
-def _issue() -> None:
-    if not torch.compiler.is_compiling() and PENDING.check is not None:
-        run_pending()
+def _issue(g: Group) -> None:
+    """Before a collective over ``g``: the check pending on its axis, if any (not under ``torch.compile``)."""
+    if not torch.compiler.is_compiling():
+        slot = getattr(g, "pending", None)
+        if slot is not None and slot.check is not None:
+            slot.check.run()
 
 
 def wait(x: Tensor, op: str, g: Group, where: str = "") -> Tensor:
@@ -127,7 +153,7 @@ def collective_error(exc: BaseException, op: str, g: Group, where: str = "") -> 
 
 
 def raw_all_reduce(x: Tensor, g: Group) -> Tensor:
-    _issue()
+    _issue(g)
     return wait(_funcol.all_reduce(x.contiguous(), "sum", g.group_name), "all_reduce", g)
 
 
@@ -145,7 +171,7 @@ def all_gather_rows(x: Tensor, g: Group, where: str = "") -> Tensor:
 def raw_all_gather(x: Tensor, dim: int, g: Group) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``; contiguous, as a module's ``view`` of its input
     may need (HF ``Conv1D``)."""
-    _issue()
+    _issue(g)
     moved = x.movedim(dim, 0).contiguous()
     out = wait(_funcol.all_gather_into_tensor(moved, g.size, g.group_name), "all_gather", g)
     return out.movedim(0, dim).contiguous()
@@ -159,7 +185,7 @@ def _check_divisible(x: Tensor, dim: int, g: Group, op: str) -> None:
 
 def raw_reduce_scatter(x: Tensor, dim: int, g: Group) -> Tensor:
     _check_divisible(x, dim, g, "reduce_scatter")
-    _issue()
+    _issue(g)
     moved = x.movedim(dim, 0).contiguous()
     out = wait(_funcol.reduce_scatter_tensor(moved, "sum", g.size, g.group_name), "reduce_scatter", g)
     return out.movedim(0, dim)
@@ -173,7 +199,7 @@ def raw_split(x: Tensor, dim: int, g: Group) -> Tensor:
 def raw_all_to_all(x: Tensor, split_dim: int, concat_dim: int, g: Group) -> Tensor:
     """Chunk ``split_dim`` into ``size`` pieces, send piece k to rank k, concat received on ``concat_dim``."""
     _check_divisible(x, split_dim, g, "all_to_all")
-    _issue()
+    _issue(g)
     nd = x.dim()
     split_dim, concat_dim = split_dim % nd, concat_dim % nd
     n = g.size
@@ -195,7 +221,7 @@ def raw_all_to_all_v(x: Tensor, dim: int, send: tuple[int, ...], recv: tuple[int
     if moved.shape[0] != sum(send) or len(send) != g.size or len(recv) != g.size:
         raise ValueError(f"all_to_all_v on mesh axis {g.axis!r} (size {g.size}): send splits {list(send)} do not cover "
                          f"dim {dim} of shape {tuple(x.shape)}, or a split list is not one entry per rank")
-    _issue()
+    _issue(g)
     got = wait(_funcol.all_to_all_single(moved.contiguous(), list(recv), list(send), g.group_name), "all_to_all_v", g)
     return got.movedim(0, dim)
 
@@ -222,7 +248,7 @@ def start_ppermute(x: Tensor, perm: tuple[tuple[int, int], ...], g: Group) -> Ca
     transfer where the backend runs it asynchronously (ring attention's next K/V block)."""
     send = {s: d for s, d in perm}.get(g.rank)
     recv = {d: s for s, d in perm}.get(g.rank)
-    _issue()
+    _issue(g)
     flat = x.contiguous().reshape(-1)
     n = flat.numel()
     out_splits = [n if k == recv else 0 for k in range(g.size)]
@@ -250,7 +276,7 @@ def raw_send(x: Tensor, shape: tuple[int, ...], peer: int, g: Group) -> Tensor:
     """Blocking send of ``x`` to rank ``peer`` of ``g``'s axis (point to point: only ``peer``
     takes part); returns a zero token shaped like ``x``'s leading dims beyond ``shape`` (``()``,
     or the batch under vmap).  Not traceable: ``_c10d_functional`` has no send.  It does not run
-    the pending input agreement (``run_pending``): that is a collective of the whole mesh, which
+    the pending input agreement (``PendingCheck``): that is a collective of the whole mesh, which
     the peer, blocked in its receive, would not join."""
     try:
         dist.send(x.detach().contiguous(), group=_process_group(g), group_dst=peer)

@@ -14,16 +14,17 @@ __all__ = ["ApplyFn", "ThreadGuard", "make_apply_fn"]
 
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
 from ..core.buckets import copy_to_many
+from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, ReentrancyError
 from ..core.program import Program
-from ..core.raw_collectives import PENDING, run_pending
+from ..core.raw_collectives import PendingCheck
 from .boundary import ConversionCache
 from .inputs import InputAgreement
 from .rng import active_rng
@@ -84,17 +85,20 @@ class ApplyFn:
 
 
 def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None,
-                  rebuild: Callable[[], Callable] | None = None) -> ApplyFn:
+                  rebuild: Callable[[], Callable] | None = None, *, axes: Sequence[AxisGroup] = ()) -> ApplyFn:
     """``apply_fn(params, *args, buffers=None, **kwargs)``: check, convert, bind into the skeleton,
     forward; with ``buffers`` (``runtime.state``) it returns ``(output, buffers after the call)``.
     ``cache``: the boundaries' per-call conversion cache, emptied after every call; ``rebuild``:
-    a new ``apply_fn`` on a fresh skeleton, for another thread.
+    a new ``apply_fn`` on a fresh skeleton, for another thread; ``axes``: the groups a transform's
+    forwards communicate over besides the program's (``hpf.fsdp``'s).
 
     Binding writes the skeleton's slots, so two calls at once on one skeleton would read each
     other's parameters.  On a one-rank mesh a call from another thread runs on a skeleton of its
     own (``rebuild`` on that thread's first call, kept for the thread's life); on a multi-rank mesh
     (or without ``rebuild``) only the building thread may call (``ThreadGuard``).  The inputs are agreed (``runtime.inputs``)
-    just before the call's first collective, so every local check of the call raises before it."""
+    just before the call's first collective, so every local check of the call raises before it: the
+    check is handed to the collectives in the groups they communicate over (``PendingCheck.arm``
+    on the program's axes and ``axes``), and taken back when the call ends."""
     keys = tuple(program.infos)
     key_set = frozenset(keys)
     shapes = tuple(torch.Size(program.infos[k].local_shape) for k in keys)
@@ -115,6 +119,7 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     guard = ThreadGuard(program.mesh.size(), "apply_fn") if program.mesh.size() > 1 or rebuild is None else None
     mine = threading.local()  # another thread's own apply_fn (one-rank meshes)
     agreement = InputAgreement.for_program(program, skeleton)
+    armed = (*program.groups.values(), *axes)  # where the input agreement waits for the call's first collective
     buffer_slots = BufferSlots(skeleton, program.mesh)
 
     def apply_fn(params: Mapping[str, Tensor], *args, buffers: Mapping[str, Tensor] | None = None, **kwargs):
@@ -133,7 +138,8 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
         state = None if buffers is None else buffer_slots.check(buffers, devices)
         pending = saved = None
         if agreement is not None and not torch.compiler.is_compiling():
-            pending = PENDING.check = agreement.pending(args, kwargs)  # runs before the call's first collective
+            check = agreement.pending(args, kwargs)
+            pending = None if check is None else PendingCheck(check).arm(armed)  # runs before the first collective
         try:
             if converted or bucketed:
                 values = list(values)
@@ -151,7 +157,7 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
             if state is not None:
                 out = (out, buffer_slots.collect(state))
             if pending is not None:  # a forward without collectives: agree before the backward can issue any
-                run_pending()
+                pending.run()
         except RuntimeError as exc:  # failure path only: torch's refusal of an in-place buffer update under torch.func
             named = buffer_slots.update_error(exc, state)
             if named is None:
@@ -159,7 +165,7 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
             raise named from exc
         finally:  # the skeleton never keeps the caller's tensors alive
             if pending is not None:
-                PENDING.check = None
+                pending.disarm(armed)
             for _, store, name, placeholder in slots:
                 store[name] = placeholder
             if saved:

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..compile.agree import agree
 from ..compile.build import build_program
 from ..compile.reduce import Reduced, plan_marks, reduced_plan
+from ..core.collectives import AxisGroup
 from ..core.deprecation import renamed_keywords
 from ..core.placement import ShardInfo
 from ..core.program import Program
@@ -70,18 +71,21 @@ class Runtime:
     remat: CheckpointPlan | None
     checks: Mapping[str, str] = field(default_factory=dict)  # shard-time proof: what ran, what was skipped and why
 
-    def build(self, program: Program | None = None, install: Installer | None = None) -> Callable:
+    def build(self, program: Program | None = None, install: Installer | None = None, *,
+              axes: Sequence[AxisGroup] = ()) -> Callable:
         """A new ``apply_fn`` on a fresh skeleton (``program`` replaces this one's, e.g. with
-        fewer parameter conversions); ``install`` runs after the boundaries and recomputed blocks."""
-        return build_runtime(self.template, program or self.program, remat=self.remat, install=install)
+        fewer parameter conversions); ``install`` runs after the boundaries and recomputed blocks,
+        and its forwards communicate over ``axes`` besides the program's."""
+        return build_runtime(self.template, program or self.program, remat=self.remat, install=install, axes=axes)
 
 
 def build_runtime(model: nn.Module, program: Program, *, remat: CheckpointPlan | None = None,
-                  install: Installer | None = None) -> ApplyFn:
+                  install: Installer | None = None, axes: Sequence[AxisGroup] = ()) -> ApplyFn:
     """The private skeleton of ``model`` with every boundary of ``program`` installed, and the
     blocks of ``remat`` recomputed in the backward, as ``apply_fn``.  Hugging Face's own
     checkpointing is turned off on the skeleton (``neutralise_hf_checkpointing``): ``shard()``
-    decided what replaces it.  ``install``, if given, then adds a transform's forwards (``Runtime.build``)."""
+    decided what replaces it.  ``install``, if given, then adds a transform's forwards (``Runtime.build``),
+    which communicate over ``axes`` besides the program's (``make_apply_fn``)."""
     skeleton = build_skeleton(model, {k: i.local_shape for k, i in program.infos.items()}, program.leaf_of)
     neutralise_hf_checkpointing(skeleton)
     cache: ConversionCache = {}  # input conversions shared within one apply_fn call
@@ -98,8 +102,8 @@ def build_runtime(model: nn.Module, program: Program, *, remat: CheckpointPlan |
     blocks = install_checkpoints(skeleton, remat, program.leaf_of, cache, program.mesh.device_type) if remat else {}
     if install is not None:
         install(skeleton, cache)
-    rebuild = functools.partial(build_runtime, model, program, remat=remat, install=install)
-    apply_fn = make_apply_fn(skeleton, program, cache, rebuild)
+    rebuild = functools.partial(build_runtime, model, program, remat=remat, install=install, axes=axes)
+    apply_fn = make_apply_fn(skeleton, program, cache, rebuild, axes=axes)
     return dataclasses.replace(apply_fn, checkpointed=blocks)
 
 

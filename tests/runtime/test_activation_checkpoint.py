@@ -8,14 +8,14 @@ import warnings
 
 import pytest
 import torch
-from hp_functional.runtime.apply_fn import ApplyFn
-from hp_functional.runtime.remat import Remat
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 import hp_functional as hpf
 from hp_functional.runtime import shard as shard_module
+from hp_functional.runtime.apply_fn import ApplyFn
+from hp_functional.runtime.remat import Remat
 from tests.support.helpers import assert_close, mesh, raised
 from tests.support.models import MLP, build_llama, make_llama_state
 from tests.support.snapshot import assert_unchanged, snapshot

@@ -99,7 +99,7 @@ __all__ = [
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
@@ -108,6 +108,7 @@ from torch import Tensor
 
 from .errors import PlanError
 from .raw_collectives import (
+    PendingSlot,
     Replicas,
     check_perm,
     get_timeout,
@@ -131,12 +132,14 @@ _legacy_batched = torch._C._functorch.is_legacy_batchedtensor  # autograd.grad(i
 
 @dataclass(frozen=True)
 class AxisGroup:
-    """One mesh axis as seen by this rank: process-group name, size and this rank's index."""
+    """One mesh axis as seen by this rank: process-group name, size and this rank's index;
+    ``pending``: the check its next collective runs first (``raw_collectives.PendingCheck``)."""
 
     axis: str
     group_name: str
     size: int
     rank: int
+    pending: PendingSlot = field(default_factory=PendingSlot, compare=False, repr=False)
 
     @classmethod
     def from_mesh(cls, mesh, axis: str) -> AxisGroup:

@@ -251,7 +251,7 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
                 module.forward = GatherOnUse(module.forward, bucket, slots, state, shared=len(members) > 1)
 
     inner_program = dataclasses.replace(program, param_steps={})  # conversions run after each gather
-    inner = runtime.build(inner_program, install)
+    inner = runtime.build(inner_program, install, axes=(group,))  # the input agreement runs before its gathers too
     placeholders = {k: torch.empty(program.infos[k].local_shape, dtype=param_dtype or params[k].dtype, device="meta")
                     for k in keys}
     new_params = {k: _rows(params[k], infos[k]) for k in keys}

@@ -23,7 +23,7 @@ BIN   := $(VENV)/bin
 KEY   := $(shell (cat "$(ROOT)/pyproject.toml"; echo "$(TORCH) $(EXTRAS)") | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.hpf-setup-$(KEY)
 
-.PHONY: demo test test-fast mutation-check setup clean-setup
+.PHONY: demo test test-fast mutation-check setup clean-setup titan3-venv
 
 demo: $(STAMP)
 	cd "$(ROOT)" && "$(BIN)/hp-functional" demo
@@ -50,6 +50,15 @@ $(STAMP):
 	cd "$(ROOT)" && "$(BIN)/python" -m pip install -e ".[$(EXTRAS)]"
 	rm -f "$(VENV)"/.hpf-setup-*
 	touch "$@"
+
+# a separate venv with torchtitan 0.3.0 (the titan3 extra; it cannot share .venv with titan's 0.2.2), the torch pin
+# kept by a constraint; then: $(TITAN3_VENV)/bin/python -m pytest tests/models/test_torchtitan3.py (docs/torchtitan.md)
+TITAN3_VENV ?= $(ROOT)/.venv-titan3
+titan3-venv:
+	test -x "$(TITAN3_VENV)/bin/python" || $(PYTHON) -m venv "$(TITAN3_VENV)"
+	echo "$(TORCH)" > "$(TITAN3_VENV)/torch-pin.txt"
+	"$(TITAN3_VENV)/bin/python" -m pip install $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH)"
+	cd "$(ROOT)" && "$(TITAN3_VENV)/bin/python" -m pip install -c "$(TITAN3_VENV)/torch-pin.txt" -e ".[test,titan3]"
 
 clean-setup:
 	rm -f "$(VENV)"/.hpf-setup-*

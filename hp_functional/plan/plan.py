@@ -29,6 +29,7 @@ from ..core.style import ModuleSpec, ParamHandler, ParamRule, Style, default_han
 from ..parallel import PARALLELISMS
 from ..sources.hf import HF_STYLES, hf_plan
 from ..sources.torch_styles import ParallelStyle, from_torch_style
+from ..sources.torchtitan import torchtitan_entries
 
 #: The role a style acts on when it names none, and the role of ``ShardingPlan``'s second positional argument.
 DEFAULT_ROLE = "tp"
@@ -228,6 +229,22 @@ class ShardingPlan:
                    if isinstance(s, ParallelStyle) else s for p, s in entries.items()}
         axes = {"tp": tp_axis, **({"ep": ep_axis} if ep_axis is not None else {})}
         return cls(entries, axes, settings={"loss_parallel": loss_parallel})
+
+    @classmethod
+    def from_torchtitan(cls, model: nn.Module, tp_axis: str = "tp", *, loss_parallel: bool = False) -> ShardingPlan:
+        """The plan a torchtitan 0.3.0 model declares: the ``ShardingConfig`` its
+        ``set_*_sharding_config`` function put on every module (``module._sharding_config``), its
+        ``tp`` layouts converted to this library's styles (``sources.torchtitan``).  A layout that
+        cannot be expressed (expert parallelism among them) raises naming the module and the layout.
+
+        Args:
+            model: a model built from a config torchtitan's ``set_*_sharding_config`` filled; only read.
+            tp_axis: the mesh axis torchtitan's ``tp`` layouts act on.
+            loss_parallel: keep the ``lm_head``'s logits vocab-sharded (compute the loss with
+                ``hpf.vocab_parallel_cross_entropy``); by default they are gathered.
+        Returns:
+            a new ``ShardingPlan`` on ``tp_axis``."""
+        return cls(torchtitan_entries(model, tp_axis, loss_parallel=loss_parallel), {"tp": tp_axis})
 
     def resolve(self, model: nn.Module, mesh: DeviceMesh) -> list[Planned]:
         """Every planned module in ``model.named_modules()`` order, with the root entries the

@@ -9,7 +9,7 @@ recognised by their class's shape instead (``sources.torch_moe_styles``).  The c
 
 from __future__ import annotations
 
-__all__ = ["ParallelStyle", "from_torch_style"]
+__all__ = ["ParallelStyle", "from_torch_style", "head_counts"]
 
 from dataclasses import dataclass, field, replace
 from typing import Any

@@ -70,12 +70,12 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .plan.recipes import llama_sp_plan as llama_sp_plan, megatron_plan as megatron_plan
     from .planner.auto import auto_plan as auto_plan
     from .runtime.apply_fn import ApplyFn as ApplyFn
+    from .runtime.buffers import buffers as buffers
     from .runtime.meta_init import init_weights as init_weights
     from .runtime.pretrained import from_pretrained as from_pretrained
     from .runtime.remat import Remat as Remat
     from .runtime.rng import Rng as Rng, rng as rng
     from .runtime.shard import shard as shard
-    from .runtime.state import buffers as buffers
     from .tools.explain import Explanation as Explanation, Memory as Memory, Schedule as Schedule, explain as explain
     from .tools.explain_stage import StageExplanation as StageExplanation, explain_stage as explain_stage
     from .tools.record import ScheduleRow as ScheduleRow
@@ -149,7 +149,7 @@ _LAZY: dict[str, str] = {
     "SequenceParallel": ".parallel.tensor.styles",
     "Style": ".core.style",
     "Local": ".parallel.local",
-    "buffers": ".runtime.state",
+    "buffers": ".runtime.buffers",
     "VocabEmbedding": ".parallel.tensor.vocab",
     "default_handlers": ".core.style",
     "Remat": ".runtime.remat",

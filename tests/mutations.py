@@ -185,7 +185,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "box.of_local(local).copy_(box.of_global(stored))",
              "box.of_local(local).copy_(box.of_global(stored).flip(0))",
              ("tests/runtime/test_weights.py",), "from_pretrained reads each rank's boxes of every tensor exactly"),
-    Mutation("buffers-not-restored", "hp_functional/runtime/state.py::BufferSlots.restore",
+    Mutation("buffers-not-restored", "hp_functional/runtime/buffers.py::BufferSlots.restore",
              "for store, attr, value in reversed(saved):\n            store[attr] = value", "return",
              ("tests/runtime/test_buffers.py",), "after apply_fn(..., buffers=) the skeleton holds its own buffers again"),
     # ------------------------------------------------------------ transforms, randomness, per-example clipping

@@ -26,7 +26,7 @@ from ..core.lowering import Step
 from ..core.placement import ShardInfo, splits
 from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments
-from .reduce import Reduced, plan_marks, reduced_copy
+from .reduced_copy import Reduced, plan_marks, reduced_copy
 from .regions import Varying
 
 

@@ -26,9 +26,9 @@ from ..core.errors import PlanError, ReentrancyError
 from ..core.program import Program
 from ..core.raw_collectives import PendingCheck
 from .boundary import ConversionCache
+from .buffers import BufferSlots
 from .inputs import InputAgreement
 from .rng import active_rng
-from .state import BufferSlots
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -87,7 +87,7 @@ class ApplyFn:
 def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None,
                   rebuild: Callable[[], Callable] | None = None, *, axes: Sequence[AxisGroup] = ()) -> ApplyFn:
     """``apply_fn(params, *args, buffers=None, **kwargs)``: check, convert, bind into the skeleton,
-    forward; with ``buffers`` (``runtime.state``) it returns ``(output, buffers after the call)``.
+    forward; with ``buffers`` (``runtime.buffers``) it returns ``(output, buffers after the call)``.
     ``cache``: the boundaries' per-call conversion cache, emptied after every call; ``rebuild``:
     a new ``apply_fn`` on a fresh skeleton, for another thread; ``axes``: the groups a transform's
     forwards communicate over besides the program's (``hpf.fsdp``'s).

@@ -25,7 +25,7 @@ from ..compile.agree import checksum
 from ..compile.build import varying_uses
 from ..compile.dataflow import synthesize_inputs
 from ..compile.lint_heads import fingerprint
-from ..compile.reduce import Reduced, reduced_copy
+from ..compile.reduced_copy import Reduced, reduced_copy
 from ..core.errors import PlanError
 from ..core.facets import SummedOver
 from ..core.gather import unshard

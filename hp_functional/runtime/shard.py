@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..compile.agree import agree
 from ..compile.build import build_program
-from ..compile.reduce import Reduced, plan_marks, reduced_plan
+from ..compile.reduced_copy import Reduced, plan_marks, reduced_plan
 from ..core.collectives import AxisGroup
 from ..core.deprecation import renamed_keywords
 from ..core.placement import ShardInfo
@@ -40,6 +40,7 @@ from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan, as_plan
 from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
+from .initial_values import InitialValues as Values
 from .remat import (
     Remat as ActivationCheckpoint,
     RematPlan as CheckpointPlan,
@@ -50,7 +51,6 @@ from .remat import (
 )
 from .probe import PROBE_CACHE, ProbeCache, probe_copy_or_reason, probe_key, probe_varying_uses, run_probe
 from .skeleton import build_skeleton
-from .values import Values
 
 #: ``install(skeleton, cache)``: a transform's last word on a freshly built skeleton (see ``Runtime``).
 Installer = Callable[[nn.Module, ConversionCache], None]

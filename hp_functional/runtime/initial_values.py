@@ -1,7 +1,7 @@
 """Where ``shard()`` takes each local shard's values from: the model, a safetensors checkpoint,
 or the module's own init (a meta model without weights).
 
-``Values.prepare`` does every local check (the checkpoint's headers, missing tensors, shapes,
+``InitialValues.prepare`` does every local check (the checkpoint's headers, missing tensors, shapes,
 buffers recomputed) before ``shard()``'s one collective; ``local_shards`` reads or computes the
 shards after it.  ``fingerprint`` joins the agreement, so ranks that read different checkpoints
 or seed differently raise ``PlanMismatchError`` rather than train different models.
@@ -9,7 +9,7 @@ or seed differently raise ``PlanMismatchError`` rather than train different mode
 
 from __future__ import annotations
 
-__all__ = ["Values"]
+__all__ = ["InitialValues"]
 
 import os
 from dataclasses import dataclass
@@ -25,8 +25,8 @@ from .weights import WeightSource, open_weights, read_buffers, read_local, store
 
 
 @dataclass
-class Values:
-    """The values plan of one ``shard()`` call (see the module docstring)."""
+class InitialValues:
+    """Where one ``shard()`` call takes its leaves' initial values from (see the module docstring)."""
 
     model: nn.Module
     program: Program
@@ -38,7 +38,7 @@ class Values:
     fingerprint: dict[str, str]
 
     @classmethod
-    def prepare(cls, model: nn.Module, program: Program, weights: str | os.PathLike | None, seed: int | None) -> Values:
+    def prepare(cls, model: nn.Module, program: Program, weights: str | os.PathLike | None, seed: int | None) -> InitialValues:
         """The local checks and the buffers; ``seed`` None keeps meta tensors on meta (shapes only)."""
         source = open_weights(weights) if weights is not None else None
         names = stored_names(source, program) if source is not None else None

@@ -1,11 +1,12 @@
-"""Placements per mesh axis, full → local slicing, ``ShardInfo``, and gathering back.
+"""Placements per mesh axis, full → local slicing, ``ShardInfo``, and one tensor gathered back
+(``to_full``; whole pytrees in buckets: ``core.gather``).
 
 A parameter is *stored* as ``Shard(d)`` or ``Replicate()`` on each mesh dim, or as one of the
 stored-only placements defined here (``GroupedShard``: KV heads over more ranks than heads;
-``StackedShard``: stacked experts; ``RowSplit``: ``hpf.fsdp``'s flat rows; torch's
-``_StridedShard`` when read from DTensor); ``Partial`` is a use-site placement only (see
-``core.lowering``).  Slicing follows DTensor's convention: mesh dims
-are applied in order, each ``Shard(d)`` narrowing the current chunk further, so
+``StackedShard``: stacked experts; torch's ``_StridedShard`` when read from DTensor); what a
+parallelism records besides (``hpf.fsdp``'s flat rows, ``RowSplit``) is a facet (``core.facets``);
+``Partial`` is a use-site placement only (see ``core.lowering``).  Slicing follows DTensor's
+convention: mesh dims are applied in order, each ``Shard(d)`` narrowing the current chunk further, so
 ``to_dtensor`` can wrap our local shards without a copy.
 """
 

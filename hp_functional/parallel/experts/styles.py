@@ -186,7 +186,7 @@ class Experts(Style):
     tp_axis: str | None = None
     axis: str | None = None  # None: the plan's ep_axis
     tokens: str = "replicated"  # or "local": ep shares ranks with dp (docs/experts.md#ep-sharing-ranks-with-dp)
-    call: str | ExpertsCall | None = None  # the calling convention (plan.experts_calls); None: from the forward
+    call: str | ExpertsCall | None = None  # the calling convention (parallel.experts.calls); None: from the forward
     tp_partial: bool = False  # TP inside: leave the output a partial sum over tp (the caller reduces it)
     axis_role = "ep"
 

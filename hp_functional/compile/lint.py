@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ..core.errors import PlanError, PlanWarning
-from ..core.paths import most_specific
+from ..core.paths import most_specific, specificity
 from ..core.placement import replica_group
 from ..core.program import Planned
 from ..core.signature import arg_slots
@@ -145,9 +145,9 @@ def shadowed(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
     """Entries whose every match is taken by a more specific pattern."""
     hits: dict[str, list[bool]] = {}
     for cands in plan.candidates(model).values():
-        best = min(c.stars for c in cands)
+        best = max(specificity(c.pattern) for c in cands)
         for c in cands:
-            hits.setdefault(c.pattern, []).append(c.stars > best)
+            hits.setdefault(c.pattern, []).append(specificity(c.pattern) < best)
     return [
         Finding("warning", pattern, f"plan entry {pattern!r} has no effect: every module it matches is taken by a more "
                                     "specific pattern", "shadowed")

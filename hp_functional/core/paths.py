@@ -14,7 +14,7 @@ groups.  See docs/plan-language.md#patterns.
 
 from __future__ import annotations
 
-__all__ = ["Candidate", "layer_patterns", "most_specific", "most_specific_patterns", "path_matches"]
+__all__ = ["Candidate", "layer_patterns", "most_specific", "most_specific_patterns", "path_matches", "specificity"]
 
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
@@ -91,10 +91,8 @@ def layer_patterns(paths) -> list[str]:
 
 
 class Candidate(NamedTuple):
-    """A plan entry whose pattern matches a module path (``stars``: its ``*`` count, which
-    lint's shadowing report reads; the winner is decided by ``specificity(pattern)``)."""
+    """A plan entry whose pattern matches a module path (the winner is decided by ``specificity``)."""
 
-    stars: int
     pattern: str
     style: Style
 

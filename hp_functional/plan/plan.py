@@ -306,7 +306,7 @@ class ShardingPlan:
         for path in dict(model.named_modules()):
             for pattern, style in entries.items():
                 if path_matches(pattern, path):
-                    out.setdefault(path, []).append(Candidate(pattern.count("*"), pattern, style))
+                    out.setdefault(path, []).append(Candidate(pattern, style))
         return out
 
     def axis_of(self, style: Style, names: tuple[str, ...] = ()) -> str | None:

@@ -64,10 +64,10 @@ def test_the_most_specific_pattern_wins_whatever_the_order():
         assert most_specific_patterns(fqn, patterns) == best
         assert most_specific_patterns(fqn, patterns[::-1]) == best[::-1]
     a, b = hpf.NoParallel(), hpf.Colwise()
-    cands = [Candidate(2, "**.mlp", a), Candidate(1, "model.layers.*.mlp", b)]
+    cands = [Candidate("**.mlp", a), Candidate("model.layers.*.mlp", b)]
     assert most_specific("model.layers.0.mlp", cands) == ("model.layers.*.mlp", b)
     with pytest.raises(PlanError, match="conflicting plan entries"):
-        most_specific("model.layers.0.mlp", [Candidate(1, "*.layers.0.mlp", a), Candidate(1, "model.*.0.mlp", b)])
+        most_specific("model.layers.0.mlp", [Candidate("*.layers.0.mlp", a), Candidate("model.*.0.mlp", b)])
 
 
 class Block(nn.Module):

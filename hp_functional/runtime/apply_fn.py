@@ -85,12 +85,15 @@ class ApplyFn:
 
 
 def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None,
-                  rebuild: Callable[[], Callable] | None = None, *, axes: Sequence[AxisGroup] = ()) -> ApplyFn:
+                  rebuild: Callable[[], Callable] | None = None, *, axes: Sequence[AxisGroup] = (),
+                  local_shapes: Mapping[str, torch.Size] | None = None) -> ApplyFn:
     """``apply_fn(params, *args, buffers=None, **kwargs)``: check, convert, bind into the skeleton,
     forward; with ``buffers`` (``runtime.buffers``) it returns ``(output, buffers after the call)``.
     ``cache``: the boundaries' per-call conversion cache, emptied after every call; ``rebuild``:
     a new ``apply_fn`` on a fresh skeleton, for another thread; ``axes``: the groups a transform's
-    forwards communicate over besides the program's (``hpf.fsdp``'s).
+    forwards communicate over besides the program's (``hpf.fsdp``'s); ``local_shapes``: the shapes
+    of the leaves it binds where they are not the program's (``hpf.fsdp``'s rows, which its
+    installed forwards gather from the slots they are bound to).
 
     Binding writes the skeleton's slots, so two calls at once on one skeleton would read each
     other's parameters.  On a one-rank mesh a call from another thread runs on a skeleton of its
@@ -101,7 +104,7 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     on the program's axes and ``axes``), and taken back when the call ends."""
     keys = tuple(program.infos)
     key_set = frozenset(keys)
-    shapes = tuple(torch.Size(program.infos[k].local_shape) for k in keys)
+    shapes = tuple(torch.Size((local_shapes or {}).get(k, program.infos[k].local_shape)) for k in keys)
     steps = tuple(tuple(program.param_steps.get(k, ())) for k in keys)
     index = {k: i for i, k in enumerate(keys)}
     slots = []  # (leaf index, the owning skeleton module's _parameters, attribute name, placeholder)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -72,15 +73,18 @@ class Runtime:
     checks: Mapping[str, str] = field(default_factory=dict)  # shard-time proof: what ran, what was skipped and why
 
     def build(self, program: Program | None = None, install: Installer | None = None, *,
-              axes: Sequence[AxisGroup] = ()) -> Callable:
+              axes: Sequence[AxisGroup] = (), local_shapes: Mapping[str, torch.Size] | None = None) -> Callable:
         """A new ``apply_fn`` on a fresh skeleton (``program`` replaces this one's, e.g. with
         fewer parameter conversions); ``install`` runs after the boundaries and recomputed blocks,
-        and its forwards communicate over ``axes`` besides the program's."""
-        return build_runtime(self.template, program or self.program, remat=self.remat, install=install, axes=axes)
+        and its forwards communicate over ``axes`` besides the program's; ``local_shapes``: the
+        leaves' shapes where they are not the program's (``make_apply_fn``)."""
+        return build_runtime(self.template, program or self.program, remat=self.remat, install=install, axes=axes,
+                             local_shapes=local_shapes)
 
 
 def build_runtime(model: nn.Module, program: Program, *, remat: CheckpointPlan | None = None,
-                  install: Installer | None = None, axes: Sequence[AxisGroup] = ()) -> ApplyFn:
+                  install: Installer | None = None, axes: Sequence[AxisGroup] = (),
+                  local_shapes: Mapping[str, torch.Size] | None = None) -> ApplyFn:
     """The private skeleton of ``model`` with every boundary of ``program`` installed, and the
     blocks of ``remat`` recomputed in the backward, as ``apply_fn``.  Hugging Face's own
     checkpointing is turned off on the skeleton (``neutralise_hf_checkpointing``): ``shard()``
@@ -102,8 +106,9 @@ def build_runtime(model: nn.Module, program: Program, *, remat: CheckpointPlan |
     blocks = install_checkpoints(skeleton, remat, program.leaf_of, cache, program.mesh.device_type) if remat else {}
     if install is not None:
         install(skeleton, cache)
-    rebuild = functools.partial(build_runtime, model, program, remat=remat, install=install, axes=axes)
-    apply_fn = make_apply_fn(skeleton, program, cache, rebuild, axes=axes)
+    rebuild = functools.partial(build_runtime, model, program, remat=remat, install=install, axes=axes,
+                                local_shapes=local_shapes)
+    apply_fn = make_apply_fn(skeleton, program, cache, rebuild, axes=axes, local_shapes=local_shapes)
     return dataclasses.replace(apply_fn, checkpointed=blocks)
 
 

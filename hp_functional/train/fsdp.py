@@ -37,7 +37,7 @@ from ..core.program import Program
 from ..runtime.apply_fn import ApplyFn, ThreadGuard
 from ..runtime.remat import Remat, RematForward, check_recorded_outputs, resolve_remat
 from .fsdp_bucket import Bucket, Piece, Sync
-from .fsdp_forwards import CallState, GatherOnUse, ReshardedBlock
+from .fsdp_forwards import GatherOnUse, ReshardedBlock
 
 # ---------------------------------------------------------------- grouping
 
@@ -223,7 +223,6 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
     sizes = {a: mesh.size(mesh.mesh_dim_names.index(a)) for a in axes}
     buckets = tuple(_bucket(g, program, infos, group, sizes, param_dtype, reduce_dtype, sync) for g in groups)
     layout = FsdpLayout(axes[0] if len(axes) == 1 else axes, tuple(groups), buckets, reshard_after_forward, sync)
-    state = CallState()
     preserve_rng = runtime.remat.preserve_rng if runtime.remat else True
 
     def install(skeleton: nn.Module, cache) -> None:
@@ -231,6 +230,10 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
         for fqn, key in program.leaf_of.items():
             owner, _, attr = fqn.rpartition(".")
             slots_of.setdefault(owner, []).append((skeleton.get_submodule(owner)._parameters, attr, key))
+        bound = {}  # key -> a slot the call binds its leaf to, and the placeholder it holds between calls
+        for owned in slots_of.values():
+            for store, attr, key in owned:
+                bound.setdefault(key, (store, attr, store[attr]))
         for g, bucket in zip(groups, buckets, strict=True):
             index = {k: j for j, k in enumerate(g.keys)}
             if g.block is not None and reshard_after_forward:
@@ -240,7 +243,7 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
                 recompute = isinstance(inner, RematForward) and inner.fqn == g.block
                 if recompute:
                     inner = inner.inner  # the block is recomputed already: no second remat around it
-                module.forward = ReshardedBlock(g.block, module, inner, slots, bucket, state, cache,
+                module.forward = ReshardedBlock(g.block, module, inner, slots, bucket, cache,
                                                 program.mesh.device_type, preserve_rng, recompute)
                 continue
             members = g.modules if g.block is None else (g.block,)
@@ -248,14 +251,16 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
                 module = skeleton.get_submodule(m)
                 owners = [m] if g.block is None else [o for o in slots_of if _inside(o, g.block)]
                 slots = tuple((s, a, index[k]) for o in owners for s, a, k in slots_of[o] if k in index)
-                module.forward = GatherOnUse(module.forward, bucket, slots, state, shared=len(members) > 1)
+                module.forward = GatherOnUse(module.forward, bucket, slots, tuple(bound[k] for k in g.keys), cache,
+                                             shared=len(members) > 1)
 
-    inner_program = dataclasses.replace(program, param_steps={})  # conversions run after each gather
-    inner = runtime.build(inner_program, install, axes=(group,))  # the input agreement runs before its gathers too
-    placeholders = {k: torch.empty(program.infos[k].local_shape, dtype=param_dtype or params[k].dtype, device="meta")
-                    for k in keys}
+    # the inner apply_fn binds the local rows themselves (their own shapes); its forwards gather them, and
+    # the parameters' conversions run after each gather (none before)
+    inner_program = dataclasses.replace(program, param_steps={}, param_buckets=())
+    inner = runtime.build(inner_program, install, axes=(group,),  # the input agreement runs before its gathers too
+                          local_shapes={k: torch.Size(infos[k].local_shape) for k in keys})
     new_params = {k: _rows(params[k], infos[k]) for k in keys}
-    call = _fsdp_apply(inner, layout, state, placeholders, infos)
+    call = _fsdp_apply(inner, layout, infos)
     out = apply_fn.then("fsdp", call, fsdp=layout, program=inner.program, buffer_slots=inner.buffer_slots,
                         input_check=inner.input_check, remat_blocks=inner.remat_blocks)
     return out, new_params, infos
@@ -359,15 +364,14 @@ def _check(apply_fn, params, shard_info, mesh: DeviceMesh, axes: tuple[str, ...]
     return runtime
 
 
-def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: CallState, placeholders: dict[str, Tensor],
-                infos: Mapping[str, ShardInfo]) -> Callable:
+def _fsdp_apply(inner: Callable, layout: FsdpLayout, infos: Mapping[str, ShardInfo]) -> Callable:
     keys = tuple(infos)
     shapes = tuple(torch.Size(infos[k].local_shape) for k in keys)
-    guard = ThreadGuard(max((i.mesh.size() for i in infos.values()), default=1), "fsdp apply_fn")  # one CallState: one thread
+    guard = ThreadGuard(max((i.mesh.size() for i in infos.values()), default=1), "fsdp apply_fn")
 
     def apply_fn(params: Mapping[str, Tensor], *args, **kwargs):
         guard.check()
-        if not isinstance(params, Mapping) or params.keys() != placeholders.keys():
+        if not isinstance(params, Mapping) or params.keys() != infos.keys():
             theirs = set(params) if isinstance(params, Mapping) else set()
             raise PlanError(f"fsdp apply_fn: params keys differ from hpf.fsdp()'s: missing {sorted(set(keys) - theirs)[:5]}, "
                             f"extra {sorted(theirs - set(keys))[:5]}")
@@ -379,10 +383,6 @@ def _fsdp_apply(inner: Callable, layout: FsdpLayout, state: CallState, placehold
                                      or torch.compiler.is_compiling()):
             raise PlanError("fsdp apply_fn: no_sync() keeps gradients across backward passes, which works with "
                             ".backward() in eager mode only; under torch.func or torch.compile reduce every micro-batch")
-        state.values, state.gathered = dict(params), {}
-        try:
-            return inner(placeholders, *args, **kwargs)
-        finally:
-            state.values, state.gathered = None, {}
+        return inner(params, *args, **kwargs)  # binds the leaves where the gathering forwards read them
 
     return apply_fn

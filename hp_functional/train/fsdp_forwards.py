@@ -1,11 +1,17 @@
 """The forwards ``hpf.fsdp`` installs on a fresh skeleton: a group's modules gather their bucket
 when they run (``GatherOnUse``); a block that reshards after its forward gathers again for its
 backward (``ReshardedBlock``: regather tokens under eager autograd, a recomputed block under
-``torch.func``, torch's selective checkpoint under ``torch.compile``).  Used by ``train/fsdp.py``."""
+``torch.func``, torch's selective checkpoint under ``torch.compile``).  Used by ``train/fsdp.py``.
+
+The local leaves reach these forwards the way any parameter reaches a module: the fsdp
+``apply_fn`` passes them to the inner ``apply_fn``, which binds them into the skeleton's slots; a
+forward reads its bucket's leaves from there, gathers, and binds the gathered tensors in their
+place while it runs.  A gather shared by a group's modules is kept for the call in the inner
+``apply_fn``'s per-call cache (emptied when the call ends)."""
 
 from __future__ import annotations
 
-__all__ = ["CallState", "GatherOnUse", "ReshardedBlock"]
+__all__ = ["GatherOnUse", "ReshardedBlock"]
 
 from collections.abc import Callable, Sequence
 
@@ -17,18 +23,8 @@ from ..core.errors import PlanError
 from ..runtime.remat import RematForward
 from .fsdp_bucket import Bucket
 
-
-class CallState:
-    """This call's local leaves (by key) and the groups gathered so far; empty between calls."""
-
-    __slots__ = ("values", "gathered")
-
-    def __init__(self):
-        self.values: dict[str, Tensor] | None = None
-        self.gathered: dict[str, list[Tensor]] = {}
-
-
 Slots = tuple[tuple[dict, str, int], ...]  # (owner module's _parameters, attribute, index in the group)
+LeafSlots = tuple[tuple[dict, str, Tensor], ...]  # per key of a bucket: a slot bound to its leaf, and its placeholder
 
 
 def _swap_in(slots: Slots, values: Sequence[Tensor]) -> list:
@@ -44,22 +40,28 @@ def _swap_back(slots: Slots, before: Sequence) -> None:
 
 
 class GatherOnUse:
-    """The forward of a module of a group gathered when it runs: gather the group (once per call
-    when ``shared`` by several modules, kept until the call ends), bind its parameters, run.
-    Autograd keeps what the backward needs of the gathered tensors, the rest is freed."""
+    """The forward of a module of a group gathered when it runs: gather the group's leaves (read
+    from ``leaf_slots``, where the call bound them; once per call when ``shared`` by several
+    modules, kept in the call's ``cache``), bind its parameters, run.  Autograd keeps what the
+    backward needs of the gathered tensors, the rest is freed."""
 
-    def __init__(self, inner: Callable, bucket: Bucket, slots: Slots, state: CallState, shared: bool):
-        self.inner, self.bucket, self.slots, self.state, self.shared = inner, bucket, slots, state, shared
+    def __init__(self, inner: Callable, bucket: Bucket, slots: Slots, leaf_slots: LeafSlots, cache: dict,
+                 shared: bool):
+        self.inner, self.bucket, self.slots, self.leaf_slots = inner, bucket, slots, leaf_slots
+        self.cache, self.shared = cache, shared
+        self.key = ("fsdp gathered", bucket.name)  # its entry in the call's cache
 
     def __call__(self, *args, **kwargs):
-        state, bucket = self.state, self.bucket
-        full = state.gathered.get(bucket.name) if self.shared else None
+        bucket = self.bucket
+        hit = self.cache.get(self.key) if self.shared else None
+        full = hit[1] if hit is not None else None
         if full is None:
-            if state.values is None:
+            leaves = [store[name] for store, name, _ in self.leaf_slots]
+            if any(leaf is placeholder for leaf, (_, _, placeholder) in zip(leaves, self.leaf_slots, strict=True)):
                 raise PlanError(f"fsdp: {bucket.name} ran outside an apply_fn call (inside a recomputed block?)")
-            full = bucket.gather([state.values[k] for k in bucket.keys])
+            full = bucket.gather(leaves)
             if self.shared:
-                state.gathered[bucket.name] = full
+                self.cache[self.key] = (None, full)
         before = _swap_in(self.slots, full)
         try:
             return self.inner(*args, **kwargs)
@@ -103,13 +105,10 @@ class ReshardedBlock(RematForward):
     leaves, bound by gathering them.  Under ``torch.compile``: torch's selective checkpoint that
     recomputes only the gathers."""
 
-    def __init__(self, fqn: str, module: nn.Module, inner: Callable, slots: Slots, bucket: Bucket, state: CallState,
+    def __init__(self, fqn: str, module: nn.Module, inner: Callable, slots: Slots, bucket: Bucket,
                  cache, device_type: str, preserve_rng: bool, recompute: bool):
         super().__init__(fqn, module, inner, slots, bucket.keys, cache, device_type, preserve_rng)
-        self.bucket, self.state, self.recompute = bucket, state, recompute
-
-    def leaves(self) -> list[Tensor]:
-        return [self.state.values[k] for k in self.keys]
+        self.bucket, self.recompute = bucket, recompute
 
     def bind(self, leaves: Sequence[Tensor]) -> list[Tensor]:
         return self.bucket.gather(leaves)

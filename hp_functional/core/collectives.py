@@ -130,6 +130,13 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _legacy_batched = torch._C._functorch.is_legacy_batchedtensor  # autograd.grad(is_grads_batched=True)'s vmap
 
 
+def _group_rank(group: dist.ProcessGroup) -> int:
+    """This process's rank in ``group``, a Python int: the group's own, not ``dist.get_rank(group)``, which
+    torch 2.14's ``LocalTensorMode`` replaces by a per-simulated-rank SymInt (2.13 leaves it alone) that
+    ``AxisGroup`` can neither hash nor index a list with (``hpf.simulate(local_tensors=True)``)."""
+    return group.rank()
+
+
 @dataclass(frozen=True)
 class AxisGroup:
     """One mesh axis as seen by this rank: process-group name, size and this rank's index;
@@ -145,7 +152,7 @@ class AxisGroup:
     def from_mesh(cls, mesh, axis: str) -> AxisGroup:
         """The group of ``mesh`` along ``axis`` (a mesh dim name)."""
         group = mesh.get_group(axis)
-        return cls(axis, group.group_name, dist.get_world_size(group), dist.get_rank(group))
+        return cls(axis, group.group_name, dist.get_world_size(group), _group_rank(group))
 
     @classmethod
     def flat(cls, mesh, axes: Sequence[str]) -> AxisGroup:
@@ -165,7 +172,7 @@ class AxisGroup:
                                    timeout=get_timeout(first.group_name))
             if mesh.get_rank() in ranks:
                 mine = group
-        return cls("+".join(axes), mine.group_name, dist.get_world_size(mine), dist.get_rank(mine))
+        return cls("+".join(axes), mine.group_name, dist.get_world_size(mine), _group_rank(mine))
 
     # The collectives of a rank-varying region, bound to this axis (``hpf.Local``'s ``axes``): each
     # takes and gives rank-varying values, so its transpose is again one of these (see the table).

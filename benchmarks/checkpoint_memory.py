@@ -1,4 +1,4 @@
-"""Activation memory of a tensor-parallel HF Llama with and without ``shard(..., checkpoint=True)``.
+"""Activation memory of a tensor-parallel HF Llama with and without ``shard(..., remat=True)``.
 
     python benchmarks/checkpoint_memory.py            # world size 2 on CPU/gloo
     python benchmarks/checkpoint_memory.py --layers 8 --seq 512
@@ -66,7 +66,7 @@ def measure(cfg: dict, batch: int, seq: int, steps: int) -> dict[str, dict[str, 
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
     variants = {}
     for name, checkpoint in (("plain", False), ("checkpointed", True)):
-        apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh, checkpoint=checkpoint)
+        apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh, remat=checkpoint)
         variants[name] = (lambda f=apply_fn, p=params: f(p, input_ids=ids, labels=ids).loss, params)
     out: dict[str, dict[str, float]] = {}
     for name, (step, params) in variants.items():

@@ -214,7 +214,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/train/test_clip_per_example.py",), "clip_per_example clips each example's whole-model norm to max_norm"),
     # ------------------------------------------------------------ recompute, training, optimizers
     Mutation("recompute-rng-not-replayed", "hp_functional/runtime/remat.py::_replayed_rng",
-             "torch.set_rng_state(cpu)", "pass", ("tests/test_fast_invariants.py", "tests/runtime/test_activation_checkpoint.py"),
+             "torch.set_rng_state(cpu)", "pass", ("tests/test_fast_invariants.py", "tests/runtime/test_remat.py"),
              "a recomputed block draws the forward's dropout masks", core=True),
     Mutation("reduce-gradients-sums", "hp_functional/train/data_parallel.py::reduce_gradients",
              "total = total / group.size", "total = total", ("tests/train/test_clip_dp.py",),

@@ -97,7 +97,7 @@ def test_apply_fn_backward_and_func_grad(device):
     _compare(loss, grads, info, ref_loss, ref_grads)
 
 
-def test_activation_checkpointing(device):
+def test_activation_recompute(device):
     model, ids = _llama(device), _ids(device)
     ref_loss, ref_grads = _reference(model, ids)
     mesh = init_device_mesh(device, (1,), mesh_dim_names=("tp",))

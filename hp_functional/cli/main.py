@@ -235,7 +235,7 @@ def plan_command(args) -> int:
     for col in ("pattern", "style", "axis", "modules"):
         table.add_column(col)
     for pattern, style in plan.entries.items():
-        table.add_row(pattern or "(root)", _short(style), getattr(style, "axis", None) or plan.tp_axis,
+        table.add_row(pattern or "(root)", _short(style), plan.axis_of(style) or "-",
                       str(counts.get(pattern, "-")))
     console.print(table)
     for line in collapse(findings):
@@ -250,12 +250,12 @@ def plan_command(args) -> int:
             console.print(schedule_table(exp.schedule.rows))
         console.print(totals_table(exp.schedule.totals()))
     console.print(memory_table(exp.memory.rows(), exp.memory.world))
-    unused = [a for a in names if a not in plan.axes()]
+    unused = [a for a in names if a not in plan.axes_used()]
     for axis in unused:
         if axis == "dp":
             console.print(f"note: not in these totals: the data-parallel gradient reduction over dp={args.dp} "
                           f"(about {human(exp.memory.per_rank)} of gradients per rank per step). A plan acts only on "
-                          f"its own axes ({', '.join(sorted(plan.axes() & set(names)))}); dp is applied around "
+                          f"its own axes ({', '.join(sorted(plan.axes_used() & set(names)))}); dp is applied around "
                           "it (fsdp or a gradient all-reduce).", markup=False)
         else:
             console.print(f"note: the plan does not use mesh axis {axis!r}: parameters are replicated over it and "

@@ -53,12 +53,9 @@ class ApplyFn:
 
     def __init__(self, call: Callable, program: Program, buffer_slots: BufferSlots,
                  input_check: InputAgreement | None = None, remat_blocks: Mapping[str, object] | None = None,
-                 runtime: object | None = None, fsdp: object | None = None, transforms: tuple[str, ...] = ("shard",),
-                 *, checkpointed: Mapping[str, object] | None = None):
-        # ``checkpointed=``: the field's earlier name, still passed by ``dataclasses.replace`` callers not yet renamed
-        blocks = checkpointed if checkpointed is not None else remat_blocks
+                 runtime: object | None = None, fsdp: object | None = None, transforms: tuple[str, ...] = ("shard",)):
         for name, value in (("call", call), ("program", program), ("buffer_slots", buffer_slots),
-                            ("input_check", input_check), ("remat_blocks", {} if blocks is None else blocks),
+                            ("input_check", input_check), ("remat_blocks", {} if remat_blocks is None else remat_blocks),
                             ("runtime", runtime), ("fsdp", fsdp), ("transforms", transforms)):
             object.__setattr__(self, name, value)
 

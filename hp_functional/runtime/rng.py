@@ -97,9 +97,9 @@ class _Scope:
             raise PlanError(f"{where}): {e.refused}; set that dropout to 0 or run it unsharded")
         block = next((b for b in self.recomputed if e.path == b or e.path.startswith(b + ".") or not b), None)
         if block is not None:
-            raise PlanError(f"{where}) runs in {block!r}, which is recomputed in the backward (shard(checkpoint=...), "
+            raise PlanError(f"{where}) runs in {block!r}, which is recomputed in the backward (shard(remat=...), "
                             "or hpf.fsdp's resharded blocks under torch.func): the recompute would draw again; shard "
-                            "with checkpoint=False (fsdp: reshard_after_forward=False)")
+                            "with remat=False (fsdp: reshard_after_forward=False)")
         glob, off = list(draw.shape), [0] * len(draw.shape)
         for d, f, chunk in e.dims:
             glob[d], off[d] = draw.shape[d] * f, chunk * draw.shape[d]

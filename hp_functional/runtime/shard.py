@@ -11,7 +11,7 @@
 3. ``prove`` — the probe: the plan run on the copy against the copy unsharded, on the real ranks
    (collectives: after the agreement, so ranks that disagree raise before it);
 4. ``materialise`` — slice this rank's shards (inverse: ``unshard``), build the private skeleton,
-   install the local forwards and the recomputed blocks (``runtime.checkpoint``) on it.
+   install the local forwards and the recomputed blocks (``runtime.remat``) on it.
 """
 
 from __future__ import annotations
@@ -41,16 +41,16 @@ from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan, as_plan
 from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
-from .initial_values import InitialValues as Values
-from .remat import (
-    Remat as ActivationCheckpoint,
-    RematPlan as CheckpointPlan,
-    check_recorded_outputs,
-    install_remat as install_checkpoints,
-    neutralise_hf_checkpointing,
-    resolve_remat as resolve_checkpoint,
-)
+from .initial_values import InitialValues
 from .probe import PROBE_CACHE, ProbeCache, probe_copy_or_reason, probe_key, probe_varying_uses, run_probe
+from .remat import (
+    Remat,
+    RematPlan,
+    check_recorded_outputs,
+    install_remat,
+    neutralise_hf_checkpointing,
+    resolve_remat,
+)
 from .skeleton import build_skeleton
 
 #: ``install(skeleton, cache)``: a transform's last word on a freshly built skeleton (see ``Runtime``).
@@ -69,7 +69,7 @@ class Runtime:
 
     template: nn.Module
     program: Program
-    remat: CheckpointPlan | None
+    remat: RematPlan | None
     checks: Mapping[str, str] = field(default_factory=dict)  # shard-time proof: what ran, what was skipped and why
 
     def build(self, program: Program | None = None, install: Installer | None = None, *,
@@ -82,7 +82,7 @@ class Runtime:
                              local_shapes=local_shapes)
 
 
-def build_runtime(model: nn.Module, program: Program, *, remat: CheckpointPlan | None = None,
+def build_runtime(model: nn.Module, program: Program, *, remat: RematPlan | None = None,
                   install: Installer | None = None, axes: Sequence[AxisGroup] = (),
                   local_shapes: Mapping[str, torch.Size] | None = None) -> ApplyFn:
     """The private skeleton of ``model`` with every boundary of ``program`` installed, and the
@@ -103,20 +103,20 @@ def build_runtime(model: nn.Module, program: Program, *, remat: CheckpointPlan |
         inner = b.planned.style.local_forward(module, module.forward, fqn=b.planned.fqn, axis=b.planned.axis,
                                               axes=program.groups)
         install_boundary(module, b.planned.fqn, inner, b.in_steps, b.out_steps, cache)
-    blocks = install_checkpoints(skeleton, remat, program.leaf_of, cache, program.mesh.device_type) if remat else {}
+    blocks = install_remat(skeleton, remat, program.leaf_of, cache, program.mesh.device_type) if remat else {}
     if install is not None:
         install(skeleton, cache)
     rebuild = functools.partial(build_runtime, model, program, remat=remat, install=install, axes=axes,
                                 local_shapes=local_shapes)
     apply_fn = make_apply_fn(skeleton, program, cache, rebuild, axes=axes, local_shapes=local_shapes)
-    return dataclasses.replace(apply_fn, checkpointed=blocks)
+    return dataclasses.replace(apply_fn, remat_blocks=blocks)
 
 
 @renamed_keywords(checkpoint="remat")
 def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
     seed: int | None = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
-    remat: bool | Sequence[str] | ActivationCheckpoint | None = None, verify: bool = True,
+    remat: bool | Sequence[str] | Remat | None = None, verify: bool = True,
     probe_cache: ProbeCache | None = PROBE_CACHE,
 ) -> Sharded:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
@@ -145,7 +145,7 @@ def shard(
             follow the model (the decoder layers on which Hugging Face's
             ``gradient_checkpointing_enable()`` was called, else none); False — none; True — every
             Hugging Face decoder layer; module-path patterns (``["model.layers.*"]``); or an
-            ``ActivationCheckpoint``.  A pattern that matches no module raises ``PlanError``.
+            ``Remat``.  A pattern that matches no module raises ``PlanError``.
             ``checkpoint=`` is its earlier name (a ``FutureWarning``).
         verify: the shard-time proof — the plan run on a small private copy of the model (one
             block of each kind, random init, a synthetic batch) against the same copy unsharded,
@@ -222,8 +222,8 @@ class Agreed:
     """What every rank agreed on: the ``values`` to slice, the blocks to recompute (``remat``)
     and whether every rank proved this sharding before (``proved_before``: the probe is skipped)."""
 
-    values: Values
-    remat: CheckpointPlan | None
+    values: InitialValues
+    remat: RematPlan | None
     proved_before: bool
 
 
@@ -232,10 +232,10 @@ def agree_on(model: nn.Module, program: Program, *, weights: str | os.PathLike |
     """The local checks of the values and of ``remat``, then the ranks' agreement (one small
     all-gather: the plan, the runtime, the values' checksums and ``proved_before``, which
     holds only if it holds on every rank)."""
-    blocks = resolve_checkpoint(model, remat)
+    blocks = resolve_remat(model, remat)
     if blocks is not None:
         check_recorded_outputs(model, "shard(remat=...)", "drop remat=")
-    values = Values.prepare(model, program, weights, seed)
+    values = InitialValues.prepare(model, program, weights, seed)
     runtime = {"checkpoint": repr(blocks), **values.fingerprint}  # ranks that recompute different blocks would hang
     everyone = agree(program, None if agree_timeout is None else timedelta(seconds=agree_timeout),
                      values.checked if verify_values else None, runtime, proved_before)

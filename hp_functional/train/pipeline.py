@@ -290,7 +290,7 @@ def shard_stage(model: nn.Module, stage: Stage, plan: ShardingPlan | Mapping, me
         plan: one plan for the whole model; entries that match no module of the stage are dropped.
         mesh: the mesh with ``pp_axis`` and at least one other axis (size 1 for none).
         pp_axis: the pipeline's mesh axis.
-        shard_kwargs: go to ``shard()`` (``weights=``, ``checkpoint=``, ...).
+        shard_kwargs: go to ``shard()`` (``weights=``, ``remat=``, ...).
 
     Returns:
         ``(apply_fn, params, shard_info)`` as ``shard()`` returns them, with the full model's FQNs.

@@ -5,8 +5,9 @@ torchtitan's ``set_*_sharding_config`` filled (``tests/support/titan3_models.py`
 ``torch.func.grad``.
 
 The inner attention is torchtitan's ``ScaledDotProductAttention`` (causal, CPU backward);
-torchtitan's language-model default, FlexAttention, is compiled and has no backward on the CPU,
-so it is not run here; the shard-time probe says what it checked (``apply_fn.runtime.checks``).  DeepSeek-V3 is checked under ``.backward()``
+torchtitan's language-model default, FlexAttention, is compiled and has no backward on the
+CPU, so it is not run here; the shard-time probe says what it checked
+(``apply_fn.runtime.checks``).  DeepSeek-V3 is checked under ``.backward()``
 only: torchtitan 0.3.0's MoE combines the experts' outputs with a custom op
 (``deterministic_scatter_add``) whose autograd has no ``torch.func`` support, which fails the
 unsharded model under ``torch.func.grad`` as well.  Its routed experts compute in bf16 (``.bfloat16()`` before

@@ -195,7 +195,7 @@ def row_sp(state):
 
 def row_recompute(state):
     model = build_hf("llama", state, **LLAMA)
-    return _model_row(model, *hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh(), checkpoint=True))
+    return _model_row(model, *hpf.shard(model, hpf.ShardingPlan.from_hf(model), mesh(), remat=True))
 
 
 def row_cp(state):

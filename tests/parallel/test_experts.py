@@ -271,7 +271,7 @@ def case_dp_ep(state):
     worst["fsdp"] = max(assert_close(full[k], p.grad, f"fsdp grad {k}") for k, p in model.named_parameters())
     errors = plan_errors({"fsdp reshard": lambda: hpf.fsdp(apply_fn, params, info, m, dp_axis="dp"),
                           "checkpoint": lambda: hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m,
-                                                          checkpoint=True)})
+                                                          remat=True)})
     return worst, errors
 
 

@@ -36,7 +36,7 @@ def case_mismatch(state, kind: str):
         agree_module._version = lambda name: "9.9.9" if name == "hp_functional" else original(name)
     checkpoint = ["model.layers.*"] if odd and kind == "checkpoint" else None  # only some ranks would recompute
     try:
-        hpf.shard(model, plan, m, checkpoint=checkpoint)
+        hpf.shard(model, plan, m, remat=checkpoint)
     except hpf.PlanMismatchError as exc:
         return str(exc)
     finally:

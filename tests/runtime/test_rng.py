@@ -327,7 +327,7 @@ def case_ws2_layouts(llama):
     full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
     out["sp"] = max(assert_close(loss, ref.detach(), "loss", atol=1e-6, rtol=1e-6),
                     *(assert_close(full[k], p.grad, k, atol=1e-6) for k, p in model.named_parameters()))
-    apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m, verify=False, checkpoint=True)
+    apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m, verify=False, remat=True)
     with hpf.rng(0):
         out["checkpoint"] = raised(apply_fn, params, input_ids=ids, labels=ids)
     model = build_hf("llama", llama, **LLAMA).train()

@@ -203,7 +203,7 @@ def case_schedule(state, world: int, reshard: bool, checkpoint: bool):
     model = build_llama(state)
     m = mesh((2, 2), ("dp", "tp")) if world == 4 else mesh((world,), ("dp",))
     plan = hpf.ShardingPlan.from_hf(model) if world == 4 else {}
-    apply_fn, params, info = hpf.shard(model, plan, m, checkpoint=checkpoint)
+    apply_fn, params, info = hpf.shard(model, plan, m, remat=checkpoint)
     before = {k: p.detach().clone() for k, p in params.items()}
     f_apply, f_params, f_info = hpf.fsdp(apply_fn, params, info, m, "dp", reshard_after_forward=reshard)
     dp = m["dp"]

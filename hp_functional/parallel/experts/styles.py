@@ -271,7 +271,8 @@ def check_experts_entries(entries: Mapping[str, Style], ep_axis: str | None) -> 
     """``Experts`` entries need the plan's ``ep_axis`` unless they name their own axis (``ShardingPlan``'s check)."""
     experts = [(p, s) for p, s in entries.items() if isinstance(s, Experts)]
     if experts and ep_axis is None and not any(s.axis for _, s in experts):
-        raise PlanError(f"plan entry {experts[0][0]!r}: Experts needs the plan's ep_axis (ShardingPlan(..., axes={{'ep': 'ep'}}))")
+        raise PlanError(f"plan entry {experts[0][0]!r}: Experts needs the plan's ep_axis "
+                        "(ShardingPlan(..., axes={'ep': 'ep'}))")
 
 
 def hf_ep_entries(model: nn.Module, tp_entries: Mapping[str, object],

@@ -293,15 +293,14 @@ def test_block_sharing_an_input_and_vmap_grad(pool):
 def test_the_earlier_names_still_work_with_a_warning():
     """``hpf.Checkpoint`` and ``hpf.ActivationCheckpoint`` (activation recompute, easily read as
     DCP's checkpoints) are now ``hpf.Remat``; the old names warn and are the same class, as does
-    ``apply_fn.checkpointed`` (now ``apply_fn.remat_blocks``), also where a caller still builds
-    the ``ApplyFn`` with ``checkpointed=``."""
+    ``apply_fn.checkpointed`` (now ``apply_fn.remat_blocks``)."""
     for old in ("Checkpoint", "ActivationCheckpoint"):
         with pytest.warns(FutureWarning, match=f"hp_functional.{old} is now hp_functional.Remat"):
             assert getattr(hpf, old) is hpf.Remat is Remat
         assert old not in hpf.__all__
     blocks = {"up": object()}
     for apply_fn in (ApplyFn(print, None, None, remat_blocks=blocks),
-                     dataclasses.replace(ApplyFn(print, None, None), checkpointed=blocks)):
+                     dataclasses.replace(ApplyFn(print, None, None), remat_blocks=blocks)):
         with pytest.warns(FutureWarning, match="apply_fn.remat_blocks"):
             assert apply_fn.checkpointed is apply_fn.remat_blocks is blocks
         assert apply_fn.then("fsdp", len).remat_blocks is blocks

@@ -22,8 +22,6 @@ from ..core.errors import InputMismatchError
 from ..core.program import Program
 from ..core.raw_collectives import get_timeout
 
-_SEQUENCE: dict[str, int] = {}  # process group name -> exchanges made over it by this process
-
 
 def agreeing_axes(program: Program) -> list[str]:
     """The mesh axes (of size > 1) whose ranks must receive the same inputs: those of every
@@ -140,14 +138,13 @@ def _exchange(group, payload: bytes, axis: str) -> list[bytes]:
     collective: a rank whose signature is new waits there for its peers within the timeout
     (``hpf.set_timeout``), so a peer that skipped the check (a signature it agreed before) makes it
     raise rather than pair a check with a collective of the forward.  Exchanges are numbered per
-    process group, so every rank of an axis must call its ``apply_fn``s in the same order (as any
-    collective requires)."""
+    process group (a counter per rank in the store itself, no module state), so every rank of an
+    axis must call its ``apply_fn``s in the same order (as any collective requires)."""
     name = group.group_name
-    seq = _SEQUENCE.get(name, 0)
-    _SEQUENCE[name] = seq + 1
     store = dist.distributed_c10d._get_default_store()
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank()
+    seq = store.add(f"hpf/inputs/{name}/count/{me}", 1) - 1  # this rank's exchanges over the group, kept by the store
     keys = [f"hpf/inputs/{name}/{seq}/{r}" for r in ranks]
     store.set(keys[ranks.index(me)], payload)
     timeout = get_timeout(name)

@@ -415,7 +415,25 @@ def test_make_set_up_is_a_stamp_check_once_done(tmp_path):
     assert _make("-q", "setup", f"VENV={venv}", "TORCH=torch==2.99.0").returncode == 1
 
 
-def test_ci_runs_exactly_make_demo_and_make_test():
+@needs_make
+def test_make_test_newest_sets_up_its_own_venv_then_runs_the_fast_subset(tmp_path):
+    venv = tmp_path / "venv-newest"
+    lines = _make("-n", "test-newest", f"NEWEST_VENV={venv}").stdout.splitlines()
+    torch_line = next(ln for ln in lines if "pip install" in ln and '"torch==2.14.1"' in ln)
+    project_line = next(ln for ln in lines if '-e ".[test]"' in ln)
+    assert f'-c "{venv}/torch-pin.txt"' in project_line and lines.index(torch_line) < lines.index(project_line)
+    assert f'echo "torch==2.14.1" > "{venv}/torch-pin.txt"' in lines
+    assert any(f'"{venv}/bin/python" -m pytest tests -m "not slow"' in ln for ln in lines)
+    stamp = Path(next(ln for ln in lines if ln.startswith("touch")).split('"')[1])
+    assert stamp.parent == venv and stamp.name.startswith(".hpf-setup-")
+    venv.mkdir()
+    stamp.touch()
+    assert _make("-q", "setup-newest", f"NEWEST_VENV={venv}").returncode == 0  # set up: nothing to do
+    assert "pip install" not in _make("-n", "test-newest", f"NEWEST_VENV={venv}").stdout
+    assert _make("-q", "setup-newest", f"NEWEST_VENV={venv}", "NEWEST_TORCH=torch==2.99.0").returncode == 1
+
+
+def test_ci_runs_exactly_make_demo_make_test_and_make_test_newest():
     script = (ROOT / ".ci" / "run").read_text().splitlines()
     commands = [ln.strip() for ln in script if ln.strip() and not ln.lstrip().startswith("#")]
-    assert commands == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "make demo", "make test"]
+    assert commands == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "make demo", "make test", "make test-newest"]

@@ -79,6 +79,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .tools.explain import Explanation as Explanation, Memory as Memory, Schedule as Schedule, explain as explain
     from .tools.explain_stage import StageExplanation as StageExplanation, explain_stage as explain_stage
     from .tools.record import ScheduleRow as ScheduleRow
+    from .tools.emulate import emulate as emulate
     from .tools.simulate import simulate as simulate
     from .tools.validate import validate as validate
     from .tools.validate_dtensor import validate_placements as validate_placements
@@ -184,6 +185,7 @@ _LAZY: dict[str, str] = {
     "Schedule": ".tools.explain",
     "explain": ".tools.explain",
     "ScheduleRow": ".tools.record",
+    "emulate": ".tools.emulate",
     "simulate": ".tools.simulate",
     "validate": ".tools.validate",
     "validate_placements": ".tools.validate_dtensor",

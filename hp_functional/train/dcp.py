@@ -309,6 +309,9 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
     check_targets(path, MARKER, "checkpoint", "save")
     _check_keys("save", params, shard_info)
     _check_mesh("save", shard_info)
+    if async_save and dist.get_backend() == "threaded":  # hpf.emulate's ranks are threads of one process
+        raise PlanError("save: async_save=True cannot run under hpf.emulate (its writer thread and process-wide lane "
+                        "would be shared by every emulated rank); save with async_save=False there")
     entries: dict[str, tuple[Tensor, ShardInfo]] = {}
     for name, info in shard_info.items():
         t = params[name]

@@ -59,7 +59,6 @@ THROUGH = {
     "hp_functional.sources.torch_moe_styles": "tests/models/test_torchtitan.py",
     "hp_functional.sources.torch_styles": "tests/sources/test_torch_styles.py",
     "hp_functional.sources.torchtitan": "tests/models/test_torchtitan3.py",
-    "hp_functional.tools.emulate": "tests/tools/test_simulate.py",
     "hp_functional.tools.record": "tests/tools/test_explain.py",
     "hp_functional.train.ckpt_extra": "tests/train/test_dcp.py",
     "hp_functional.train.ckpt_files": "tests/train/test_checkpoint_security.py",

@@ -144,7 +144,7 @@ def case_switch(state):
     model(input_ids=ids, labels=labels, output_router_logits=True)  # HF installs its recording hooks on this call
     before = snapshot(model)
     m = mesh((world(),), ("ep",))
-    plan = hpf.ShardingPlan.from_hf(model, axes={"ep": "ep"})
+    plan = hpf.ShardingPlan.from_hf(model, ep_axis="ep")
     apply_fn, params, info = hpf.shard(model, plan, m)
     kw = dict(input_ids=ids, labels=labels, output_router_logits=True)
     ref = model(**kw)
@@ -177,7 +177,7 @@ def case_switch_dp_ep(state, root):
     their global norm (``clip_grad_norm``); a checkpoint saved here loads at ep 4 exactly."""
     model = build_switch(state)
     m = mesh((2, 2), ("dp", "ep"))
-    plan = hpf.ShardingPlan.from_hf(model, axes={"ep": "ep"})
+    plan = hpf.ShardingPlan.from_hf(model, ep_axis="ep")
     apply_fn, params, info = hpf.shard(model, plan, m)
     ids, labels = _batch(4)
     halves = [dict(input_ids=i, labels=t, output_router_logits=True) for i, t in zip(ids.chunk(2), labels.chunk(2), strict=True)]
@@ -206,7 +206,7 @@ def case_switch_dp_ep(state, root):
     six = build_switch(num_experts=6)
     plain = nn.ModuleList(SwiGLU(HIDDEN, 32) for _ in range(EXPERTS))
     errors = plan_errors({
-        "experts % ep": lambda: hpf.shard(six, hpf.ShardingPlan.from_hf(six, axes={"ep": "ep"}), ep4),
+        "experts % ep": lambda: hpf.shard(six, hpf.ShardingPlan.from_hf(six, ep_axis="ep"), ep4),
         "no forward": lambda: hpf.shard(plain, hpf.ShardingPlan({"": hpf.Experts()}, axes={"ep": "ep"}), ep4),
         "tp inside": lambda: hpf.shard(ListExperts(), hpf.ShardingPlan({"": hpf.Experts(tp_axis="dp")}, axes={"ep": "ep"}), m),
         "to_dtensor": lambda: hpf.to_dtensor(params, info),

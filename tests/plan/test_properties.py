@@ -11,6 +11,7 @@ Cases are drawn in the test process and each runs on every rank with one ``pool.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import pickle
 from dataclasses import replace
@@ -41,11 +42,21 @@ def _settings(examples: int):
 
 
 def matches(pattern: str, path: str) -> bool:
-    """The plan language's matching (``*`` is exactly one segment; "" is the root only)."""
+    """The plan language's matching, written independently of ``core.paths``: a segment is matched
+    by ``fnmatch`` within itself (``*`` is exactly one segment, ``mi*x`` matches ``mix``), ``**`` is
+    any number of segments, "" is the root only."""
     if not pattern or not path:
         return pattern == path
     p, q = pattern.split("."), path.split(".")
-    return len(p) == len(q) and all(a in ("*", b) for a, b in zip(p, q, strict=True))
+
+    def rest(i: int, j: int) -> bool:
+        if i == len(p):
+            return j == len(q)
+        if p[i] == "**":
+            return any(rest(i + 1, k) for k in range(j, len(q) + 1))
+        return j < len(q) and fnmatch.fnmatchcase(q[j], p[i]) and rest(i + 1, j + 1)
+
+    return rest(0, 0)
 
 
 # ------------------------------------------------------------------------------- valid cases

@@ -76,10 +76,10 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .runtime.remat import Remat as Remat
     from .runtime.rng import Rng as Rng, rng as rng
     from .runtime.shard import shard as shard
+    from .tools.emulate import emulate as emulate
     from .tools.explain import Explanation as Explanation, Memory as Memory, Schedule as Schedule, explain as explain
     from .tools.explain_stage import StageExplanation as StageExplanation, explain_stage as explain_stage
     from .tools.record import ScheduleRow as ScheduleRow
-    from .tools.emulate import emulate as emulate
     from .tools.simulate import simulate as simulate
     from .tools.validate import validate as validate
     from .tools.validate_dtensor import validate_placements as validate_placements

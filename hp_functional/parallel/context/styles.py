@@ -54,25 +54,36 @@ class ContextParallel(Style):
     axis_role = "cp"
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
-        if self.strategy not in STRATEGIES:
-            raise PlanError(f"{fqn}: ContextParallel strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+        self.check_strategy(fqn)
         if self.layout is not None:
             check_layout(self.layout)
         return ModuleSpec(varying=False, region=False)  # nothing is stored or placed differently on the axis
+
+    def check_strategy(self, fqn: str) -> None:
+        """A ``PlanError`` for a strategy this style does not run."""
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"{fqn}: ContextParallel strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+
+    def attention(self, module: nn.Module, group: AxisGroup, layout: str, *, fqn: str,
+                  axis: str) -> Callable[[], ContextAttention]:
+        """A factory of the mode that routes ``module``'s SDPA calls, one per forward (a subclass
+        swaps the attention: ``Ulysses``); checks that need the skeleton's copy run here."""
+        strategy, causal = self.strategy, self.causal
+        return lambda: ContextAttention(module, group, strategy, layout, causal, fqn)
 
     def local_forward(self, module: nn.Module, forward: Callable, *, fqn: str, axis: str,
                       axes: Mapping[str, AxisGroup]) -> Callable:
         config = getattr(module, "config", None)  # the skeleton's copy
         if config is not None and getattr(config, "_attn_implementation", "sdpa") != "sdpa":
             config._attn_implementation = "sdpa"
-        group, layout, strategy, causal = axes[axis], self.layout or "zigzag", self.strategy, self.causal
+        make_mode, name = self.attention(module, axes[axis], self.layout or "zigzag", fqn=fqn, axis=axis), type(self).__name__
 
         def attend_over_sequence(*args, **kwargs):
-            mode = ContextAttention(module, group, strategy, layout, causal, fqn)
+            mode = make_mode()
             with mode:
                 out = forward(*args, **kwargs)
             if not mode.calls:
-                raise PlanError(f"{fqn}: ContextParallel found no scaled_dot_product_attention call in its forward "
+                raise PlanError(f"{fqn}: {name} found no scaled_dot_product_attention call in its forward "
                                 "(its attention would see only the local chunk); plan the module that calls SDPA")
             return out
 

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 __all__ = ["Ulysses"]
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from ...core.collectives import AxisGroup
-from ...core.cp_layout import check_layout
 from ...core.errors import PlanError
-from ...core.style import ModuleSpec
 from ..context.styles import ContextParallel
 from .attention import UlyssesAttention, kv_copies
 
@@ -57,32 +54,15 @@ class Ulysses(ContextParallel):
     axis: str | None = None  # None: the plan's cp_axis
     axis_role = "cp"
 
-    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+    def check_strategy(self, fqn: str) -> None:
         if self.strategy != "ulysses":
             raise PlanError(f"{fqn}: Ulysses has strategy 'ulysses', got {self.strategy!r} (ContextParallel("
                             f"{self.strategy!r}) is that strategy)")
-        if self.layout is not None:
-            check_layout(self.layout)
-        return ModuleSpec(varying=False, region=False)  # nothing is stored or placed differently on the axis
 
-    def local_forward(self, module: nn.Module, forward: Callable, *, fqn: str, axis: str,
-                      axes: Mapping[str, AxisGroup]) -> Callable:
-        config = getattr(module, "config", None)  # the skeleton's copy
-        if config is not None and getattr(config, "_attn_implementation", "sdpa") != "sdpa":
-            config._attn_implementation = "sdpa"
-        group, layout, causal = axes[axis], self.layout or "zigzag", self.causal
+    def attention(self, module: nn.Module, group: AxisGroup, layout: str, *, fqn: str,
+                  axis: str) -> Callable[[], UlyssesAttention]:
         heads = _local_heads(module)
         if heads is not None:  # known from the local projections: refused when apply_fn is built
             kv_copies(*heads, group.size, fqn=fqn, axis=axis)
-
-        def attend_over_sequence(*args, **kwargs):
-            mode = UlyssesAttention(module, group, layout, causal, fqn)
-            with mode:
-                out = forward(*args, **kwargs)
-            if not mode.calls:
-                raise PlanError(f"{fqn}: Ulysses found no scaled_dot_product_attention call in its forward (its "
-                                "attention would see only the local chunk); plan the module that calls SDPA")
-            return out
-
-        attend_over_sequence.__signature__ = inspect.signature(forward)
-        return attend_over_sequence
+        causal = self.causal
+        return lambda: UlyssesAttention(module, group, layout, causal, fqn)

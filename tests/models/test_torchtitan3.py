@@ -22,7 +22,7 @@ from torch.func import grad_and_value
 from torch.overrides import TorchFunctionMode
 
 import hp_functional as hpf
-from tests.support.helpers import assert_close, mesh
+from tests.support.helpers import mesh, worst_errors
 from tests.support.titan3_models import HAVE_TITAN3, SEQ, VOCAB, WHY
 
 pytestmark = pytest.mark.skipif(not HAVE_TITAN3, reason=WHY)
@@ -66,14 +66,7 @@ def _check(model, apply_fn, params, info, ids, m, *, vocab_sharded=False, func=T
     runs = {"backward": ({k: p.grad for k, p in params.items()}, loss)}
     if func:
         runs["torch.func"] = grad_and_value(loss_of)(params)
-    worst = {}
-    for label, (grads, value) in runs.items():
-        assert_close(value, ref.detach(), f"{label} loss")
-        full = hpf.unshard(grads, info)
-        assert set(full) == {k for k, _ in model.named_parameters()}, "every parameter has a gradient"
-        worst[label] = max(assert_close(full[k], p.grad, f"{label} grad {k}", atol=1e-4 * p.grad.abs().max().item() + 1e-9,
-                                        rtol=1e-4) for k, p in model.named_parameters())
-    return worst
+    return worst_errors(runs, ref, info, model)
 
 
 def case_model(family: str, enable_sp: bool, loss_parallel: bool):

@@ -31,6 +31,22 @@ def assert_close(actual, expected, what: str, atol: float = 1e-5, rtol: float = 
     return (actual - expected).abs().max().item() if actual.numel() else 0.0
 
 
+def worst_errors(runs, ref, info, model) -> dict[str, float]:
+    """For each ``label: (grads, loss)`` of ``runs`` (sharded results), the loss against ``ref`` and
+    every gathered gradient against the unsharded ``model``'s ``.grad`` (1e-4 relative); the worst
+    gradient error per label."""
+    import hp_functional as hpf
+
+    worst = {}
+    for label, (grads, value) in runs.items():
+        assert_close(value, ref.detach(), f"{label} loss")
+        full = hpf.unshard(grads, info)
+        assert set(full) == {k for k, _ in model.named_parameters()}, "every parameter has a gradient"
+        worst[label] = max(assert_close(full[k], p.grad, f"{label} grad {k}", atol=1e-4 * p.grad.abs().max().item() + 1e-9,
+                                        rtol=1e-4) for k, p in model.named_parameters())
+    return worst
+
+
 def build_hf(family: str, state=None, **overrides):
     """An AutoModelForCausalLM of ``family``; with ``state``, loaded with those weights."""
     from transformers import AutoModelForCausalLM

@@ -89,8 +89,8 @@ class _Regather:
 
 
 def _storage(t: Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
+    try:  # the storage's identity, not its address: fake tensors (explain's memory estimate) all have address 0
+        return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # a tensor without a plain storage: saved as it is
         return None
 

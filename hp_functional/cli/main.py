@@ -197,13 +197,16 @@ def _simulated(model, plan, args, dtype):
             return findings, None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PlanWarning)  # printed below as findings
-            return findings, explain(model, plan, mesh, batch=args.batch, seq=args.seq, dtype=dtype)
+            return findings, explain(model, plan, mesh, batch=args.batch, seq=args.seq, dtype=dtype,
+                                     fsdp=args.fsdp, remat=args.remat or None,
+                                     optimizer=None if args.optimizer == "none" else args.optimizer)
 
     return run
 
 
 def plan_command(args) -> int:
-    """Print the resolved plan, findings, schedule and memory; 1 when lint finds errors."""
+    """Print the resolved plan, findings, schedule and memory; 1 when lint finds errors, the step
+    cannot run, or its peak exceeds ``--fit`` GiB."""
     from rich.table import Table
 
     from ..compile.lint import collapse
@@ -215,6 +218,10 @@ def plan_command(args) -> int:
     if not 0 <= args.rank < math.prod(shape):
         raise UsageError(f"--rank {args.rank} is not in [0, {math.prod(shape)})")
     dtype = _dtype(args.dtype)
+    if args.fsdp and args.dp < 2:
+        raise UsageError("--fsdp shards over the dp axis: give --dp 2 or more")
+    if args.fit is not None and not args.fit > 0:
+        raise UsageError(f"--fit must be a positive number of GiB, not {args.fit}")
     # the model and the plan are made before the fake process group starts: their errors are plain
     model = build_model(_load_model_config(args.model), device="meta")
     plan = _load_plan(args.plan, model, args.loss_parallel)
@@ -226,8 +233,9 @@ def plan_command(args) -> int:
     console.print(f"[bold]{type(model).__name__}[/bold] ({args.model}): {cfg.num_hidden_layers} layers, hidden "
                   f"{cfg.hidden_size}, vocab {cfg.vocab_size}; mesh {dict(zip(names, shape, strict=True))}, "
                   f"shown as rank {args.rank}")
-    console.print(f"one training step (forward + backward) of batch {args.batch} x seq {args.seq} (this rank's "
-                  f"input_ids), parameters in {dtype_name}", markup=False)
+    extras = "".join(f", {w}" for w, on in (("fsdp over dp", args.fsdp), ("remat", args.remat)) if on)
+    console.print(f"one training step (forward + backward + {args.optimizer} update) of batch {args.batch} x seq "
+                  f"{args.seq} (this rank's input_ids), parameters in {dtype_name}{extras}", markup=False)
     counts: dict[str, int] = {}
     for b in exp.program.boundaries if exp else ():
         counts[b.planned.pattern] = counts.get(b.planned.pattern, 0) + 1
@@ -250,8 +258,15 @@ def plan_command(args) -> int:
             console.print(schedule_table(exp.schedule.rows))
         console.print(totals_table(exp.schedule.totals()))
     console.print(memory_table(exp.memory.rows(), exp.memory.world))
+    fits = True
+    if args.fit is not None and exp.memory.peak is not None:
+        fits = exp.memory.peak <= args.fit * 2**30
+        console.print(f"{'fits' if fits else 'does not fit'}: peak {human(exp.memory.peak)} per rank "
+                      f"{'<=' if fits else '>'} {args.fit:g} GiB", markup=False)
     unused = [a for a in names if a not in plan.axes_used()]
     for axis in unused:
+        if axis == "dp" and args.fsdp:
+            continue  # fsdp's all-gathers and reduce-scatters over dp are in the schedule
         if axis == "dp":
             console.print(f"note: not in these totals: the data-parallel gradient reduction over dp={args.dp} "
                           f"(about {human(exp.memory.per_rank)} of gradients per rank per step). A plan acts only on "
@@ -260,7 +275,7 @@ def plan_command(args) -> int:
         else:
             console.print(f"note: the plan does not use mesh axis {axis!r}: parameters are replicated over it and "
                           "nothing on it is in these totals.", markup=False)
-    return 1 if exp.schedule is None else 0  # the forward could not run on these shapes (said above)
+    return 1 if exp.schedule is None or not fits else 0  # the forward could not run (said above), or too big
 
 
 # ---------------------------------------------------------------- check
@@ -348,12 +363,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", help="mesh device type: cpu (gloo), cuda (nccl), npu (hccl)")
     plan = sub.add_parser("plan", help="the resolved plan, lint, communication schedule and memory (simulated)",
                           description="The resolved plan, lint findings, one training step's communication schedule "
-                                      "and per-rank parameter memory, simulated in this process (fake process group, "
-                                      "meta model). Exit status 1 when lint finds errors or the forward cannot run on "
-                                      "--batch/--seq, 2 on a bad argument.")
+                                      "and per-rank memory (parameters, gradients, optimizer state, activations, the "
+                                      "step's peak), simulated in this process (fake process group, meta model, fake "
+                                      "tensors). Exit status 1 when lint finds errors, the step cannot run on "
+                                      "--batch/--seq, or its peak exceeds --fit GiB; 2 on a bad argument.")
     _model_args(plan, batch=1, seq=128)
     plan.add_argument("--dtype", help="parameter dtype for the byte counts (e.g. bfloat16; default: the model's)")
     plan.add_argument("--rank", type=int, default=0, help="which rank's local shapes to show (default: 0)")
+    plan.add_argument("--fsdp", action="store_true",
+                      help="also shard parameters, gradients and optimizer state over dp with hpf.fsdp (needs --dp)")
+    plan.add_argument("--remat", action="store_true", help="recompute the decoder layers in the backward "
+                                                           "(shard(remat=True))")
+    plan.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
+                      help="whose state and update the memory counts (default: %(default)s, hpf.optim.adamw)")
+    plan.add_argument("--fit", type=float, metavar="GiB",
+                      help="exit 1 unless the step's peak per rank is at most this many GiB")
     plan.add_argument("--brief", action="store_true",
                       help="merge parameters that differ only in layer index into one row, totals instead of "
                            "every collective")

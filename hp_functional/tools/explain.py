@@ -11,7 +11,8 @@ from __future__ import annotations
 __all__ = ["Explanation", "Memory", "Schedule", "explain"]
 
 import contextlib
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,11 +20,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.placement import fmt_placements as _fmt
+from ..core.placement import ShardInfo, fmt_placements as _fmt
 from ..core.program import Program
 from ..plan.plan import ShardingPlan
-from ..runtime.loss import scalar_loss
+from ..runtime.remat import Remat
 from ..runtime.shard import shard
+from ..train.fsdp import fsdp as fsdp_transform
+from ..train.optim import Optimizer
+from .estimate import StepMemory, block_paths, measure_step, optimizer_named
 from .record import CollectiveRecorder, ModuleClock, ScheduleRow
 
 
@@ -83,22 +87,45 @@ class Schedule:
 
 @dataclass(frozen=True)
 class Memory:
-    """Parameter bytes held by each rank (gradients take as much again); shards are even, so every
-    rank holds the same amounts."""
+    """Bytes held by each rank: the parameters from the compiled layout (``sharded``, ``replicated``;
+    under ``fsdp=`` this rank's rows), and, when ``explain`` ran a step (``batch=``/``seq=`` or inputs),
+    ``step``: gradients, optimizer state, activations and the peak measured on fake tensors
+    (``tools.estimate.StepMemory``; docs/tools.md#memory)."""
 
     sharded: int  # local shards of parameters sharded on some mesh axis
     replicated: int  # parameters replicated on every axis
     unsharded: int  # the whole model's parameters (tied weights once)
     world: int
+    step: StepMemory | None = None  # one training step's memory (None: no step ran)
+    optimizer: str = "adamw"  # what the optimizer-state row counts
 
     @property
     def per_rank(self) -> int:
+        """Parameter bytes per rank."""
         return self.sharded + self.replicated
+
+    @property
+    def peak(self) -> int | None:
+        """The step's peak bytes per rank (None without a step)."""
+        return None if self.step is None else self.step.peak
 
     def rows(self) -> list[tuple[str, int]]:
         """(label, bytes) per line of the memory table."""
-        return [("sharded (local shards)", self.sharded), ("replicated", self.replicated), ("per rank", self.per_rank),
-                ("unsharded model", self.unsharded)]
+        rows = [("parameters: sharded (local shards)", self.sharded), ("parameters: replicated", self.replicated),
+                ("parameters per rank", self.per_rank)]
+        s = self.step
+        if s is not None:
+            rows += [("gradients", s.gradients), (f"optimizer state ({self.optimizer})", s.optimizer),
+                     ("inputs", s.inputs), ("activations at the end of the forward", s.activations)]
+            if s.blocks:
+                largest = max(n for _, n in s.blocks)
+                rows += [(f"  of which each block (largest of {len(s.blocks)})", largest),
+                         ("  of which outside the blocks", s.activations - sum(n for _, n in s.blocks))]
+            rows += [
+                     ("transient (the rest of the peak)", s.transient),
+                     ("peak in forward + backward", s.peak_backward), ("peak in the optimizer update", s.peak_update),
+                     ("peak per rank", s.peak)]
+        return rows + [("unsharded model (parameters)", self.unsharded)]
 
     def __str__(self) -> str:
         from .tables import memory_table, to_text  # rich: only when printed
@@ -126,29 +153,31 @@ class Explanation:
         return "\n".join(parts)
 
 
-def memory(program: Program, model: nn.Module, dtype: torch.dtype | None = None) -> Memory:
-    """Per-rank parameter bytes from ``program.infos`` (``dtype`` overrides the parameters')."""
+def memory(infos: Mapping[str, ShardInfo], dtypes: Mapping[str, torch.dtype], world: int) -> Memory:
+    """Per-rank parameter bytes from the layouts ``infos`` (this rank's local shapes), in ``dtypes``."""
     sharded = replicated = total = 0
-    for key, info in program.infos.items():
-        size = (dtype or model.get_parameter(key).dtype).itemsize
+    for key, info in infos.items():
+        size = dtypes[key].itemsize
         local = info.local_shape.numel() * size
         total += info.global_shape.numel() * size
         if info.is_sharded:
             sharded += local
         else:
             replicated += local
-    return Memory(sharded, replicated, total, program.mesh.size())
+    return Memory(sharded, replicated, total, world)
 
 
 def explain(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *args, batch: int | None = None,
-    seq: int | None = None, dtype: torch.dtype | None = None, backward: bool = True, **kwargs,
+    seq: int | None = None, dtype: torch.dtype | None = None, backward: bool = True,
+    fsdp: bool | str | tuple[str, ...] = False, remat: bool | Sequence[str] | Remat | None = None,
+    optimizer: str | Optimizer | None = "adamw", **kwargs,
 ) -> Explanation:
-    """Compile ``plan`` for ``model`` on ``mesh`` and, given example inputs, measure one step's
-    communication schedule on fake tensors (the model is not touched).  Without a process group, or
-    under ``simulate``, nothing is allocated or communicated; under a real one ``shard()`` agrees
-    across ranks once (call ``explain`` on every rank, as ``shard``) and allocates the local shards
-    (build the model on meta to avoid that).
+    """Compile ``plan`` for ``model`` on ``mesh`` and, given example inputs, measure one training step on
+    fake tensors: its communication schedule and its per-rank memory (the model is not touched).
+    Without a process group, or under ``simulate``, nothing is allocated or communicated; under a real
+    one ``shard()`` agrees across ranks once (call ``explain`` on every rank, as ``shard``) and
+    allocates the local shards (build the model on meta to avoid that).
 
     Args:
         model: the unsharded model; only read.
@@ -159,20 +188,32 @@ def explain(
             when only one is given); ``kwargs`` win over them.
         dtype: cast the parameters (and so the activations) to it for the byte counts; None: their own.
         backward: also run the backward, from ``scalar_loss`` of the output (HF's ``loss``, else the first
-            output tensor's sum).
+            output tensor's sum), and the optimizer's update.
+        fsdp: also shard over a data-parallel axis with ``hpf.fsdp`` (True: ``"dp"``; or the axis, or axes),
+            as the step and the memory then are.
+        remat: ``shard(remat=...)``: the blocks recomputed in the backward.
+        optimizer: whose state and update the memory counts: ``"adamw"`` (``hpf.optim.adamw``: two moments
+            per leaf in the leaf's dtype), ``"sgd"`` (none), an ``hpf.optim.Optimizer``, or None.
     Returns:
         an ``Explanation`` (program, memory, and the schedule when inputs were given); its ``str()`` is the
         readable report."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    opt = optimizer_named(optimizer)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     # shard() agrees across ranks with one real collective unless there is no (or a fake) process group
     local_only = not dist.is_initialized() or dist.get_backend() == "fake"
     with fake if local_only else contextlib.nullcontext():
-        apply_fn, params, _ = shard(model, plan, mesh, seed=None)  # a meta model stays shapes only
-    with fake:
+        apply_fn, params, infos = shard(model, plan, mesh, seed=None, remat=remat)  # a meta model stays shapes only
         program = apply_fn.program
-        result = Explanation(program, memory(program, model, dtype))
+        blocks = block_paths(apply_fn.runtime.template)
+        if fsdp is not False:
+            apply_fn, params, infos = fsdp_transform(apply_fn, params, infos, mesh, "dp" if fsdp is True else fsdp)
+    with fake:
+        dtypes = {k: dtype or program.dtypes[k] for k in infos}
+        name = optimizer if isinstance(optimizer, str) or optimizer is None else "custom"
+        result = Explanation(program, dataclasses.replace(memory(infos, dtypes, program.mesh.size()),
+                                                          optimizer=str(name)))
         if batch is not None or seq is not None:
             first = next(model.parameters(), None)  # a model without parameters: ids on the CPU
             device = first.device if first is not None else torch.device("cpu")
@@ -180,8 +221,7 @@ def explain(
             kwargs = {"input_ids": ids, "labels": ids, **kwargs}
         if not args and not kwargs:
             return result
-        if dtype is not None:
-            params = {k: v.detach().to(dtype).requires_grad_(v.requires_grad) for k, v in params.items()}
+        params = {k: v.detach().to(dtypes[k]).requires_grad_(v.requires_grad) for k, v in params.items()}
         axes = {g.group_name: axis for axis, g in program.groups.items()}
         # the parameter conversions run first, one autograd node per step of a parameter needing grad
         bucketed = {k for b in program.param_buckets for k in b.keys}
@@ -190,12 +230,19 @@ def explain(
         flat += [("(parameters)", "all_reduce") for _ in program.param_buckets]  # then one node per bucketed group
         clock = ModuleClock({b.planned.fqn for b in program.boundaries})
         recorder = CollectiveRecorder(clock, axes, flat, torch._C._autograd._get_sequence_nr())
-        try:
+
+        @contextlib.contextmanager
+        def recording():
             with clock, recorder:
-                out = apply_fn(params, *args, **kwargs)
-                loss = scalar_loss(out, who="apply_fn") if backward else None
-                if loss is not None and loss.requires_grad:
-                    loss.backward()
+                yield
+
+        try:
+            if backward:
+                step = measure_step(apply_fn, params, args, kwargs, opt, blocks, around=recording)
+                result.memory = dataclasses.replace(result.memory, step=step)
+            else:
+                with recording():
+                    apply_fn(params, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - reported: the static parts stay useful
             result.schedule_error = f"the forward could not run on these shapes: {type(exc).__name__}: {exc}"
             return result

@@ -60,8 +60,9 @@ def totals_table(totals: Mapping[tuple[str, str, str], tuple[int, int]]) -> Tabl
 
 
 def memory_table(rows: Sequence[tuple[str, int]], world: int) -> Table:
-    """Per-rank parameter memory: (label, bytes) rows (``Memory.rows()``) of a mesh of ``world`` ranks."""
-    table = Table(title=f"parameter memory per rank ({world} ranks)", title_justify="left")
+    """Per-rank memory: (label, bytes) rows (``Memory.rows()``: parameters, and with a measured step its
+    gradients, optimizer state, activations and peak) of a mesh of ``world`` ranks."""
+    table = Table(title=f"memory per rank ({world} ranks)", title_justify="left")
     table.add_column("")
     table.add_column("bytes", justify="right")
     for label, value in rows:

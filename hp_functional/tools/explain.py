@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.placement import ShardInfo, fmt_placements as _fmt
 from ..core.program import Program
 from ..plan.plan import ShardingPlan
+from ..runtime.loss import scalar_loss
 from ..runtime.remat import Remat
 from ..runtime.shard import shard
 from ..train.fsdp import fsdp as fsdp_transform
@@ -142,6 +143,7 @@ class Explanation:
     memory: Memory
     schedule: Schedule | None = None
     schedule_error: str | None = None
+    memory_error: str | None = None  # why the step's memory could not be measured (the schedule still was)
 
     def __str__(self) -> str:
         parts = [render_program(self.program), ""]
@@ -150,6 +152,8 @@ class Explanation:
         else:
             parts.append(f"no schedule: {self.schedule_error or 'pass example inputs (or batch=, seq=) to explain()'}\n")
         parts.append(str(self.memory))
+        if self.memory_error:
+            parts.append(f"no step memory: {self.memory_error}")
         return "\n".join(parts)
 
 
@@ -209,8 +213,11 @@ def explain(
         blocks = block_paths(apply_fn.runtime.template)
         if fsdp is not False:
             apply_fn, params, infos = fsdp_transform(apply_fn, params, infos, mesh, "dp" if fsdp is True else fsdp)
+    dtypes = {k: dtype or program.dtypes[k] for k in infos}
+    # the leaves as shard() made them (fake without a process group, real under one: a module that
+    # converts its own parameters in its forward, Switch's router, needs them as they are), in ``dtypes``
+    params = {k: v.detach().to(dtypes[k]).requires_grad_(v.requires_grad) for k, v in params.items()}
     with fake:
-        dtypes = {k: dtype or program.dtypes[k] for k in infos}
         name = optimizer if isinstance(optimizer, str) or optimizer is None else "custom"
         result = Explanation(program, dataclasses.replace(memory(infos, dtypes, program.mesh.size()),
                                                           optimizer=str(name)))
@@ -221,30 +228,40 @@ def explain(
             kwargs = {"input_ids": ids, "labels": ids, **kwargs}
         if not args and not kwargs:
             return result
-        params = {k: v.detach().to(dtypes[k]).requires_grad_(v.requires_grad) for k, v in params.items()}
         axes = {g.group_name: axis for axis, g in program.groups.items()}
         # the parameter conversions run first, one autograd node per step of a parameter needing grad
         bucketed = {k for b in program.param_buckets for k in b.keys}
         flat = [(key.rpartition(".")[0], s.backward) for key in program.infos if params[key].requires_grad
                 and key not in bucketed for s in program.param_steps.get(key, ())]
         flat += [("(parameters)", "all_reduce") for _ in program.param_buckets]  # then one node per bucketed group
-        clock = ModuleClock({b.planned.fqn for b in program.boundaries})
-        recorder = CollectiveRecorder(clock, axes, flat, torch._C._autograd._get_sequence_nr())
+        def recorder() -> tuple[ModuleClock, CollectiveRecorder]:
+            clock = ModuleClock({b.planned.fqn for b in program.boundaries})
+            return clock, CollectiveRecorder(clock, axes, flat, torch._C._autograd._get_sequence_nr())
+
+        clock, rec = recorder()
 
         @contextlib.contextmanager
         def recording():
-            with clock, recorder:
+            with clock, rec:
                 yield
 
         try:
             if backward:
-                step = measure_step(apply_fn, params, args, kwargs, opt, blocks, around=recording)
-                result.memory = dataclasses.replace(result.memory, step=step)
+                try:
+                    step = measure_step(apply_fn, params, args, kwargs, opt, blocks, around=recording)
+                    result.memory = dataclasses.replace(result.memory, step=step)
+                except Exception as exc:  # noqa: BLE001 - the step's accounting failed: record the schedule alone
+                    result.memory_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    clock, rec = recorder()
+                    with recording():
+                        loss = scalar_loss(apply_fn(params, *args, **kwargs), who="apply_fn")
+                        if loss.requires_grad:
+                            loss.backward()
             else:
                 with recording():
                     apply_fn(params, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - reported: the static parts stay useful
             result.schedule_error = f"the forward could not run on these shapes: {type(exc).__name__}: {exc}"
             return result
-    result.schedule = Schedule(recorder.rows)
+    result.schedule = Schedule(rec.rows)
     return result

@@ -161,7 +161,9 @@ def case_switch(state):
     diffs["grads"] = max(assert_close(full[k], g, f"grad {k}") for k, g in _grads(model).items())
     model.zero_grad(set_to_none=True)
     assert_unchanged(before, snapshot(model))
-    schedule = hpf.explain(model, plan, m, **kw).schedule  # per MoE layer: counts, dispatch, combine; 2 back
+    exp = hpf.explain(model, plan, m, **kw)
+    schedule = exp.schedule  # per MoE layer: counts, dispatch, combine; 2 back
+    assert schedule is not None, exp.schedule_error
     assert (schedule.count(op="all_to_all", direction="fwd"), schedule.count(op="all_to_all", direction="bwd")) == (6, 4)
     return diffs
 

@@ -82,9 +82,10 @@ def _transforms() -> int:
     return len(results["ulysses"])
 
 
-def case_kernel(cases) -> dict:
+def case_kernel(cases, transforms: bool = True) -> dict:
     out = {c: _kernel(*c) for c in cases}
-    out["transforms"] = _transforms()
+    if transforms:  # grad∘grad, jvp∘grad, jvp, vmap(grad) against all-gather attention's (once, at cp 2)
+        out["transforms"] = _transforms()
     return out
 
 
@@ -100,7 +101,7 @@ def test_kernel_matches_sdpa_cp4():
     """cp 4: 1 and 2 K/V heads are fewer than the ranks (replicated), 4 split."""
     cases = [("zigzag", True, 8, 4, 8), ("zigzag", True, 8, 2, 8), ("contiguous", True, 4, 1, 4),
              ("zigzag", False, 4, 4, 8)]
-    print(get_pool(4).run(case_kernel, cases)[0])
+    print(get_pool(4).run(case_kernel, cases, False)[0])
 
 
 # ---------------------------------------------------------------- HF models
@@ -202,7 +203,7 @@ def case_heads() -> dict:
         torch.manual_seed(0)  # the same weights on every rank
         model = build_hf("llama", None, **overrides)
         plan = hpf.ShardingPlan.from_hf(model, cp_axis="cp", cp_strategy="ulysses")
-        errors.update(plan_errors({f"{what} at shard": lambda: hpf.shard(model, plan, m)}))
+        errors.update(plan_errors({f"{what} at shard": lambda: hpf.shard(model, plan, m, verify=False)}))
         mode = UlyssesAttention(model.model.layers[0].self_attn, _group(), "zigzag", None, "model.layers.0.self_attn")
         q = torch.zeros(2, overrides["num_attention_heads"], 4, 8)
         k = torch.zeros(2, overrides["num_key_value_heads"], 4, 8)
@@ -212,7 +213,7 @@ def case_heads() -> dict:
     model = build_hf("llama", None)
     errors.update(plan_errors({
         "strategy": lambda: hpf.shard(model, hpf.ShardingPlan({"model.layers.*.self_attn": hpf.Ulysses("ring")},
-                                                              cp_axis="cp"), m),
+                                                              axes={"cp": "cp"}), m),
     }))
     apply_fn, params, _ = hpf.shard(model, hpf.ShardingPlan({"model.layers.*.mlp": hpf.Ulysses()}, axes={"cp": "cp"}), m,
                                     verify=False)

@@ -17,10 +17,8 @@ __all__ = [
     "warmup_cosine"
 ]
 
-import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from fnmatch import fnmatchcase
 from typing import Any, NamedTuple
 
 import optree
@@ -31,13 +29,20 @@ from torch.distributed.tensor import Replicate
 from ..core.errors import PlanError, ShapeError
 from ..core.paths import most_specific_patterns, path_matches
 from ..core.placement import ShardInfo
+from .optim_masks import (
+    _RULE,
+    Mask,
+    PatternMask,
+    _mask_fn,
+    _old_matches,
+    _resolve_mask,
+    _spelling_hint,
+    decay_mask,
+)
+from .optim_schedules import Schedule, _check_lr, _lr_at, constant, linear_warmup, warmup_cosine
 
 Params = Mapping[str, Tensor]
 Grads = Mapping[str, Tensor | None]
-#: a learning rate schedule: the step (a Python int or a 0-dim tensor) -> the learning rate
-Schedule = Callable[[Any], Any]
-#: a weight-decay mask: None (every leaf), a predicate on the FQN, or patterns of the FQNs that decay
-Mask = Callable[[str], bool] | str | Sequence[str] | None
 
 
 class Optimizer(NamedTuple):
@@ -78,188 +83,6 @@ class PartitionState(NamedTuple):
 
 
 # ---------------------------------------------------------------- schedules
-def _check_lr(value: Any, what: str) -> None:
-    """A ValueError for a negative (or NaN) Python learning rate; tensors are not inspected (no sync)."""
-    if not isinstance(value, Tensor) and not value >= 0:
-        raise ValueError(f"{what}: invalid learning rate {value!r} (must be >= 0)")
-
-
-def _ramp(step: Any, length: int) -> Any:
-    """``clamp(step, 0, length) / length`` (1 when ``length`` is 0), for a Python or a tensor step."""
-    if length == 0:
-        return 1.0
-    if isinstance(step, Tensor):
-        return step.to(torch.float64).clamp(0, length) / length
-    return min(max(step, 0), length) / length
-
-
-def constant(lr: float) -> Schedule:
-    """``lr`` at every step."""
-    _check_lr(lr, "constant")
-    return lambda step: lr
-
-
-def linear_warmup(peak_lr: float, warmup_steps: int, init_lr: float = 0.0) -> Schedule:
-    """``init_lr`` at step 0, rising linearly to ``peak_lr`` at ``warmup_steps``, then constant
-    (optax's ``linear_schedule``; torch's ``LambdaLR(lambda k: min(1, k / warmup_steps))`` with init 0)."""
-    _check_lr(peak_lr, "linear_warmup")
-    _check_lr(init_lr, "linear_warmup")
-    if warmup_steps < 0:
-        raise ValueError(f"linear_warmup: warmup_steps must be >= 0, got {warmup_steps}")
-
-    def schedule(step: Any) -> Any:
-        return init_lr + (peak_lr - init_lr) * _ramp(step, warmup_steps)
-
-    return schedule
-
-
-def warmup_cosine(peak_lr: float, warmup_steps: int, total_steps: int, end_lr: float = 0.0, init_lr: float = 0.0) -> Schedule:
-    """Linear warmup from ``init_lr`` to ``peak_lr`` over ``warmup_steps``, then a half cosine down to
-    ``end_lr`` at ``total_steps`` (warmup included), ``end_lr`` after: optax's
-    ``warmup_cosine_decay_schedule(init_lr, peak_lr, warmup_steps, total_steps, end_lr)``, and with
-    ``init_lr = end_lr = 0`` Hugging Face's ``get_cosine_schedule_with_warmup`` up to ``total_steps``."""
-    for v in (peak_lr, end_lr, init_lr):
-        _check_lr(v, "warmup_cosine")
-    if not 0 <= warmup_steps < total_steps:
-        raise ValueError(f"warmup_cosine: need 0 <= warmup_steps < total_steps, got {warmup_steps} and {total_steps}")
-    warm, decay = linear_warmup(peak_lr, warmup_steps, init_lr), total_steps - warmup_steps
-
-    def schedule(step: Any) -> Any:
-        progress = _ramp(step - warmup_steps, decay)
-        if isinstance(step, Tensor):
-            cos = end_lr + (peak_lr - end_lr) * 0.5 * (1 + torch.cos(math.pi * progress))
-            return torch.where(step < warmup_steps, warm(step), cos)
-        return warm(step) if step < warmup_steps else end_lr + (peak_lr - end_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return schedule
-
-
-def _lr_at(lr: float | Tensor | Schedule, step: int, where: str) -> float | Tensor:
-    """The learning rate of update ``step`` (0-based): a schedule evaluated there, else ``lr`` itself."""
-    value = lr(step) if callable(lr) else lr
-    if isinstance(value, Tensor) and value.numel() != 1:
-        raise ValueError(f"{where}: the learning rate must be a scalar, got a tensor of shape {tuple(value.shape)}")
-    _check_lr(value, f"{where} at step {step}")
-    return value
-
-
-# ---------------------------------------------------------------- patterns (the one rule, and the old one for now)
-_RULE = "docs/plan-language.md#patterns"
-
-
-def _old_matches(pattern: str, fqn: str) -> bool:
-    """The optimizer's earlier rule: ``fnmatch`` on the whole FQN (``*`` crossing dots).  A pattern
-    with ``**`` was never meant for it and is read by the one rule alone."""
-    return path_matches(pattern, fqn) if "**" in pattern else fnmatchcase(fqn, pattern)
-
-
-def _new_spelling(pattern: str) -> str:
-    """An ``fnmatch`` FQN pattern written under the one rule, where it can be: a ``*`` that may cross
-    dots becomes ``**`` (``*`` → ``**``, ``*.bias`` → ``**.bias``, ``*bias`` → ``**.*bias``,
-    ``*norm*`` → ``**.*norm*.**``, ``layers.*.weight`` → ``layers.**.weight``)."""
-    out = []
-    for seg in pattern.split("."):
-        if seg in ("*", "**"):
-            out.append("**")
-            continue
-        if seg.startswith("*"):
-            out.append("**")
-        out.append(seg)
-        if seg.endswith("*") and len(seg) > 1:
-            out.append("**")
-    merged = [s for i, s in enumerate(out) if not (s == "**" and i and out[i - 1] == "**")]
-    return ".".join(merged)
-
-
-def _spelling_hint(pattern: str, fqns: Iterable[str]) -> str:
-    """How to write ``pattern`` under the one rule, checked on ``fqns``."""
-    new = _new_spelling(pattern)
-    same = all(path_matches(new, f) == fnmatchcase(f, pattern) for f in fqns)
-    return f"write {new!r}" + ("" if same else " (it does not match the same parameters here: check it)")
-
-
-class PatternMask:
-    """A mask given as FQN patterns: a leaf is selected when one of ``patterns`` matches its FQN
-    (``negate``: when none does), memoised (the FQNs are the same every step).
-
-    Patterns follow the one rule (``core.paths``).  For now a pattern without ``**`` whose
-    ``fnmatch`` match (the earlier rule: ``*`` crossing dots) differs on some FQN keeps its
-    ``fnmatch`` match, with one ``FutureWarning`` per pattern naming the FQN and the spelling under
-    the one rule."""
-
-    def __init__(self, patterns: Sequence[str], who: str, negate: bool = False):
-        self.patterns, self.who, self.negate = tuple(patterns), who, negate
-        self.memo: dict[str, bool] = {}
-        self.warned: set[str] = set()
-
-    def __call__(self, fqn: str) -> bool:
-        if fqn not in self.memo:
-            self.resolve((fqn,), stacklevel=2)
-        return self.memo[fqn]
-
-    def resolve(self, fqns: Iterable[str], stacklevel: int = 1) -> None:
-        """Decide every FQN of ``fqns`` not decided yet; warn (at ``stacklevel`` above the caller)
-        for each pattern whose two rules disagree on them."""
-        fqns = list(fqns)
-        differ: dict[str, list[str]] = {}
-        for fqn in fqns:
-            if fqn in self.memo:
-                continue
-            hit = False
-            for p in self.patterns:
-                old = _old_matches(p, fqn)
-                if old != path_matches(p, fqn):
-                    differ.setdefault(p, []).append(fqn)
-                hit = hit or old
-            self.memo[fqn] = hit != self.negate
-        for p, names in differ.items():
-            if p in self.warned:
-                continue
-            self.warned.add(p)
-            first, second = ("earlier rule (fnmatch)", "one pattern rule") if fnmatchcase(
-                names[0], p) else ("one pattern rule", "earlier rule (fnmatch)")
-            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-            warnings.warn(
-                f"{self.who}: pattern {p!r} matches {names[0]!r}{more} by the {first} but not by the {second} "
-                f"({_RULE}: `*` one segment, `**` any number); the earlier rule decides for now: "
-                f"{_spelling_hint(p, fqns)}", FutureWarning, stacklevel=stacklevel + 1)
-
-
-def decay_mask(exclude: Iterable[str] = ("**.*bias", "**.*norm*.**")) -> Callable[[str], bool]:
-    """A ``mask`` that decays every leaf except those whose FQN matches one of ``exclude``
-    (patterns under the one rule, docs/plan-language.md#patterns): by default no decay on biases
-    (an FQN ending in ``bias``) and norms (any segment containing ``norm``)."""
-    return PatternMask((exclude,) if isinstance(exclude, str) else tuple(exclude), "decay_mask", negate=True)
-
-
-def _mask_fn(mask: Mask, who: str) -> Callable[[str], bool]:
-    """``mask`` as a predicate on the FQN; memoised (the FQNs are the same every step)."""
-    if mask is None:
-        return lambda fqn: True
-    if isinstance(mask, PatternMask):
-        return mask
-    if not callable(mask):
-        patterns = (mask,) if isinstance(mask, str) else tuple(mask)
-        if not all(isinstance(p, str) for p in patterns):
-            raise TypeError(f"mask must be None, a callable fqn -> bool or FQN patterns, got {mask!r}")
-        return PatternMask(patterns, f"{who} mask")
-    pred = mask
-    memo: dict[str, bool] = {}
-
-    def decays(fqn: str) -> bool:
-        if fqn not in memo:
-            memo[fqn] = bool(pred(fqn))
-        return memo[fqn]
-
-    return decays
-
-
-def _resolve_mask(decays: Callable[[str], bool], params: Params) -> None:
-    """Decide a pattern mask on every FQN at once (its warnings point at the caller's caller)."""
-    if isinstance(decays, PatternMask):
-        decays.resolve(params, stacklevel=3)
-
-
 # ---------------------------------------------------------------- checks and foreach helpers
 def _check(where: str, grads: Grads, params: Params, **state: Mapping[str, Tensor]) -> None:
     """Grads and every per-leaf state dict keyed exactly like ``params``, with its shapes; errors name the key."""

@@ -10,7 +10,7 @@ import torch
 
 import hp_functional as hpf
 from hp_functional.core.errors import PlanError
-from hp_functional.train.optim import _new_spelling
+from hp_functional.train.optim_masks import _new_spelling
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
          "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight",

@@ -30,6 +30,7 @@ from ..core.errors import PlanError
 from ..runtime.loss import scalar_loss
 from ..runtime.remat import Remat, resolve_remat
 from ..train.optim import Optimizer, adamw, sgd
+from .record import ModuleHooks
 
 
 class LiveBytes(TorchDispatchMode):
@@ -79,7 +80,7 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-class _BlockClock:
+class _BlockClock(ModuleHooks):
     """Global module hooks: the live bytes each block's forward leaves behind (its saved
     activations and its output), for the blocks of ``paths``; forward passes only (a remat
     block's recompute in the backward is not its forward)."""
@@ -89,17 +90,6 @@ class _BlockClock:
         self.names: dict[int, str] | None = None
         self.open: list[tuple[str, int]] = []
         self.left: dict[str, int] = {}
-
-    def __enter__(self) -> _BlockClock:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self._handles = [register_module_forward_pre_hook(self._pre),
-                         register_module_forward_hook(self._post, always_call=True)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
 
     def _pre(self, module, args) -> None:
         if self.names is None:

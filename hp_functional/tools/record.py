@@ -3,7 +3,7 @@ created the autograd node that runs (backward), and every ``_c10d_functional`` c
 
 from __future__ import annotations
 
-__all__ = ["CollectiveRecorder", "ModuleClock", "ScheduleRow"]
+__all__ = ["CollectiveRecorder", "ModuleClock", "ModuleHooks", "ScheduleRow"]
 
 from dataclasses import dataclass
 
@@ -30,7 +30,23 @@ class ScheduleRow:
     dtype: str
 
 
-class ModuleClock:
+class ModuleHooks:
+    """Global forward hooks on every module while the context is active (``_pre``/``_post``, as
+    ``register_module_forward_pre_hook``/``register_module_forward_hook`` call them)."""
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [register_module_forward_pre_hook(self._pre),
+                         register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class ModuleClock(ModuleHooks):
     """Global module hooks: which planned module runs (forward) and which autograd sequence
     numbers each planned module's forward allocated (to attribute backward nodes)."""
 
@@ -41,17 +57,6 @@ class ModuleClock:
         self.spans: list[tuple[int, int, str]] = []
         self.root_span: tuple[int, int] | None = None
         self.depth = 0
-
-    def __enter__(self) -> ModuleClock:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self._handles = [register_module_forward_pre_hook(self._pre),
-                         register_module_forward_hook(self._post, always_call=True)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
 
     def _pre(self, module, args) -> None:
         if self.names is None:

@@ -1,7 +1,7 @@
 """Context parallelism for any model: the sequence arguments declared instead of HF's names.
 
-``ShardingPlan(..., cp_axis="cp", cp_inputs=hpf.ContextInputs(sequence={"tokens": 1},
-positions="positions"))`` replaces the HF root of ``parallel.context.styles`` (which knows ``input_ids``,
+``ShardingPlan(..., axes={"cp": "cp"}, settings={"cp_inputs": hpf.ContextInputs(sequence={"tokens": 1},
+positions="positions")})`` replaces the HF root of ``parallel.context.styles`` (which knows ``input_ids``,
 ``inputs_embeds``, ``position_ids`` and ``labels`` with HF's shift) by one that reads the
 declaration: each rank keeps its layout's positions of every sequence argument, hands the
 *global* positions to the argument that carries them (rotary embeddings), and, when
@@ -47,7 +47,8 @@ class ContextInputs:
     (default: cross-entropy of the output as logits, ``ignore_index`` skipped).
 
     >>> cp = hpf.ContextInputs(sequence={"tokens": 1}, positions="positions")
-    >>> plan = hpf.ShardingPlan({"layers.*.attention": hpf.ContextParallel("ring")}, cp_axis="cp", cp_inputs=cp)
+    >>> plan = hpf.ShardingPlan({"layers.*.attention": hpf.ContextParallel("ring")}, axes={"cp": "cp"},
+    ...                         settings={"cp_inputs": cp})
     >>> output, loss = apply_fn(params, tokens, labels=labels)
     """
 

@@ -44,7 +44,7 @@ class Ulysses(ContextParallel):
     heads (after tensor parallelism) must divide by the axis size; K/V heads divide too, or are
     fewer and divide it (each rank then receives the K/V head its query heads use).
 
-    >>> plan = hpf.ShardingPlan({"model.layers.*.self_attn": hpf.Ulysses()}, cp_axis="cp")
+    >>> plan = hpf.ShardingPlan({"model.layers.*.self_attn": hpf.Ulysses()}, axes={"cp": "cp"})
     >>> plan = hpf.ShardingPlan.from_hf(model, cp_axis="cp", cp_strategy="ulysses")   # the same
     """
 

@@ -8,7 +8,7 @@ What it covers and cannot see: docs/guarantees.md#exact-or-refused-the-shape-aud
 
 from __future__ import annotations
 
-__all__ = ["Mismatch", "boundaries", "compare", "culprits", "divided", "handoff", "record"]
+__all__ = ["Mismatch", "boundaries", "compare", "culprits", "divided", "handoff", "record", "record_or_resize"]
 
 import math
 from collections.abc import Callable, Mapping
@@ -77,6 +77,20 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
+
+def record_or_resize(outputs: dict, i: int, rel: str, out: Tensor, layout, device) -> Tensor:
+    """A planned module's output in a layout run: the global run (``layout`` None) records its
+    shape as call ``i`` of ``rel`` in ``outputs``; a local run returns it at the shape ``layout``
+    gives it from that global shape (a new empty tensor when it differs)."""
+    calls = outputs.setdefault(rel, [])
+    if layout is None:
+        if i < len(calls):
+            calls[i][1] = tuple(out.shape)
+        return out
+    glob = calls[i][1] if i < len(calls) and calls[i][1] is not None else tuple(out.shape)
+    shape = layout.output(tuple(out.shape), glob)
+    return out if shape == tuple(out.shape) else torch.empty(shape, dtype=out.dtype, device=device)
+
 def record(module: nn.Module, args: tuple, kwargs: Mapping, *, shapes: Mapping[str, torch.Size] | None = None,
            attrs: Mapping[str, int] | None = None, opaque: Mapping[str, Callable] | None = None,
            outputs: dict[str, list] | None = None) -> tuple[list[Op], bool]:
@@ -122,14 +136,7 @@ def _record(module, args, kwargs, shapes, attrs, opaque, outputs, device: str) -
             rec.depth -= 1
             if outputs is None or not isinstance(out, Tensor):
                 return out
-            calls, i = outputs.setdefault(rel, []), seen[rel]
-            if layout is None:
-                if i < len(calls):
-                    calls[i][1] = tuple(out.shape)
-                return out
-            glob = calls[i][1] if i < len(calls) and calls[i][1] is not None else tuple(out.shape)
-            shape = layout.output(tuple(out.shape), glob)
-            return out if shape == tuple(out.shape) else torch.empty(shape, dtype=out.dtype, device=device)
+            return record_or_resize(outputs, seen[rel], rel, out, layout, device)
         sub = twin.get_submodule(rel)
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
     ok = True

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..analysis.audit import boundaries, divided, handoff
+from ..analysis.audit import boundaries, divided, handoff, record_or_resize
 from ..analysis.trace import _snapshot, _to_meta, meta_copy
 from ..core.collectives import AxisGroup
 from ..core.cp_layout import cp_positions
@@ -127,14 +127,7 @@ def _meta_draws(template: nn.Module, forward: Forward, shapes: Mapping[str, torc
         def post(mod, a, out, rel=rel, layout=layout):
             if not isinstance(out, Tensor):
                 return out
-            calls, i = outputs.setdefault(rel, []), seen[rel]
-            if layout is None:
-                if i < len(calls):
-                    calls[i][1] = tuple(out.shape)
-                return out
-            glob = calls[i][1] if i < len(calls) and calls[i][1] is not None else tuple(out.shape)
-            shape = layout[0].output(tuple(out.shape), glob)
-            return out if shape == tuple(out.shape) else torch.empty(shape, dtype=out.dtype, device=out.device)
+            return record_or_resize(outputs, seen[rel], rel, out, None if layout is None else layout[0], out.device)
         handles += [sub.register_forward_pre_hook(pre, with_kwargs=True), sub.register_forward_hook(post)]
     recorder = _Recorder(stack)
     try:

@@ -161,7 +161,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "if len(data) != info.length or digest(data) != self._sums[chunk_key(index)]:",
              "if len(data) != info.length:", ("tests/train/test_checkpoint_security.py",),
              "a checkpoint whose bytes changed is refused on load", core=True),
-    Mutation("checkpoint-reshard-offset", "hp_functional/train/dcp.py::_Boxed.__get_tensor_shard__",
+    Mutation("checkpoint-reshard-offset", "hp_functional/train/dcp_planners.py::Boxed.__get_tensor_shard__",
              "return self._by_start[tuple(index.offset)].of_local(self.local)",
              "return self._by_start[tuple(index.offset)].of_local(self.local).flip(0)",
              ("tests/train/test_dcp.py",), "a checkpoint saved at one layout loads exactly at another"),

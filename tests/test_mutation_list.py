@@ -25,7 +25,7 @@ def test_the_list_is_large_unique_and_covers_the_guarantees():
     covered = {m.path for m in MUTATIONS}
     for module in ("core/collectives.py", "core/buckets.py", "train/fsdp.py", "parallel/context/styles.py",
                    "parallel/experts/styles.py", "runtime/probe.py", "compile/agree.py", "runtime/inputs.py",
-                   "train/ckpt_integrity.py", "train/dcp.py", "train/export.py", "runtime/weights.py",
+                   "train/ckpt_integrity.py", "train/dcp_planners.py", "train/export.py", "runtime/weights.py",
                    "runtime/buffers.py", "runtime/remat.py", "train/optim.py", "train/clip.py"):
         assert f"hp_functional/{module}" in covered, f"no mutation of {module}"
     assert all(m.guards and m.tests for m in MUTATIONS)

@@ -63,6 +63,7 @@ THROUGH = {
     "hp_functional.train.ckpt_extra": "tests/train/test_dcp.py",
     "hp_functional.train.ckpt_files": "tests/train/test_checkpoint_security.py",
     "hp_functional.train.ckpt_integrity": "tests/train/test_checkpoint_security.py",
+    "hp_functional.train.dcp_planners": "tests/train/test_dcp.py",  # save/load at other layouts
     "hp_functional.train.fsdp_bucket": "tests/train/test_fsdp.py",
     "hp_functional.train.optim_schedules": "tests/train/test_optim.py",  # through hpf.optim's re-exports
     "hp_functional.train.fsdp_forwards": "tests/train/test_fsdp.py",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 __all__ = ["Loaded", "SaveHandle", "latest", "load", "save"]
 
-import io
 import json
 import os
 import time
@@ -22,18 +21,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.errors import CheckpointError, PlanError, ShapeError
 from ..core.host_comm import broadcast_objects, new_group
-from ..core.placement import Box, ShardInfo, boxes
+from ..core.placement import ShardInfo, boxes
 from ..core.raw_collectives import mesh_device
 from . import ckpt_extra
 from .ckpt_files import OLD, SCRATCH, check_targets, prepare_scratch, replace_dir, untag
 from .ckpt_integrity import SummingWriter, VerifyingReader, as_checkpoint_error, marker_sums, parse_sums, read_metadata
+from .dcp_planners import Boxed, LoadPlanner, SavePlanner, Stager
 from .optim import state_info
 
 MARKER = "hpf_complete.json"  # written last, by rank 0: a directory without it is not a checkpoint
@@ -47,84 +44,6 @@ class Loaded(NamedTuple):
     params: dict[str, Tensor]
     opt_state: Any
     extra: Any
-
-
-# ---------------------------------------------------------------- a local shard as DCP sees it
-class _Boxed:
-    """A local shard with its boxes and global shape, implementing DCP's ``_Checkpointable`` hooks
-    (as DTensor does) so that every box is one chunk of the global tensor.  Not a Tensor, so DCP's
-    ``find_state_dict_object`` (which calls the hooks of Tensors only) is bypassed: our planners
-    look the boxes up themselves."""
-
-    def __init__(self, local: Tensor, bxs: list[Box], global_shape: torch.Size):
-        self.local, self.boxes, self.global_shape = local, bxs, torch.Size(global_shape)
-        self._by_start = {b.start: b for b in bxs}
-
-    def size(self) -> torch.Size:  # DCP's load plan compares it with the saved size
-        return self.global_shape
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        props = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, b.start), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(b.start), torch.Size(b.size)),
-                                                      properties=props, size=self.global_shape))
-                for b in self.boxes]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(b.start), torch.Size(b.size)) for b in self.boxes]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        return self._by_start[tuple(index.offset)].of_local(self.local)
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """The default planner (deduplication included) over a flat dict of ``_Boxed`` and extra's bytes."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, _Boxed) else obj  # else: extra's bytes
-
-    def transform_object(self, write_item: WriteItem, obj: Any) -> Any:
-        # the default one pickles byte items (torch.save): extra's bytes are written as they are
-        return io.BytesIO(obj) if write_item.type == WriteItemType.BYTE_IO else obj
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """The default planner over a flat dict of ``_Boxed``; reads land in views of the local shards."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        # the default one runs _init_state_dict, which replaces every non-tensor value with None
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        return self.state_dict[index.fqn].__get_tensor_shard__(index)
-
-    def load_bytes(self, read_item, value) -> None:
-        # the default one unpickles them (weights_only=False): kept raw, decoded by ckpt_extra
-        self.state_dict[read_item.dest_index.fqn] = value.read()
-
-
-class _Stager(AsyncStager):
-    """async_save's staging: a CPU copy of every local shard, taken before ``save`` returns, so
-    training may write to its tensors while the thread writes the copy."""
-
-    # AsyncStager's own switch (a class attribute): False, so async_save does not call the deprecated
-    # synchronize_staging; stage() is synchronous anyway
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {k: _Boxed(v.local.detach().to("cpu", copy=True), v.boxes, v.global_shape) if isinstance(v, _Boxed) else v
-                for k, v in state_dict.items()}
-
-    def close(self) -> None:
-        pass
 
 
 # ---------------------------------------------------------------- what is stored under which key
@@ -331,7 +250,7 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
     rank, world = dist.get_rank(), dist.get_world_size()
     tmp = path + SCRATCH
     _on_rank0(lambda: prepare_scratch(tmp, MARKER, "save"), f"save: cannot create {tmp!r}")  # before any rank's DCP does
-    state: dict[str, Any] = {k: _Boxed(t.detach(), boxes(info), info.global_shape) for k, (t, info) in entries.items()}
+    state: dict[str, Any] = {k: Boxed(t.detach(), boxes(info), info.global_shape) for k, (t, info) in entries.items()}
     state[f"{EXTRA}/{rank}"] = extra_bytes  # a DCP byte item of this rank's own: its write errors are DCP's
     writer = SummingWriter(tmp)
 
@@ -340,15 +259,15 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
 
     if not async_save:
         try:
-            dcp.save(state, storage_writer=writer, planner=_SavePlanner())
+            dcp.save(state, storage_writer=writer, planner=SavePlanner())
         except CheckpointException as exc:
             raise as_checkpoint_error(exc, "save") from None
         commit()
         return SaveHandle(path)
     lane = ASYNC_SAVES.lane(tuple(range(world)))
     try:
-        future = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(), process_group=lane.group,
-                                async_stager=_Stager())
+        future = dcp.async_save(state, storage_writer=writer, planner=SavePlanner(), process_group=lane.group,
+                                async_stager=Stager())
     except CheckpointException as exc:
         raise as_checkpoint_error(exc, "save") from None
     return lane.hold(SaveHandle(path, future, commit, lane))
@@ -468,18 +387,18 @@ def load(path: str | os.PathLike, shard_info: Mapping[str, ShardInfo], *, opt_st
     if missing:
         raise CheckpointError(f"load: {path} has no tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                               f"({len(missing)} of the {len(wanted)} wanted are missing)")
-    state: dict[str, _Boxed] = {}
+    state: dict[str, Boxed] = {}
     for key, info, like in wanted:
         dtype = _check_saved(path, metadata, key, info, None if like is None else like.dtype)
         device = like.device if like is not None else mesh_device(info.mesh)
-        state[key] = _Boxed(torch.empty(info.local_shape, dtype=dtype, device=device), boxes(info), info.global_shape)
+        state[key] = Boxed(torch.empty(info.local_shape, dtype=dtype, device=device), boxes(info), info.global_shape)
     src = dist.get_rank() if marker.get("world_size") == dist.get_world_size() else 0
     extra_key = f"{EXTRA}/{src}"
     if extra_key not in metadata.state_dict_metadata:
         raise CheckpointError(f"load: {path} has no {extra_key!r} (saved by {marker.get('world_size')} ranks)")
     state_dict: dict[str, Any] = {**state, extra_key: None}
     try:  # every chunk is verified before it is used; a failure on any rank raises on every rank
-        dcp.load(state_dict, storage_reader=VerifyingReader(path, metadata, sums), planner=_LoadPlanner())
+        dcp.load(state_dict, storage_reader=VerifyingReader(path, metadata, sums), planner=LoadPlanner())
     except CheckpointException as exc:
         raise as_checkpoint_error(exc, "load") from None
     extra = ckpt_extra.decode(state_dict[extra_key], f"load: {path}")

@@ -10,7 +10,7 @@ communicates.  See docs/auto-plan.md#the-trace.
 from __future__ import annotations
 
 __all__ = [
-    "INPUT", "ModelTrace", "RESHAPES", "ShapeCall", "TracedInt", "_leaves", "_plain", "_snapshot", "_to_meta",
+    "INPUT", "ModelTrace", "ModuleCall", "RESHAPES", "ShapeCall", "TracedInt", "_leaves", "_plain", "_snapshot", "_to_meta",
     "example_call", "fake_mode", "meta_copy", "trace_model"
 ]
 
@@ -36,6 +36,11 @@ SHAPE_OPS = {
     torch.unflatten: "unflatten", Tensor.split: "split", torch.split: "split", Tensor.split_with_sizes: "split",
     Tensor.chunk: "chunk", torch.chunk: "chunk", Tensor.__getitem__: "getitem",
 }
+#: ops that select by a learned score: a mixture of experts routes tokens with one of them (``ModelTrace.routes``).
+ROUTING_OPS = {torch.topk: "topk", Tensor.topk: "topk", torch.argmax: "argmax", Tensor.argmax: "argmax",
+               torch.argsort: "argsort", Tensor.argsort: "argsort", torch.sort: "sort", Tensor.sort: "sort"}
+#: factories whose ints are a shape (``torch.zeros((1, self.n_heads, q, k))``: T5's position bias).
+FACTORIES = {torch.zeros: "zeros", torch.ones: "ones", torch.empty: "empty", torch.full: "full", torch.arange: "arange"}
 RESHAPES = ("view", "reshape", "unflatten")  # calls whose ints are a shape
 SPLITS = RESHAPES + ("split", "chunk")  # calls whose attribute ints must be local on the skeleton
 
@@ -106,6 +111,16 @@ class ShapeCall:
     shapes_out: tuple[tuple[int, ...], ...]
 
 
+@dataclass(frozen=True)
+class RouteOp:
+    """A routing op (``ROUTING_OPS``) on a module-computed score: the innermost running
+    ``module``, the ``op`` and the ``sources`` of the scores."""
+
+    module: str
+    op: str
+    sources: frozenset[str]
+
+
 @dataclass
 class ModuleCall:
     """What a module's calls saw: ``producers`` of all its tensor inputs, ``first`` those of its
@@ -118,6 +133,8 @@ class ModuleCall:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     count: int = 0
+    routed: bool = False  # an input derives from a routing op's result (a token-to-expert dispatch)
+    opaque: bool = False  # its forward failed on routed data; the trace went on with a stand-in output
 
 
 class _Tracer(TorchFunctionMode):
@@ -128,6 +145,10 @@ class _Tracer(TorchFunctionMode):
         self.stack: list[str] = []
         self.shape_calls: list[ShapeCall] = []
         self.assumed: list[str] = []  # data-dependent checks taken as True (see ``ModelTrace.assumed``)
+        self.routed: set[int] = set()  # ids of tensors derived from a routing op's result
+        self.routes: list[RouteOp] = []
+        self.dispatch: set[str] = set()  # modules in which an op took routed data
+        self.failed_routed: str | None = None  # where the last op that raised took routed data
 
     def src(self, obj) -> frozenset[str]:
         return frozenset().union(*(self.sources.get(id(t), ()) for t in _leaves(obj) if isinstance(t, Tensor)))
@@ -143,12 +164,31 @@ class _Tracer(TorchFunctionMode):
         if func in (Tensor.__bool__, Tensor.item) and _meta_flag(args[0] if args else None):
             self.assumed.append(self.stack[-1] if self.stack else "")
             return True  # a one-element boolean on meta: "no padding", "all positions valid"
-        out = func(*_plain(args), **_plain(kwargs))
+        routed = [t for t in _leaves((args, kwargs)) if isinstance(t, Tensor) and id(t) in self.routed]
+        try:
+            out = func(*_plain(args), **_plain(kwargs))
+        except Exception:
+            self.failed_routed = (self.stack[-1] if self.stack else "") if routed else None
+            raise
         sources = self.src((args, kwargs))
         outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
         for t in outs:
             self.keep.append(t)
             self.sources[id(t)] = sources | self.sources.get(id(t), frozenset())
+        route = ROUTING_OPS.get(func)
+        selects = any(not t.is_floating_point() for t in routed)  # routed indices or masks select data
+        if route and sources - {INPUT}:  # a selection by a score some module computed (not by the input ids)
+            self.routes.append(RouteOp(self.stack[-1] if self.stack else "", route, sources))
+            selects = True
+        if selects:  # values computed from routed values are not routed themselves: the taint stays local
+            self.routed.update(id(t) for t in outs)
+            if self.stack:
+                self.dispatch.add(self.stack[-1])
+        if func in FACTORIES and outs:
+            attrs = frozenset().union(*(x.tags for x in _leaves((args, kwargs)) if isinstance(x, TracedInt)))
+            if attrs:
+                self.shape_calls.append(ShapeCall(self.stack[-1] if self.stack else "", FACTORIES[func], attrs,
+                                                  frozenset(), (), (tuple(outs[0].shape),)))
         op = SHAPE_OPS.get(func)
         if op and args and isinstance(args[0], Tensor):
             attrs = frozenset().union(*(x.tags for x in _leaves((args[1:], kwargs)) if isinstance(x, TracedInt)))
@@ -225,12 +265,17 @@ class ModelTrace:
     model's meta ``output``, and ``assumed``: the modules in which a one-element boolean was
     asked for its value (``bool(mask.sum() == mask.numel())``, ``flag.item()``) — a meta tensor
     has none, so the trace takes it as True (no padding, every position valid: the input it
-    synthesizes has none); any other value (``.item()`` of a number) still stops the trace."""
+    synthesizes has none); any other value (``.item()`` of a number) still stops the trace.
+    ``routes`` are the routing ops on module-computed scores (top-k of a router) and ``dispatch``
+    the modules in which an op took indices or masks derived from one (the per-expert dispatch):
+    a mixture of experts is found from these, never from a name."""
 
     calls: dict[str, ModuleCall]
     shape_calls: list[ShapeCall]
     output: object = None
     assumed: list[str] = field(default_factory=list)
+    routes: list[RouteOp] = field(default_factory=list)
+    dispatch: set[str] = field(default_factory=set)
 
     def shape_attrs(self) -> dict[str, frozenset[str]]:
         """Per module path, its integer attributes that fed a view/reshape/unflatten/split/chunk."""
@@ -306,6 +351,7 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str) -> ModelTr
         def hook(module, args, kwargs):
             call = calls.setdefault(path, ModuleCall())
             first = next((t for t in _leaves((args, kwargs)) if isinstance(t, Tensor)), None)
+            call.routed |= any(id(t) in tracer.routed for t in _leaves((args, kwargs)) if isinstance(t, Tensor))
             call.producers |= tracer.src((args, kwargs))
             call.first |= tracer.src(first)
             if not call.count:  # a snapshot: a cache the call updates is replayed as it was
@@ -330,20 +376,52 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str) -> ModelTr
     for path, m in twin.named_modules():
         handles.append(m.register_forward_pre_hook(pre(path), with_kwargs=True))
         handles.append(m.register_forward_hook(post(path), with_kwargs=True))
+        if _holds_experts(m):
+            m.forward = _stand_in_on_routed_failure(m.forward, path, tracer, calls)
     args, kwargs = _to_meta(inputs[0], device), _to_meta(inputs[1], device)
     tracer.tag((args, kwargs), frozenset({INPUT}))
     with torch.no_grad(), tracer:
         output = twin(*args, **kwargs)
     for h in handles:
         h.remove()
-    return ModelTrace(calls, tracer.shape_calls, output, tracer.assumed)
+    return ModelTrace(calls, tracer.shape_calls, output, tracer.assumed, tracer.routes, tracer.dispatch)
+
+
+def _holds_experts(module: nn.Module) -> bool:
+    """Whether ``module`` could hold experts: stacked (3-D or larger, not convolution) weights of
+    its own, or an ``nn.ModuleList`` child of at least two modules of one type with parameters."""
+    if not isinstance(module, nn.modules.conv._ConvNd) and any(p.dim() >= 3 for p in module.parameters(recurse=False)):
+        return True
+    return any(isinstance(c, nn.ModuleList) and len(c) > 1 and len({type(x) for x in c}) == 1
+               and any(True for _ in c.parameters()) for c in module.children())
+
+
+def _stand_in_on_routed_failure(forward, path: str, tracer: _Tracer, calls: dict):
+    """``forward`` of a module of the meta copy that may hold experts: when it fails on data a
+    router selected (the per-expert dispatch reads the routing on the host: ``nonzero``, grouped
+    matmuls without meta kernels), the trace goes on with an empty stand-in shaped like its first
+    tensor argument (the tokens the experts return), and the call is marked ``opaque``."""
+    def run(*args, **kwargs):
+        depth = len(tracer.stack)
+        try:
+            return forward(*args, **kwargs)
+        except Exception:
+            first = next((t for t in _leaves((args, kwargs)) if isinstance(t, Tensor)), None)
+            failed, call = tracer.failed_routed, calls[path]
+            if failed is None or first is None or not (call.routed or failed == path):
+                raise
+            del tracer.stack[depth:]
+            call.opaque, tracer.failed_routed = True, None
+            return torch.zeros_like(first)
+    return run
 
 
 
 def example_call(model: nn.Module, example_inputs=None) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of one forward: ``example_inputs`` (a tensor, a tuple of arguments or a
     dict of keyword arguments), else ``input_ids`` of shape (1, 8) when the model starts with an
-    ``nn.Embedding``; a ``PlanError`` otherwise."""
+    ``nn.Embedding`` (and as ``decoder_input_ids`` too where the forward takes them: an
+    encoder-decoder); a ``PlanError`` otherwise."""
     if example_inputs is None:
         first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
         if not isinstance(first, nn.Embedding):
@@ -351,7 +429,11 @@ def example_call(model: nn.Module, example_inputs=None) -> tuple[tuple, dict]:
                             "example_inputs=(...) that its forward takes")
         ids = torch.zeros(1, 8, dtype=torch.long)
         params = inspect.signature(model.forward).parameters
-        return ((), {"input_ids": ids}) if "input_ids" in params else ((ids,), {})
+        if "input_ids" not in params:
+            return (ids,), {}
+        if "decoder_input_ids" in params:  # an encoder-decoder: run both stacks
+            return (), {"input_ids": ids, "decoder_input_ids": ids}
+        return (), {"input_ids": ids}
     if isinstance(example_inputs, Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, Mapping):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..analysis.arguments import head_counts, per_head_arguments
 from ..analysis.audit import Mismatch, boundaries, compare, culprits, handoff, record
 from ..analysis.trace import example_call, trace_model
 from ..core.errors import PlanError
@@ -182,6 +183,12 @@ def _audit(module, call, shapes, attrs, opaque, n):
     ops, _ = record(module, *call, shapes=shapes, attrs=attrs, opaque=opaque,
                     outputs={k: list(v) for k, v in outputs.items()})
     bad = compare(ref, ops, n)
+    local_args = per_head_arguments(*call, head_counts(module), n) if bad is not None else None
+    if local_args is not None:  # per-head arguments from an earlier layer arrive with this rank's heads
+        again, _ = record(module, *local_args, shapes=shapes, attrs=attrs, opaque=opaque,
+                          outputs={k: list(v) for k, v in outputs.items()})
+        if compare(ref, again, n) is None:
+            return None
     if bad is not None and bad.rule == "raises" and bad.glob.name == "__deepcopy__":  # the audit's own copy failed
         return "its modules cannot be copied at local shapes (a tensor subclass without clone)"
     if bad is not None and bad.rule == "count":  # control flow on a localised attribute (repeat_kv's n_rep == 1)
@@ -207,6 +214,8 @@ def _message(parent: str, module: nn.Module, children: list[str], attrs: Mapping
     cut = [(o, a) for o, a in named if (f"{o}.{a}" if o else a) in attrs]
     where = (f"{parent or '<root module>'}: op {bad.glob.name} (in the forward around its planned projections "
              f"{[c.rpartition('.')[2] for c in children]}): {bad.why}")
+    if bad.rule == "packed":  # a projection's packing, not a head count: the why names the fix
+        return "shape", where
     if earlier is not None:
         return "shape", (f"{where}; no integer attribute fed it (the nearest op before it that took one, "
                          f"{earlier.name}, took {listed(names)}): divide the head counts it uses "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 __all__ = ["auto_plan"]
 
-import re
 from collections.abc import Mapping
 
 from torch import nn
@@ -27,7 +26,14 @@ from .heads import inside, join
 from .report import AutoPlan, collapse, coverage, merge_overrides
 from .sp import sequence_parallel as sequence_parallel_plan
 
-EXPERTS = re.compile(r"expert", re.IGNORECASE)
+
+def _ancestors(path: str) -> list[str]:
+    """``path``'s enclosing modules, innermost first, the root ("") last."""
+    out = []
+    while path:
+        path = path.rpartition(".")[0]
+        out.append(path)
+    return out
 
 
 def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequence_parallel: bool = False,
@@ -90,17 +96,8 @@ class _Generator:
         head = self._head(embed)
         projections = [p for p, m in self.modules.items() if B.is_projection(m) and p != head
                        and not any(inside(p, s) or p == s for s in skip)]
-        parents: dict[str, list[str]] = {}
-        for p in projections:
-            parents.setdefault(p.rpartition(".")[0], []).append(p)
-        cache: dict = {}
-        for block, members in parents.items():  # rule 4
-            self.blocks[block] = blk = B.plan_block(self.trace, self.model, block, members, self.n, self.axis, cache)
-            self.entries.update(blk.styles)
-            self.roles.update(blk.roles)
-            self.special.update(dict.fromkeys(blk.per_head, "shard_heads"))
-            self.notes += blk.notes
-            self.uncovered += blk.uncovered
+        self._pair_by_dataflow([p for p in projections if p in self.trace.calls], {*projections, head} - {None})
+        self._uncalled([p for p in projections if p not in self.trace.calls])
         errors = [e for blk in self.blocks.values() for e in blk.errors]
         if errors:
             raise PlanError("auto_plan: " + "; ".join(errors))
@@ -111,28 +108,103 @@ class _Generator:
         if sequence_parallel:
             sequence_parallel_plan(self.entries, self.roles, self.blocks, self.modules, self.trace, head)
 
+    # -------------------------------------------------------------- rule 4
+    def _pair_by_dataflow(self, called: list[str], projections: set[str]) -> None:
+        """Pair the called projections colwise → rowwise in the smallest module that holds both
+        ends (their parent first: Llama's ``self_attn``; else an ancestor: BERT's ``attention``
+        holds ``self.query`` and ``output.dense``), deepest scopes first; what pairs nowhere is a
+        lone projection, left replicated."""
+        pending, cache = set(called), {}
+        scopes = sorted({a for p in called for a in _ancestors(p)}, key=lambda a: (-a.count(".") if a else 1, a))
+        for scope in scopes:
+            members = [p for p in called if p in pending and inside(p, scope)]
+            if not members:
+                continue
+            roles, between, _ = B.pair(self.trace, scope, self.modules, members, projections)
+            if not roles:
+                continue
+            pending -= set(roles)
+            self._add_block(B.plan_block(self.trace, self.model, scope, roles, between, self.n, self.axis, cache))
+        for p in sorted(pending):
+            self.entries[p], self.roles[p] = NoParallel(), "lone projection (replicated: it pairs with no other)"
+            self.notes.append(f"{p}: a lone projection (no colwise/rowwise partner in the traced forward), replicated")
+
+    def _add_block(self, blk: B.Block) -> None:
+        self.blocks[blk.path] = blk
+        self.entries.update(blk.styles)
+        self.roles.update(blk.roles)
+        self.special.update({q: "shard_heads" if self.model.get_parameter(q).dim() == 1 else "shard_last"
+                             for q in blk.per_head})
+        self.notes += blk.notes
+        self.uncovered += blk.uncovered
+
+    def _uncalled(self, uncalled: list[str]) -> None:
+        """Projections the traced forward never calls (a decoder's cross-attention without an
+        encoder): planned as a called module of the same class is, else replicated."""
+        for p in uncalled:
+            if p in self.entries:
+                continue
+            twin = self._planned_twin(p)
+            if twin is None:
+                self.entries[p], self.roles[p] = NoParallel(), "not called by the traced forward (replicated)"
+                self.notes.append(f"{p}: not called by the traced forward, replicated")
+                continue
+            owner, source = twin
+            blk = self.blocks[source]
+            for path, style in blk.styles.items():
+                mine = owner + path[len(source):]
+                self.entries[mine] = style
+                self.roles[mine] = f"{blk.roles.get(path, 'planned')} (as {path}: not called by the traced forward)"
+            self.notes.append(f"{owner}: not called by the traced forward; planned as {source}, a module of its class")
+
+    def _planned_twin(self, path: str) -> tuple[str, str] | None:
+        """(an ancestor of ``path``, a planned block of the same class and parameter shapes)."""
+        for owner in _ancestors(path)[:-1]:
+            mine = self.modules[owner]
+            shapes = [(k, tuple(v.shape)) for k, v in mine.named_parameters()]
+            for source in self.blocks:
+                other = self.modules[source]
+                if type(other) is type(mine) and [(k, tuple(v.shape)) for k, v in other.named_parameters()] == shapes:
+                    return owner, source
+        return None
+
     # -------------------------------------------------------------- rules 1-3
     def _moe(self) -> list[str]:
-        """Mixture-of-experts blocks: the parent (router included) of an ``experts`` module or of
-        stacked (3-D, not convolution) expert weights."""
+        """Mixture-of-experts blocks, found from real routing: a top-k (or argmax, sort) of a
+        module-computed score, and in the same module (or one that holds it) experts the selected
+        tokens are dispatched to (stacked weights, or an ``nn.ModuleList`` of like modules called
+        on routed data).  The block is the smallest module holding both; names play no part."""
         found: list[str] = []
-        for path, m in self.modules.items():
-            experts = EXPERTS.search(path.rpartition(".")[2]) and any(True for _ in m.parameters())
-            stacked = not isinstance(m, nn.modules.conv._ConvNd) and any(p.dim() >= 3 for p in m.parameters(recurse=False))
-            if experts or stacked:
-                block = path.rpartition(".")[0] if path else path
-                if not any(block == f or inside(block, f) for f in found):
-                    found.append(block)
+        for route in self.trace.routes:
+            for scope in [route.module, *_ancestors(route.module)]:
+                if any(self._dispatches(e) for e in self.modules if e == scope or inside(e, scope)):
+                    if not any(scope == f or inside(scope, f) for f in found):
+                        found = [f for f in found if not inside(f, scope)] + [scope]
+                    break
         if found and not self.allow:
-            raise PlanError(f"auto_plan: {found[0]} ({type(self.modules[found[0]]).__name__}) looks like a mixture of "
-                            "experts (router/experts), which auto_plan does not plan: shard its experts with "
-                            "ShardingPlan.from_hf(model, ep_axis=...) or an hpf.Experts entry (docs/experts.md); "
-                            "allow_uncovered=True leaves it replicated")
+            raise PlanError(f"auto_plan: {found[0] or '<root>'} ({type(self.modules[found[0]]).__name__}) is a mixture of "
+                            "experts (its forward routes tokens with a top-k and dispatches them to experts), which "
+                            "auto_plan does not plan: shard its experts with ShardingPlan.from_hf(model, ep_axis=...) or "
+                            "an hpf.Experts entry (docs/experts.md); allow_uncovered=True leaves it replicated")
         for path in found:
             self.entries[path] = NoParallel()
             self.roles[path] = "MoE (replicated: auto_plan does not plan experts; see hpf.Experts)"
-            self.notes.append(f"{path}: MoE left replicated")
+            self.notes.append(f"{path or '<root>'}: MoE left replicated")
         return found
+
+    def _dispatches(self, path: str) -> bool:
+        """Whether ``path`` holds experts that routed tokens are dispatched to."""
+        m = self.modules[path]
+        call = self.trace.calls.get(path)
+        if call is not None and call.opaque:  # it held experts and failed dispatching routed tokens on meta
+            return True
+        stacked = not isinstance(m, nn.modules.conv._ConvNd) and any(p.dim() >= 3 for p in m.parameters(recurse=False))
+        if stacked and call is not None and (call.routed or path in self.trace.dispatch):
+            return True
+        lists = [(name, c) for name, c in m.named_children() if isinstance(c, nn.ModuleList) and len(c) > 1
+                 and len({type(x) for x in c}) == 1]
+        return any(getattr(self.trace.calls.get(join(path, name, str(i))), "routed", False)
+                   for name, c in lists for i in range(len(c)))
 
     def _path_of(self, module) -> str | None:
         return next((p for p, m in self.modules.items() if m is module), None)
@@ -153,6 +225,10 @@ class _Generator:
             raise PlanError(f"auto_plan: {path}: a vocabulary of {rows} does not split over {self.n} ranks of axis "
                             f"{self.axis!r} (pad it, or override {path!r} with NoParallel())")
         self.entries[path], self.roles[path] = VocabEmbedding(), "embedding"
+        table = self.modules[path].weight
+        for other, m in self.modules.items():  # one table read by several modules (T5, BART: encoder and decoder)
+            if other != path and isinstance(m, nn.Embedding) and m.weight is table:
+                self.entries[other], self.roles[other] = VocabEmbedding(), f"embedding (tied to {path})"
         return path
 
     def _head(self, embed: str | None) -> str | None:
@@ -172,6 +248,10 @@ class _Generator:
             raise PlanError(f"auto_plan: {path}: {B.out_features(self.modules[path])} output features do not split over "
                             f"{self.n} ranks of axis {self.axis!r}")
         self.entries[path], self.roles[path] = Colwise(gather_output=True), "output head"
+        bias = getattr(self.modules[path], "bias", None)
+        for fqn, q in self.model.named_parameters(remove_duplicate=False):  # BERT: cls.predictions.bias is the head's
+            if bias is not None and q is bias and fqn != join(path, "bias"):
+                self.special[fqn], self.param_roles[fqn] = "shard_heads", f"output head bias (tied to {path}.bias)"
         return path
 
     # -------------------------------------------------------------- rules 5-7
@@ -187,10 +267,10 @@ class _Generator:
                 self.roles[path] = "norm (replicated)"
             elif isinstance(m, nn.Embedding):
                 self.roles[path] = "auxiliary embedding (positions, types: replicated)"
+            elif isinstance(m, nn.modules.conv._ConvNd):
+                self.roles[path] = "convolution (replicated: plan it with overrides={...} to split its channels)"
             else:
                 for name, q in own:
-                    if q.dim() >= 2 or q.numel() * 100 >= total:
-                        self.uncovered.append(f"{join(path, name)} ({type(m).__name__} {tuple(q.shape)})")
-                        self.param_roles[join(path, name)] = "uncovered (replicated)"
-                    else:
-                        self.param_roles[join(path, name)] = "small parameter (replicated)"
+                    big = q.dim() >= 2 or q.numel() * 100 >= total
+                    self.param_roles[join(path, name)] = ("other parameter (replicated: on the residual stream, outside "
+                                                          "any projection pair)" if big else "small parameter (replicated)")

@@ -7,15 +7,15 @@ docs/auto-plan.md#head-counts-found-by-the-shape-audit.
 
 from __future__ import annotations
 
-__all__ = ["Block", "is_norm", "is_projection", "out_features", "plan_block"]
+__all__ = ["Block", "is_norm", "is_projection", "out_features", "pair", "plan_block"]
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor import Replicate
 
-from ..analysis.trace import ModelTrace
+from ..analysis.trace import INPUT, ModelTrace, ModuleCall
 from ..core.errors import PlanError
 from ..core.style import Style
 from ..parallel.tensor.styles import Colwise, Heads, NoParallel, Rowwise, is_conv1d
@@ -27,6 +27,9 @@ COL_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "
 ROW_NAMES = {"o_proj", "out_proj", "down_proj", "w2", "c_proj", "wo", "o", "dense", "fc2", "fc_out",
              "dense_4h_to_h", "out_lin", "lin2", "proj"}
 KV_NAMES = {"k_proj", "v_proj", "wk", "wv", "key", "value", "k", "v", "k_lin", "v_lin"}
+
+
+_NO_CALL = ModuleCall()
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -63,19 +66,42 @@ class Block:
     errors: list[str] = field(default_factory=list)
 
 
-def _reached(trace: ModelTrace, start: str, block: str, projections: set[str]) -> tuple[set[str], set[str]]:
-    """(projections of ``block`` that ``start``'s output reaches, modules passed on the way)."""
-    consumers, seen, hit, todo = trace.consumers, set(), set(), [start]
+def _holds(path: str, projections: set[str]) -> bool:
+    """Whether a projection of ``projections`` lies below module ``path``."""
+    return any(inside(p, path) for p in projections)
+
+
+def _residual(trace: ModelTrace, path: str, module: nn.Module, block: str) -> bool:
+    """Whether ``path`` is a norm that also takes something from outside ``block`` (the residual
+    stream): a colwise/rowwise pair never spans one (a per-head norm takes only its projection)."""
+    return is_norm(module) and any(p == INPUT or not inside(p, block) for p in trace.producers(path))
+
+
+def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], projections: set[str],
+             modules: Mapping[str, nn.Module]) -> tuple[set[str], set[str]]:
+    """(``candidates`` that ``start``'s output reaches inside ``block``, modules passed on the way).
+
+    Data flows to the modules that consume it and out of the module it was computed in (its
+    output is the enclosing module's output: BERT's ``attention.self`` hands the heads to
+    ``attention.output.dense``).  It stops at any other projection, at a module that holds one,
+    and at a norm on the residual stream."""
+    seen, hit, passed, todo = set(), set(), set(), [start]
     while todo:
-        for c in consumers.get(todo.pop(), ()):
+        node = todo.pop()
+        for c in trace.consumers.get(node, ()):
             if c in seen or not inside(c, block):
                 continue
             seen.add(c)
-            if c in projections:
+            if c in candidates:
                 hit.add(c)
-            else:
+            elif not (c in projections or _holds(c, projections) or _residual(trace, c, modules[c], block)):
+                passed.add(c)
                 todo.append(c)
-    return hit, seen - hit
+        parent = node.rpartition(".")[0]
+        if node and inside(parent, block) and parent not in seen and node in trace.calls.get(parent, _NO_CALL).outputs:
+            seen.add(parent)  # left through the enclosing module's output: not passed through it
+            todo.append(parent)
+    return hit, passed
 
 
 def packing(trace: ModelTrace, proj: str, width: int) -> int | tuple[int, ...] | None:
@@ -101,13 +127,15 @@ def heads_of(trace: ModelTrace, proj: str) -> set[int]:
             if c.sources == {proj} and splits_last(c) and 0 < c.shapes_out[0][-1] <= c.shape_in[-1]}
 
 
-def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], projections: list[str]
-         ) -> tuple[dict[str, str], set[str], list[str]]:
-    """(projection → "colwise"/"rowwise", the modules between them, the unpaired projections)."""
-    reach = {p: _reached(trace, p, block, set(projections)) for p in projections}
+def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], candidates: list[str],
+         projections: set[str]) -> tuple[dict[str, str], set[str], list[str]]:
+    """(projection → "colwise"/"rowwise", the modules between them, the unpaired ones) for the
+    ``candidates`` inside ``block``; every other projection of ``projections`` stops the flow."""
+    cands = set(candidates)
+    reach = {p: _reached(trace, p, block, cands, projections, modules) for p in candidates}
     fed = {q for hit, _ in reach.values() for q in hit}
     roles, unpaired = {}, []
-    for p in projections:
+    for p in candidates:
         name = p.rpartition(".")[2]
         col, row = bool(reach[p][0]), p in fed
         said = "colwise" if name in COL_NAMES else "rowwise" if name in ROW_NAMES else None
@@ -117,11 +145,7 @@ def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], projec
                                 "name says neither colwise nor rowwise; plan it with overrides={...}")
             roles[p] = said
         elif col or row:
-            roles[p] = "colwise" if col else "rowwise"
-            if said and said != roles[p]:
-                raise PlanError(f"auto_plan: {p} is named like a {said} projection but the traced forward uses it "
-                                f"{roles[p]} (it {'feeds' if col else 'consumes'} another projection of "
-                                f"{block or 'the root'}); plan it with overrides={{...}}")
+            roles[p] = "colwise" if col else "rowwise"  # the dataflow decides; a name only breaks a tie
         else:
             unpaired.append(p)
     between = {m for p, r in roles.items() if r == "colwise" for m in reach[p][1]}
@@ -140,20 +164,14 @@ def check_heads(trace: ModelTrace, cols: list[str], n: int, axis: str) -> list[s
     return bad
 
 
-def plan_block(trace: ModelTrace, model: nn.Module, block: str, members: list[str], n: int, axis: str,
-               cache: dict) -> Block:
-    """Rule 4 of ``auto_plan`` for the projections ``members`` of ``block`` (see the module
-    docstring); ``cache`` holds the head search of identical layers, so it runs once per kind.
-    KV projections with fewer heads than ranks (the axis size a multiple of them) stay plain
-    ``Colwise``, their head-count attributes divided by name, for the compiler's KV-head pass."""
+def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[str, str], between: set[str], n: int,
+               axis: str, cache: dict) -> Block:
+    """Rule 4 of ``auto_plan`` for the projections paired in ``block`` (``pair``: their ``roles``
+    and the modules ``between`` them); ``cache`` holds the head search of identical layers, so it
+    runs once per kind.  KV projections with fewer heads than ranks (the axis size a multiple of
+    them) stay plain ``Colwise``, their head-count attributes divided by name, for the compiler's
+    KV-head pass."""
     modules, out = dict(model.named_modules()), Block(block)
-    roles, between, unpaired = pair(trace, block, modules, members)
-    for p in unpaired:
-        why = "not called by the traced forward" if p not in trace.calls else "pairs with no projection of its block"
-        out.uncovered.append(f"{p} ({type(modules[p]).__name__} {tuple(modules[p].weight.shape)}: {why})")
-        out.styles[p], out.roles[p] = NoParallel(), f"uncovered ({why})"
-    if not roles:
-        return out
     cols = [p for p, r in roles.items() if r == "colwise"]
     styles: dict[str, Style] = {}
     for p, r in roles.items():
@@ -173,16 +191,17 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, members: list[st
     heads = {h for p in cols for h in heads_of(trace, p)} | {getattr(modules[o], a) for o, a in attrs}
     owned = list(modules[block].named_parameters(recurse=False))
     per_head = [join(block, name) for name, q in owned if q.dim() == 1 and q.shape[0] in heads]
+    per_head += _head_embeddings(modules, block, heads, roles)
     out.uncovered += [f"{join(block, name)} ({tuple(q.shape)}: a parameter of block {block!r})" for name, q in owned
                       if join(block, name) not in per_head]
     few_kv = [p for p in cols if any(h < n for h in heads_of(trace, p))]  # check_heads: n % h == 0 for these
     if few_kv:  # the compiler's KV-head pass replicates them; a replay here cannot model that layout
         found = (tuple(a for a in attrs if says_heads(("attr", a)) and "split" not in a[1]),
-                 tuple(q for q in per_head if model.get_parameter(q).shape[0] == max(heads)))
+                 tuple(q for q in per_head if (t := model.get_parameter(q)).shape[per_head_dim(t)] == max(heads)))
         out.notes.append(f"{block}: {few_kv} have fewer heads than the {n} ranks; left plain Colwise for the "
                          "compiler's KV-head replication")
     else:
-        found = _cached_search(trace, model, block, {**styles, **norms}, attrs, per_head, n, axis, cache)
+        found = _cached_search(trace, model, block, {**styles, **norms}, attrs, per_head, n, axis, cache, heads)
     if found is None:
         styles, norms, found, out.gathered = _gathered(roles), {}, ((), ()), True
         out.roles.update({p: f"{r} (gathered: heads not localisable)" for p, r in roles.items()})
@@ -198,6 +217,18 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, members: list[st
     return out
 
 
+def _head_embeddings(modules: Mapping[str, nn.Module], block: str, heads: set[int], roles: Mapping[str, str]) -> list[str]:
+    """Tables of one value per head below ``block`` (T5's relative position bias: an
+    ``nn.Embedding`` of ``heads`` columns added to the scores), as per-head candidates."""
+    return [join(p, "weight") for p, m in modules.items() if inside(p, block) and isinstance(m, nn.Embedding)
+            and m.embedding_dim in heads and p not in roles]
+
+
+def per_head_dim(param) -> int:
+    """The dim a per-head parameter is sharded on: a vector's only dim, a table's columns."""
+    return 0 if param.dim() == 1 else param.dim() - 1
+
+
 def _undivided(modules: Mapping[str, nn.Module], attrs, n: int, axis: str) -> list[str]:
     """Head-count attributes (by name) that do not divide the axis (KV counts that the axis size
     is a multiple of are the KV-head pass's)."""
@@ -210,20 +241,27 @@ def _undivided(modules: Mapping[str, nn.Module], attrs, n: int, axis: str) -> li
     return bad
 
 
-def _cached_search(trace, model, block, styles, attrs, per_head, n, axis, cache):
+def _cached_search(trace, model, block, styles, attrs, per_head, n, axis, cache, heads):
     """``search_heads`` once per kind of block: identical layers reuse the first one's result."""
     m = model.get_submodule(block) if block else model
     cut = len(block)
     key = (type(m), tuple((k, tuple(v.shape)) for k, v in m.named_parameters()),
            tuple((o[cut:], a, getattr(model.get_submodule(o) if o else model, a)) for o, a in attrs),
-           tuple((k[cut:], s) for k, s in styles.items()), tuple(p[cut:] for p in per_head))
+           tuple((k[cut:], s) for k, s in styles.items()), tuple(p[cut:] for p in per_head),
+           _argument_shapes(trace.calls[block]) if block in trace.calls else None)
     if key not in cache:
-        cache[key] = (block, search_heads(trace, block, m, styles, axis, n, attrs, per_head))
+        cache[key] = (block, search_heads(trace, block, m, styles, axis, n, attrs, per_head, frozenset(heads)))
     first, found = cache[key]
     if found is None or first == block:
         return found
     move = lambda x: block + x[len(first):]  # noqa: E731 - the first layer's result at this block's paths
     return tuple((move(o), a) for o, a in found[0]), tuple(move(p) for p in found[1])
+
+
+def _argument_shapes(call) -> tuple:
+    """The call's arguments as (name, shape) pairs: layers called alike share a head search."""
+    return (tuple(tuple(a.shape) if isinstance(a, Tensor) else type(a).__name__ for a in call.args),
+            tuple((k, tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__) for k, v in call.kwargs.items()))
 
 
 def _gathered(roles: Mapping[str, str]) -> dict[str, Style]:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from ..analysis.arguments import per_head_arguments
 from ..analysis.audit import compare, handoff, record
 from ..analysis.trace import RESHAPES, ModelTrace, ShapeCall
 from ..core.style import Style
@@ -70,9 +71,12 @@ def _local(model_block: nn.Module, block: str, styles: Mapping[str, Style], axis
 
 
 def search_heads(trace: ModelTrace, block: str, module: nn.Module, styles: Mapping[str, Style], axis: str, n: int,
-                 attrs: list[tuple[str, str]], per_head: list[str]) -> tuple[tuple, tuple] | None:
+                 attrs: list[tuple[str, str]], per_head: list[str], heads: frozenset[int] = frozenset()
+                 ) -> tuple[tuple, tuple] | None:
     """The smallest (attributes, per-head parameters) to divide with which the block replays at
-    local shapes as it does globally (see the module docstring); None: no subset does."""
+    local shapes as it does globally (see the module docstring); None: no subset does.  Where
+    none does, the search is tried once more with the block's other tensor arguments of one
+    value per head (T5's position bias, handed on from the first layer) at local shapes."""
     call = trace.calls.get(block)
     if call is None:
         return None
@@ -82,8 +86,22 @@ def search_heads(trace: ModelTrace, block: str, module: nn.Module, styles: Mappi
     if not ok:
         return None
     cands = ([("attr", a) for a in attrs] + [("param", p) for p in per_head])[:MAX_CANDIDATES]
-    subsets = [c for k in range(len(cands) + 1) for c in itertools.combinations(cands, k)]
-    for subset in sorted(subsets, key=lambda c: (len(c), -sum(says_heads(x) for x in c))):
+    subsets = sorted((c for k in range(len(cands) + 1) for c in itertools.combinations(cands, k)),
+                     key=lambda c: (len(c), -sum(says_heads(x) for x in c)))
+    arguments = [(call.args, call.kwargs)]
+    per_head_args = per_head_arguments(call.args, call.kwargs, heads, n)
+    if per_head_args is not None:
+        arguments.append(per_head_args)
+    for args, kwargs in arguments:
+        found = _first_fit(module, block, subsets, args, kwargs, shapes, fixed, opaque, outputs, ref, n)
+        if found is not None:
+            return found
+    return None
+
+
+def _first_fit(module, block, subsets, args, kwargs, shapes, fixed, opaque, outputs, ref, n):
+    """The first subset with which the block replays at local shapes as it does globally."""
+    for subset in subsets:
         values, local = dict(fixed), dict(shapes)
         for kind, x in subset:
             if kind == "attr":
@@ -93,8 +111,10 @@ def search_heads(trace: ModelTrace, block: str, module: nn.Module, styles: Mappi
                 values[join(rel, name)] = value // n
             else:
                 rel = relative(x, block)
-                local[rel] = (module.get_parameter(rel).shape[0] // n,)
-        ops, ok = record(module, call.args, call.kwargs, shapes=local, attrs=values, opaque=opaque,
+                shape = list(module.get_parameter(rel).shape)
+                shape[-1 if len(shape) > 1 else 0] //= n  # a table of one column per head: its columns
+                local[rel] = tuple(shape)
+        ops, ok = record(module, args, kwargs, shapes=local, attrs=values, opaque=opaque,
                          outputs={k: list(v) for k, v in outputs.items()})
         if ok and compare(ref, ops, n) is None:
             return (tuple(x for kind, x in subset if kind == "attr"), tuple(x for kind, x in subset if kind == "param"))

@@ -114,7 +114,9 @@ def coverage(model: nn.Module, entries: Mapping[str, Style], roles: Mapping[str,
             if name == "bias" and placement == Replicate() and role == "rowwise":
                 role = "rowwise bias (replicated, added once)"
         if fqn in special:
-            placement, role = Shard(0), "per-head parameter (shard_heads)"
+            last = special[fqn] == "shard_last"
+            placement = Shard(1 if last else 0)
+            role = param_roles.get(fqn) or f"per-head parameter ({special[fqn]})"
         text = str(placement) if blocks is None else f"{placement} packed {blocks}"
         rows.append(CoverageRow(fqn, owner, role, text, isinstance(placement, Shard)))
     return Coverage(tuple(rows))

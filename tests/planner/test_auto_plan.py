@@ -286,10 +286,25 @@ def test_heads_that_do_not_divide_raise_on_every_rank(pool):
 
 
 class Experts(nn.Module):
+    """Top-1 routing: each token goes to the expert its router scores highest."""
+
     def __init__(self, d=16, n=4):
         super().__init__()
         self.router = nn.Linear(d, n)
         self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        choice = self.router(flat).argmax(-1)
+        out = torch.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            rows = (choice == i).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, expert(flat[rows]))
+        return out.reshape(x.shape)
+
+
+class SoftMixture(Experts):
+    """Every expert sees every token, weighted: a dense model, whatever its module names say."""
 
     def forward(self, x):
         w = self.router(x).softmax(-1)
@@ -297,9 +312,9 @@ class Experts(nn.Module):
 
 
 class WithMoE(nn.Module):
-    def __init__(self):
+    def __init__(self, moe=Experts):
         super().__init__()
-        self.embed, self.moe, self.head = nn.Embedding(32, 16), Experts(), nn.Linear(16, 32)
+        self.embed, self.moe, self.head = nn.Embedding(32, 16), moe(), nn.Linear(16, 32)
 
     def forward(self, ids):
         return self.head(self.moe(self.embed(ids)))
@@ -309,21 +324,29 @@ class WithUnknown(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed, self.mix, self.head = nn.Embedding(32, 16), nn.Conv1d(16, 16, 1), nn.Linear(16, 32)
+        self.gain = nn.Parameter(torch.ones(16, 16))
 
     def forward(self, ids):
-        return self.head(self.mix(self.embed(ids).transpose(1, 2)).transpose(1, 2))
+        return self.head(self.mix(self.embed(ids).transpose(1, 2)).transpose(1, 2) @ self.gain)
 
 
-def test_moe_and_unknown_modules():
-    with pytest.raises(hpf.PlanError, match="moe .*mixture of experts.*auto_plan does not plan.*hpf.Experts"):
+def test_moe_is_found_by_routing_not_by_name():
+    """A top-1 router dispatching tokens to a ModuleList of experts is a mixture of experts; the
+    same modules mixed softly (every expert on every token) are a dense model: lone projections."""
+    with pytest.raises(hpf.PlanError, match="moe .*mixture of experts.*top-k.*auto_plan does not plan.*hpf.Experts"):
         hpf.simulate(look(WithMoE()), world_size=2)
     plan = hpf.simulate(look(WithMoE(), allow_uncovered=True), world_size=2)
     assert plan.coverage.replicated["moe.router.weight"].startswith("MoE")
     assert plan.entries["head"] == hpf.Colwise(gather_output=True) and plan.entries["embed"] == hpf.VocabEmbedding()
-    with pytest.raises(hpf.PlanError, match=r"no rule covers mix\.weight \(Conv1d \(16, 16, 1\)\)"):
-        hpf.simulate(look(WithUnknown()), world_size=2)
-    plan = hpf.simulate(look(WithUnknown(), allow_uncovered=True), world_size=2)
-    assert plan.coverage.replicated["mix.weight"] == "uncovered (replicated)"
+    soft = hpf.simulate(look(WithMoE(SoftMixture)), world_size=2)
+    assert soft.coverage.replicated["moe.router.weight"].startswith("lone projection")
+    assert soft.coverage.replicated["moe.experts.0.weight"].startswith("lone projection")
+
+
+def test_convolutions_and_other_parameters_are_replicated_and_reported():
+    plan = hpf.simulate(look(WithUnknown(), example_inputs=torch.zeros(1, 8, dtype=torch.long)), world_size=2)
+    assert plan.coverage.replicated["mix.weight"].startswith("convolution (replicated")
+    assert plan.coverage.replicated["gain"].startswith("other parameter (replicated")
 
 
 def test_sequence_parallel_plan_is_llama_sp_plan():

@@ -130,6 +130,7 @@ class ModuleCall:
     producers: set[str] = field(default_factory=set)
     first: set[str] = field(default_factory=set)
     outputs: set[str] = field(default_factory=set)
+    main: set[str] = field(default_factory=set)  # those of its first output tensor (hidden states, not extras)
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     count: int = 0
@@ -364,6 +365,7 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str) -> ModelTr
         def hook(module, args, kwargs, output):
             tracer.stack.pop()
             calls[path].outputs |= tracer.src(output)
+            calls[path].main |= tracer.src(next((t for t in _leaves(output) if isinstance(t, Tensor)), None))
             if isinstance(output, Tensor):
                 output = output.view_as(output)  # a fresh alias: the producer's own tag stays on the original
             elif type(output) is tuple:

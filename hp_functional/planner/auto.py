@@ -18,9 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..analysis.trace import INPUT, ModelTrace, example_call, trace_model
 from ..core.errors import PlanError
+from ..core.paths import path_matches
 from ..core.style import Style
 from ..parallel.tensor.styles import Colwise, NoParallel
 from ..parallel.tensor.vocab import VocabEmbedding
+from ..plan.plan import ShardingPlan
 from . import blocks as B
 from .heads import inside, join
 from .report import AutoPlan, collapse, coverage, merge_overrides
@@ -38,7 +40,7 @@ def _ancestors(path: str) -> list[str]:
 
 def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequence_parallel: bool = False,
               loss_parallel: bool = False, overrides: Mapping[str, object] | None = None,
-              allow_uncovered: bool = False, example_inputs=None) -> AutoPlan:
+              allow_uncovered: bool = False, example_inputs=None, base: ShardingPlan | None = None) -> AutoPlan:
     """A ``ShardingPlan`` for ``model`` on ``mesh``'s ``tp_axis`` (docs/auto-plan.md).
 
     Args:
@@ -55,6 +57,9 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
         example_inputs: what one forward takes (a tensor, a tuple of arguments or a dict of keyword arguments;
             shapes and dtypes only, moved to meta); None: ``input_ids`` of shape (1, 8) when the model starts
             with an embedding.
+        base: a plan whose entries, special handlers and settings are kept as they are (``ShardingPlan.from_hf``
+            of a vision-language model, which plans its text model only); auto_plan plans the modules none of
+            its entries reaches (the vision tower, the projector).
     Returns:
         an ``AutoPlan``: the plan, with ``coverage`` / ``explain()`` listing every parameter's role."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -66,21 +71,55 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
     except Exception as exc:
         raise PlanError(f"auto_plan: one forward of {type(model).__name__} on meta tensors failed ({type(exc).__name__}: "
                         f"{exc}); pass example_inputs=(...) that its forward takes") from exc
-    g = _Generator(model, trace, n, tp_axis, allow_uncovered)
+    covered = _covered(model, base)
+    g = _Generator(model, trace, n, tp_axis, allow_uncovered, covered)
     g.run(sequence_parallel)
     merge_overrides(g.entries, g.roles, overrides, model)
-    cov = coverage(model, g.entries, g.roles, g.special, g.param_roles, tp_axis)
     paths = [p for p, _ in model.named_modules()]
     params = [p for p, _ in model.named_parameters(remove_duplicate=False)]
-    return AutoPlan(collapse(g.entries, paths), {"tp": tp_axis}, coverage=cov, notes=tuple(g.notes),
-                    settings={"loss_parallel": loss_parallel}, special_handlers=collapse(g.special, params))
+    if base is None:
+        cov = coverage(model, g.entries, g.roles, g.special, g.param_roles, tp_axis)
+        return AutoPlan(collapse(g.entries, paths), {"tp": tp_axis}, coverage=cov, notes=tuple(g.notes),
+                        settings={"loss_parallel": loss_parallel}, special_handlers=collapse(g.special, params))
+    kept = _base_entries(model, base, tp_axis)
+    g.roles.update(dict.fromkeys(covered, "planned by the base plan"))
+    cov = coverage(model, {**g.entries, **kept}, g.roles, g.special, g.param_roles, tp_axis)
+    return AutoPlan({**base.entries, **collapse(g.entries, paths)}, base.axes, coverage=cov, notes=tuple(g.notes),
+                    settings={**base.settings, "loss_parallel": loss_parallel or base.settings.get("loss_parallel", False)},
+                    special_handlers={**base.special_handlers, **collapse(g.special, params)}, handlers=base.handlers,
+                    optional_roles=base.optional_roles, unplanned=base.unplanned, parallelisms=base.parallelisms)
+
+
+def _base_entries(model: nn.Module, base: ShardingPlan, axis: str) -> dict[str, Style]:
+    """Per module path, the base plan's style for it where that style places parameters on
+    ``axis`` plainly (what the coverage table can show; the rest is listed as the base's)."""
+    out = {}
+    for path, m in model.named_modules():
+        style = next((s for k, s in base.entries.items() if path_matches(k, path)), None)
+        try:
+            if style is not None and style.spec(m, path, axis).params is not None:
+                out[path] = style
+        except Exception:  # noqa: BLE001 - a style the table cannot show (it raises on this module alone)
+            continue
+    return out
+
+
+def _covered(model: nn.Module, base: ShardingPlan | None) -> set[str]:
+    """The module paths a ``base`` plan's entries reach: those they match and every module below."""
+    if base is None:
+        return set()
+    paths = [p for p, _ in model.named_modules()]
+    roots = {p for p in paths if any(path_matches(k, p) for k in base.entries)}
+    return {p for p in paths if any(p == r or inside(p, r) for r in roots)}
 
 
 class _Generator:
     """The per-module entries, their roles and the notes, decided rule by rule (``run``)."""
 
-    def __init__(self, model: nn.Module, trace: ModelTrace, n: int, axis: str, allow_uncovered: bool):
+    def __init__(self, model: nn.Module, trace: ModelTrace, n: int, axis: str, allow_uncovered: bool,
+                 covered: set[str] = frozenset()):
         self.model, self.trace, self.n, self.axis, self.allow = model, trace, n, axis, allow_uncovered
+        self.covered = covered  # planned by a base plan: left as it is
         self.modules = dict(model.named_modules())
         self.entries: dict[str, Style] = {}
         self.roles: dict[str, str] = {}  # module path -> the rule that decided it
@@ -91,7 +130,7 @@ class _Generator:
         self.blocks: dict[str, B.Block] = {}
 
     def run(self, sequence_parallel: bool) -> None:
-        skip = self._moe()
+        skip = self._moe() + sorted(self.covered)
         embed = self._embedding()
         head = self._head(embed)
         projections = [p for p, m in self.modules.items() if B.is_projection(m) and p != head
@@ -135,6 +174,7 @@ class _Generator:
         self.roles.update(blk.roles)
         self.special.update({q: "shard_heads" if self.model.get_parameter(q).dim() == 1 else "shard_last"
                              for q in blk.per_head})
+        self.param_roles.update(blk.param_roles)
         self.notes += blk.notes
         self.uncovered += blk.uncovered
 
@@ -175,7 +215,7 @@ class _Generator:
         tokens are dispatched to (stacked weights, or an ``nn.ModuleList`` of like modules called
         on routed data).  The block is the smallest module holding both; names play no part."""
         found: list[str] = []
-        for route in self.trace.routes:
+        for route in [r for r in self.trace.routes if r.module not in self.covered]:
             for scope in [route.module, *_ancestors(route.module)]:
                 if any(self._dispatches(e) for e in self.modules if e == scope or inside(e, scope)):
                     if not any(scope == f or inside(scope, f) for f in found):
@@ -220,6 +260,8 @@ class _Generator:
                          and INPUT in self.trace.producers(p)), None)
         if path is None:
             return None
+        if path in self.covered:
+            return path
         rows = self.modules[path].num_embeddings
         if rows % self.n:
             raise PlanError(f"auto_plan: {path}: a vocabulary of {rows} does not split over {self.n} ranks of axis "
@@ -227,7 +269,7 @@ class _Generator:
         self.entries[path], self.roles[path] = VocabEmbedding(), "embedding"
         table = self.modules[path].weight
         for other, m in self.modules.items():  # one table read by several modules (T5, BART: encoder and decoder)
-            if other != path and isinstance(m, nn.Embedding) and m.weight is table:
+            if other != path and other not in self.covered and isinstance(m, nn.Embedding) and m.weight is table:
                 self.entries[other], self.roles[other] = VocabEmbedding(), f"embedding (tied to {path})"
         return path
 
@@ -242,8 +284,8 @@ class _Generator:
             returned = self.trace.calls[""].outputs if "" in self.trace.calls else set()
             path = next((p for p in sorted(returned) if B.is_projection(self.modules.get(p))
                          and B.out_features(self.modules[p]) == vocab), None)
-        if path is None:
-            return None
+        if path is None or path in self.covered:
+            return path
         if B.out_features(self.modules[path]) % self.n:
             raise PlanError(f"auto_plan: {path}: {B.out_features(self.modules[path])} output features do not split over "
                             f"{self.n} ranks of axis {self.axis!r}")

@@ -60,6 +60,7 @@ class Block:
     roles: dict[str, str] = field(default_factory=dict)
     heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
     per_head: tuple[str, ...] = ()
+    param_roles: dict[str, str] = field(default_factory=dict)
     gathered: bool = False
     uncovered: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -98,7 +99,7 @@ def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], pr
                 passed.add(c)
                 todo.append(c)
         parent = node.rpartition(".")[0]
-        if node and inside(parent, block) and parent not in seen and node in trace.calls.get(parent, _NO_CALL).outputs:
+        if node and inside(parent, block) and parent not in seen and node in trace.calls.get(parent, _NO_CALL).main:
             seen.add(parent)  # left through the enclosing module's output: not passed through it
             todo.append(parent)
     return hit, passed
@@ -192,8 +193,9 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
     owned = list(modules[block].named_parameters(recurse=False))
     per_head = [join(block, name) for name, q in owned if q.dim() == 1 and q.shape[0] in heads]
     per_head += _head_embeddings(modules, block, heads, roles)
-    out.uncovered += [f"{join(block, name)} ({tuple(q.shape)}: a parameter of block {block!r})" for name, q in owned
-                      if join(block, name) not in per_head]
+    for name, _ in owned:  # used outside the sharded region (a layer scale on the output): else the audit refuses
+        if join(block, name) not in per_head:
+            out.param_roles[join(block, name)] = "parameter of the block (replicated: outside its sharded region)"
     few_kv = [p for p in cols if any(h < n for h in heads_of(trace, p))]  # check_heads: n % h == 0 for these
     if few_kv:  # the compiler's KV-head pass replicates them; a replay here cannot model that layout
         found = (tuple(a for a in attrs if says_heads(("attr", a)) and "split" not in a[1]),

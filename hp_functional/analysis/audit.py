@@ -30,6 +30,22 @@ Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
+class Packed:
+    """How a tensor of a local run is divided: along ``dim``, each rank holding its slice of every
+    block of ``blocks`` (local sizes, in order) — a planned projection's sharded output, one block
+    for a plain ``Colwise``, ``packed`` blocks for ``Colwise(packed=...)`` — from the output of
+    planned child ``source``.  A view, split or slice of ``dim`` is right only where it respects
+    the blocks (docs/guarantees.md#exact-or-refused-the-shape-audit)."""
+
+    source: str
+    dim: int
+    blocks: tuple[int, ...]
+
+    def moved(self, dim: int, blocks: tuple[int, ...] | None = None) -> Packed:
+        return Packed(self.source, dim, self.blocks if blocks is None else blocks)
+
+
+@dataclass(frozen=True)
 class Op:
     """One recorded op: its name, its tensor inputs' and outputs' shapes, the attributes among
     its arguments, and the error it raised (None: it ran)."""
@@ -39,6 +55,8 @@ class Op:
     outs: tuple[Shape, ...]
     attrs: frozenset[tuple[str, str]]
     error: str | None = None
+    packed: Packed | None = None  # the packing of its first packed tensor input (local runs only)
+    cut: str | None = None  # why it cuts a packed dim off its blocks (local runs only)
 
 
 @dataclass(frozen=True)
@@ -58,23 +76,135 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.ops: list[Op] = []
         self.depth = 0  # > 0 inside an opaque child
+        self.packed: dict[int, tuple[Tensor, Packed]] = {}  # id → (the tensor, kept alive; its packing)
+
+    def tag(self, t: Tensor, packed: Packed) -> None:
+        self.packed[id(t)] = (t, packed)
+
+    def packing(self, leaves) -> tuple[Tensor, Packed] | None:
+        for t in leaves:
+            if isinstance(t, Tensor) and id(t) in self.packed and self.packed[id(t)][0] is t:
+                return self.packed[id(t)]
+        return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.depth:
             return func(*_plain(args), **_plain(kwargs))
         name = getattr(func, "__name__", str(func))
-        ins = tuple(tuple(t.shape) for t in _leaves((args, kwargs)) if isinstance(t, Tensor))
-        attrs = frozenset().union(*(x.tags for x in _leaves((args, kwargs)) if isinstance(x, TracedInt)))
+        leaves = _leaves((args, kwargs))
+        ins = tuple(tuple(t.shape) for t in leaves if isinstance(t, Tensor))
+        attrs = frozenset().union(*(x.tags for x in leaves if isinstance(x, TracedInt)))
         try:
             out = func(*_plain(args), **_plain(kwargs))
         except Exception as exc:
             self.ops.append(Op(name, ins, (), attrs, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
             raise
         outs = tuple(tuple(t.shape) for t in _leaves(out) if isinstance(t, Tensor))
+        found = self.packing(leaves) if self.packed else None
+        cut = self._follow(name, args, out, *found) if found is not None else None
         if outs and ins:
-            self.ops.append(Op(name, ins, outs, attrs))
+            self.ops.append(Op(name, ins, outs, attrs, packed=found[1] if found else None, cut=cut))
         return out
+
+    def _follow(self, name: str, args, out, src: Tensor, p: Packed) -> str | None:
+        """Tag what ``out`` holds of packed ``src``; why the op cuts its blocks (None: it does not)."""
+        results = [t for t in _leaves(out) if isinstance(t, Tensor)]
+        shape = tuple(src.shape)
+        if len(results) == 1 and tuple(results[0].shape) == shape and name not in CONTRACTS:
+            self.tag(results[0], p)  # elementwise: a bias, an activation, dropout, a dtype
+        elif name in VIEWS and len(results) == 1:
+            moved = _view_packing(p, shape, tuple(results[0].shape))
+            if moved is not None:
+                self.tag(results[0], moved)
+        elif name in ("permute", "transpose", "swapaxes", "swapdims", "movedim") and len(results) == 1:
+            dims = _permutation(name, args, len(shape))
+            if dims is not None:
+                self.tag(results[0], p.moved(dims.index(p.dim)))
+        elif name in ("split", "chunk", "tensor_split", "split_with_sizes", "unbind") or name == "__getitem__":
+            return self._pieces(name, args, results, shape, p)
+        return None
+
+    def _pieces(self, name, args, results, shape, p: Packed) -> str | None:
+        """A split or slice of the packed dim: each piece must be whole blocks (tagged with them)."""
+        if name == "__getitem__":
+            span = _slice_of(args[1] if len(args) > 1 else None, shape, p.dim)
+            if span is None:
+                return None  # the packed dim untouched or indexed by a number ("lost" sees that)
+            spans, results = [span], results[:1]
+        else:
+            if name == "unbind" or any(len(t.shape) != len(shape) for t in results):
+                return None
+            sizes = [t.shape[p.dim] for t in results]
+            if sum(sizes) != shape[p.dim] or len(sizes) < 2:
+                return None  # another dim split
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            spans = list(zip(starts, [a + b for a, b in zip(starts, sizes, strict=True)], strict=True))
+        edges = [sum(p.blocks[:i]) for i in range(len(p.blocks) + 1)]
+        for (a, b), t in zip(spans, results, strict=True):
+            if a not in edges or b not in edges:
+                held = (f"is sharded as one block (a rank holds a contiguous range of its {shape[p.dim]}-wide local "
+                        "rows, not a slice of every piece)" if len(p.blocks) == 1 else
+                        f"holds {len(p.blocks)} packed blocks of local sizes {list(p.blocks)}, which the piece does not follow")
+                fix = f"Colwise(packed={len(spans)})" if len({y - x for x, y in spans}) == 1 and len(spans) > 1 else \
+                    "Colwise(packed=(...)) with the pieces' global sizes"
+                return (f"it cuts dim {p.dim} of {p.source!r}'s output at [{a}:{b}] on a rank, but {p.source!r} {held}: "
+                        f"plan {p.source!r} as {fix}, or gather it (Colwise(gather_output=True))")
+            self.tag(t, p.moved(p.dim, tuple(p.blocks[edges.index(a):edges.index(b)])))
+        return None
+
+
+def _permutation(name: str, args, ndim: int) -> list[int] | None:
+    """The input dim of every output dim of a permute/transpose/movedim; None: not readable."""
+    rest = [int(a) for a in _leaves(args[1:]) if isinstance(a, int)]
+    order = list(range(ndim))
+    if name == "permute" and len(rest) == ndim:
+        return [d % ndim for d in rest]
+    if name in ("transpose", "swapaxes", "swapdims") and len(rest) == 2:
+        a, b = (d % ndim for d in rest)
+        order[a], order[b] = order[b], order[a]
+        return order
+    if name == "movedim" and len(rest) == 2:
+        a, b = (d % ndim for d in rest)
+        order.insert(b, order.pop(a))
+        return order
+    return None
+
+
+def _slice_of(index, shape: Shape, dim: int) -> tuple[int, int] | None:
+    """The [start, stop) that ``x[index]`` keeps of ``dim`` when a step-1 slice cuts it; None when
+    it keeps all of it, or indexes it otherwise."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(x is Ellipsis for x in items):
+        at = next(i for i, x in enumerate(items) if x is Ellipsis)
+        used = sum(1 for x in items if x is not None and x is not Ellipsis)
+        items[at:at + 1] = [slice(None)] * (len(shape) - used)
+    d = 0
+    for x in items:
+        if x is None:
+            continue
+        if d == dim:
+            if not isinstance(x, slice) or x.step not in (None, 1):
+                return None
+            a, b, _ = slice(*(None if v is None else int(v) for v in (x.start, x.stop, x.step))).indices(shape[dim])
+            return None if (a, b) == (0, shape[dim]) else (a, b)
+        if not isinstance(x, (int, slice)):
+            return None  # a tensor or list index: dims renumbered
+        d += 1
+    return None
+
+
+def _view_packing(p: Packed, before: Shape, after: Shape) -> Packed | None:
+    """The packing a view of a packed tensor keeps on its outermost dim of the packed dim's group
+    (its blocks in that dim's units), or None: the view puts the blocks on dims of their own (a
+    ``(..., 3, H, D)`` view of packed q, k, v) or cannot keep them (``compare`` judges it)."""
+    outer, inner = math.prod(before[:p.dim]), math.prod(before[p.dim + 1:])
+    flat = [b * inner for b in p.blocks]
+    for j in range(len(after)):  # the outermost dim starting where the packed dim starts (a local head count of 1 too)
+        stride = math.prod(after[j + 1:])
+        if math.prod(after[:j]) == outer and stride and all(f % stride == 0 for f in flat) and sum(flat) // stride == after[j]:
+            return p.moved(j, tuple(f // stride for f in flat))
+    return None
 
 
 
@@ -136,7 +266,11 @@ def _record(module, args, kwargs, shapes, attrs, opaque, outputs, device: str) -
             rec.depth -= 1
             if outputs is None or not isinstance(out, Tensor):
                 return out
-            return record_or_resize(outputs, seen[rel], rel, out, layout, device)
+            out = record_or_resize(outputs, seen[rel], rel, out, layout, device)
+            packed = layout.packing(rel, tuple(out.shape)) if layout is not None else None
+            if packed is not None:
+                rec.tag(out, packed)
+            return out
         sub = twin.get_submodule(rel)
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
     ok = True
@@ -191,6 +325,8 @@ def _check(g: Op, m: Op, n: int) -> tuple[str, str] | None:
         return "raises", f"torch would raise: {m.error}"
     if g.name != m.name or len(g.ins) != len(m.ins) or len(g.outs) != len(m.outs):
         return "count", f"the local forward calls {m.name} where the global one calls {g.name}"
+    if m.cut is not None:
+        return "packed", m.cut
     ins = [divided(a, b) for a, b in zip(g.ins, m.ins, strict=True)]
     outs = [divided(a, b) for a, b in zip(g.outs, m.outs, strict=True)]
     for a, b, d in zip(g.outs, m.outs, outs, strict=True):
@@ -212,11 +348,14 @@ def _check(g: Op, m: Op, n: int) -> tuple[str, str] | None:
 
 
 def _view(g: Op, m: Op, din, dout) -> tuple[str, str] | None:
-    """A view's division must land on the outermost dim of its divided input dim's group."""
+    """A view's division must land on the outermost dim of its divided input dim's group — for a
+    packed input of P equal blocks viewed with the blocks on dims of their own (``(..., 3, H, D)``),
+    on the dim after them (each rank holds a slice of every block)."""
     grouped = groups(g.ins[0], g.outs[0])
     if grouped is None or din is None or len(din) > 1:
         return None
     want: dict[int, int] = {}
+    p = m.packed if m.packed is not None and din and m.packed.dim == din[0][0] else None
     if din:
         dim, k = din[0]
         group = next(((a, b) for a, b in grouped if dim in a), None)
@@ -225,13 +364,40 @@ def _view(g: Op, m: Op, din, dout) -> tuple[str, str] | None:
         if group[0][0] != dim:
             return "view", f"it merges the divided dim {dim} into a dim of which it is not the outermost part"
         want = {group[1][0]: k}
+        if p is not None and len(p.blocks) > 1:  # judged on the global shapes: a local head count of 1 is ambiguous
+            sizes = [g.outs[0][j] for j in group[1]]
+            prefix = next((t for t in range(1, len(sizes)) if math.prod(sizes[:t]) == len(p.blocks)), None)
+            whole = _view_packing(p.moved(dim, tuple(b * k for b in p.blocks)), g.ins[0], g.outs[0])
+            if prefix is not None and len(set(p.blocks)) == 1:
+                want = {group[1][prefix]: k}  # the blocks on dims of their own, each divided inside
+            elif whole is None:
+                return "packed", (f"it views dim {dim} of {p.source!r}'s output, {len(p.blocks)} packed blocks of local "
+                                  f"sizes {list(p.blocks)}, as {list(g.outs[0])} (local {list(m.outs[0])}): the blocks "
+                                  "land neither on dims of their own nor whole on one dim, so each rank's rows would be "
+                                  f"read as other rows (plan {p.source!r} as one block, Colwise(), if the view "
+                                  "interleaves them per head)")
+            else:
+                want = {whole.dim: k}
     if dict(dout) != want:
         gl, lo = list(g.outs[0]), list(m.outs[0])
-        if want and dout and all(d > next(iter(want)) for d, _ in dout):
-            return "view", (f"each head's {g.outs[0][-1]} features would be cut to {m.outs[0][-1]} (local {lo}, "
-                            f"global {gl})")
-        return "view", (f"its local result {lo} is not its global result {gl} divided on dim "
-                        f"{next(iter(want), None)} (a -1 or a count kept global lands the division elsewhere)")
+        if not want:
+            return "view", f"its local result {lo} is not its global result {gl}: it divides a dim no input divides"
+        dim_want, k = next(iter(want.items()))
+        sizes = [gl[j] for j in group[1]]
+        t = group[1].index(dout[0][0]) if len(dout) == 1 and dout[0][0] in group[1] else 0
+        lead, note = math.prod(sizes[:t]), ""
+        if p is not None and len(p.blocks) == 1 and lead in (2, 3):  # the same shapes as a head count kept global
+            note = (f" (if {p.source!r} packs {lead} blocks, as a fused qkv or gate_up does, each rank holds a "
+                    f"contiguous range of its rows, not a slice of every block: plan it Colwise(packed={lead}))")
+        elif p is not None and len(p.blocks) > 1 and dim_want != group[1][0]:
+            note = f" (the dim after the {len(p.blocks)} packed blocks of {p.source!r}'s output)"
+        got = ", ".join(f"dim {d} ({gl[d]} → {lo[d]})" for d, _ in dout) or "no dim"
+        if dout and all(d > dim_want for d, _ in dout) and dout[-1][0] == len(gl) - 1:
+            return "view", (f"each head's {gl[-1]} features would be cut to {lo[-1]}: the division lands on {got} "
+                            f"where it must land on dim {dim_want}{note}, {gl[dim_want]} → {gl[dim_want] // k} "
+                            f"(local {lo}, global {gl})")
+        return "view", (f"its local result {lo} is not its global result {gl} divided on dim {dim_want}{note}: "
+                        f"the division lands on {got} (a -1 or a count kept global lands the division elsewhere)")
     return None
 
 
@@ -283,6 +449,20 @@ class Handoff:
     out: object = None
     dst: object = None
     src: object = None  # the placement the output is produced in
+    blocks: int | tuple[int, ...] | None = None  # the packed blocks of its weight (Colwise(packed=...))
+
+    def packing(self, rel: str, local: Shape) -> Packed | None:
+        """How the output handed on (at local shape ``local``) is divided: its sharded dim, one block
+        or its weight's packed blocks; None: handed on whole."""
+        dim = getattr(self.out, "dim", None)
+        if dim is None or not local or self.n < 2:
+            return None
+        d, size = dim % len(local), local[dim % len(local)]
+        if isinstance(self.blocks, int) and self.blocks > 1 and size % self.blocks == 0:
+            return Packed(rel, d, (size // self.blocks,) * self.blocks)
+        if isinstance(self.blocks, tuple) and all(b % self.n == 0 for b in self.blocks) and sum(self.blocks) == size * self.n:
+            return Packed(rel, d, tuple(b // self.n for b in self.blocks))
+        return Packed(rel, d, (size,))
 
     def input(self, args: tuple, glob: Shape | None) -> tuple:
         if self.dst is None or glob is None or not args or not isinstance(args[0], Tensor):
@@ -310,7 +490,7 @@ def handoff(spec, axis: str, n: int) -> Handoff:
     src = spec.out_src.get("output", {}).get(axis)
     out = spec.out_dst.get("output", spec.out_src.get("output", {})).get(axis)
     dst = next((spec.in_dst[k].get(axis) for k in (0, "input") if k in spec.in_dst), None)
-    return Handoff(n, out, dst, src)
+    return Handoff(n, out, dst, src, spec.param_blocks.get("weight"))
 
 
 def boundaries(spec, axis: str) -> bool:

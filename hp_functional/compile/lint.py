@@ -193,6 +193,18 @@ class _Family:
     entries: set[str]  # modules with a plan entry
 
 
+def _cousins(f: _Family, axis: str) -> tuple[list[str], list[str]]:
+    """(Shard(-1) producers, Shard(-1) consumers) planned on ``axis`` below ``f.parent``'s parent
+    but outside ``f.parent``: a pair split over sibling modules of one block."""
+    if not f.parent:
+        return [], []
+    top = f.parent.rpartition(".")[0]
+    near = [c for c, p in f.by_fqn.items() if p.axis == axis and c != f.head and (not top or c.startswith(top + "."))
+            and not c.startswith(f.parent + ".")]
+    out = [c for c in near if isinstance(pl := _placement(f.specs[c].out_dst, "output", axis), Shard) and pl.dim == -1]
+    return out, [c for c in near if _placement(f.specs[c].in_src, 0, axis) == Shard(-1)]
+
+
 def _siblings(f: _Family) -> list[Finding]:
     """Colwise/Rowwise pairs among the direct children of ``f.parent``: ``unreduced`` is an
     unplanned Linear registered after Colwise siblings whose input width is their output width,
@@ -211,6 +223,11 @@ def _siblings(f: _Family) -> list[Finding]:
         consumers = [c for c in mine if _placement(specs[c].in_src, 0, axis) == Shard(-1)]
         sharded = [c for c in mine if any(isinstance(pl.get(axis), Shard) for pl in specs[c].params.values())]
         flagged = set()
+        cousins = _cousins(f, axis)  # BERT: query/key/value in attention.self, the rowwise dense in attention.output
+        if producers and not consumers and cousins[1]:
+            producers = []
+        if consumers and not producers and cousins[0]:
+            consumers = []
         if producers and not consumers:
             widths, first = {modules[c].out_features for c in producers}, min(children.index(c) for c in producers)
             culprits = [u for u in unplanned if modules[u].in_features in widths and children.index(u) > first]

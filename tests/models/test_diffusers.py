@@ -1,0 +1,96 @@
+"""diffusers' diffusion transformers (DiT, PixArt-α, SD3's MMDiT, Flux), tiny and random
+(``hp_functional.tools.sweep_extras``), sharded by the hand plan of docs/diffusion-and-timm.md and
+by ``auto_plan``: the diffusion loss (MSE against a fixed noise target) and every gradient against
+the unsharded model at tp 2 and 4, ``torch.func.grad`` and ``.backward()``, every rank a thread
+(``hpf.emulate``) — or refused by name.  Skipped without the ``diffusers`` extra."""
+
+import pytest
+import torch
+
+import hp_functional as hpf
+from hp_functional.tools.sweep_extras import extra_families, hand_plan
+from tests.support.helpers import assert_close
+
+pytest.importorskip("diffusers")
+
+pytestmark = pytest.mark.slow  # each model: two shard() calls and their proofs, 1-3 s
+
+
+def _run(name: str, plan_of, n: int):
+    """Per rank: (loss, full gradients) by torch.func.grad and by .backward(), and the unsharded
+    model's loss and gradients."""
+    extra = extra_families()[name](n, 0)
+    model = extra.model
+    ref = extra.loss_of(model(**extra.inputs))
+    ref.backward()
+
+    def run(mesh):
+        apply_fn, params, info = hpf.shard(model, plan_of(model, mesh, extra), mesh)
+        grads, loss = torch.func.grad_and_value(lambda p: extra.loss_of(apply_fn(p, **extra.inputs)))(params)
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+        eager = extra.loss_of(apply_fn(leaves, **extra.inputs))
+        eager.backward()
+        by_backward = hpf.unshard({k: v.grad for k, v in leaves.items()}, info)
+        return (loss.detach(), hpf.unshard(grads, info)), (eager.detach(), by_backward)
+    return hpf.emulate(run, (n,), ("tp",)), ref.detach(), model
+
+
+def _exact(name: str, plan_of, ns=(2, 4)) -> None:
+    for n in ns:
+        ranks, ref, model = _run(name, plan_of, n)
+        for rank in ranks:
+            for how, (loss, grads) in zip(("torch.func.grad", ".backward()"), rank, strict=True):
+                assert_close(loss, ref, f"{name} tp {n} {how} loss")
+                assert grads.keys() == {k for k, _ in model.named_parameters()}
+                for k, p in model.named_parameters():
+                    assert_close(grads[k], p.grad, f"{name} tp {n} {how} grad {k}", atol=1e-6, rtol=1e-4)
+
+
+def _hand(name):
+    return lambda model, mesh, extra: hand_plan(name)
+
+
+def _auto(model, mesh, extra):
+    return hpf.auto_plan(model, mesh, example_inputs=extra.inputs)
+
+
+@pytest.mark.parametrize("name", ["diffusers:DiT", "diffusers:PixArt", "diffusers:SD3"])
+def test_hand_plan_is_exact(name):
+    _exact(name, _hand(name))
+
+
+@pytest.mark.parametrize("name", ["diffusers:PixArt", "diffusers:SD3"])
+def test_auto_plan_is_exact(name):
+    _exact(name, _auto, ns=(2,))  # tp 4 too on demand (docs/diffusion-and-timm.md): 10 s more each
+
+
+PER_HEAD_NORMS = {f"transformer_blocks.*.attn.{n}": hpf.NoParallel(reduce_grads=True)
+                  for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")}
+
+
+def test_flux_hand_plan_with_its_per_head_norms_reduced_is_exact():
+    """Flux's joint attention RMS-normalises q and k per head, on each rank's local heads: its
+    norms' gradients are partial sums unless they are planned ``NoParallel(reduce_grads=True)``."""
+    _exact("diffusers:Flux", lambda model, mesh, extra: {**hand_plan("diffusers:Flux"), **PER_HEAD_NORMS})
+
+
+@pytest.mark.xfail(strict=True, reason="silently wrong: Flux's per-head norm_q/norm_k left unplanned get per-rank partial "
+                   "gradients (tp 2: 4e-4 on 6e-4), and neither the dataflow pass nor the probe runs on a model that "
+                   "does not start with an embedding (no batch is synthesized), so shard() accepts the plan")
+def test_flux_hand_plan_without_its_norms_is_exact_or_refused():
+    try:
+        _exact("diffusers:Flux", _hand("diffusers:Flux"), ns=(2,))
+    except hpf.PlanError:
+        pass  # refused by name: what the guarantee allows
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("diffusers:DiT", "class_embedder.embedding_table: a vocabulary of 1001 does not split"),
+    ("diffusers:Flux", "single_transformer_blocks.0.proj_mlp both consumes and feeds projections"),
+])
+def test_auto_plan_refuses_by_name(name, needle):
+    extra = extra_families()[name](2, 0)
+    with pytest.raises(hpf.PlanError, match="auto_plan") as exc:
+        hpf.simulate(lambda mesh: hpf.auto_plan(extra.model, mesh, example_inputs=extra.inputs, allow_uncovered=True),
+                     world_size=2)
+    assert needle in str(exc.value), exc.value

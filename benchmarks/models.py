@@ -1,15 +1,20 @@
-"""The support table: every causal-LM model type of the installed transformers, tiny, at tp 2
-(and tp 4 where the heads allow), against the unsharded model; writes ``docs/models.md``.
+"""The support table: every model type with a PyTorch model in the installed transformers (675 in
+5.25), each with its main head, tiny, at tp 2 (and tp 4 where the heads allow), against the
+unsharded model; writes ``docs/models.md``.
 
-    python benchmarks/models.py                      # the whole sweep (about 20-30 min on 2 cores)
-    python benchmarks/models.py --only opt,gpt2      # a few families (a reproduction), table not written
-    python benchmarks/models.py --tp 2 --json out.json
+    python benchmarks/models.py --jobs 2               # the whole table (every type, tp 2 then tp 4)
+    python benchmarks/models.py --only opt,gpt2        # a few families (a reproduction), table not written
+    python benchmarks/models.py --category vision --tp 2 --json out.json
+    python benchmarks/models.py --build-only           # no sharding: which tiny models build and run
 
 Each family runs in a process group of its own (gloo on CPU, ``tp`` ranks spawned once per world
 size and reused: a process start with transformers imported costs seconds), with a timeout: a
 family that outlives it is a ``hang`` and its ranks are killed and respawned.  The per-rank check
 is ``hp_functional.tools.sweep.check_family`` (the suite's ``tests/models/test_model_sweep.py`` runs the
-same function).
+same function); heads and categories are ``hp_functional.tools.sweep_tasks``, inputs and losses
+``hp_functional.tools.sweep_inputs``.  Families outside transformers come from
+``hp_functional.tools.sweep_extras.EXTRA_FAMILIES`` where that module exists (see
+``hp_functional/tools/sweep.py``'s docstring); ``--no-extras`` leaves them out.
 """
 
 from __future__ import annotations
@@ -30,7 +35,26 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hp_functional.tools.sweep import HANG, OUTCOMES, combine, heads_allow  # noqa: E402
+from hp_functional.tools.sweep import EXACT, HANG, OUTCOMES, UNBUILDABLE, combine, heads_allow  # noqa: E402
+
+#: a row meets the goal where it is exact and no rank holds this share of the parameters or more.
+GOAL_SHARE = 0.65
+
+
+def extra_families() -> dict:
+    """``{name: builder}`` of the families outside transformers, from
+    ``hp_functional.tools.sweep_extras`` where that module exists (its ``extra_families()``, else
+    its ``EXTRA_FAMILIES``), else none."""
+    import importlib
+
+    try:
+        module = importlib.import_module("hp_functional.tools.sweep_extras")
+    except ModuleNotFoundError as exc:
+        if exc.name != "hp_functional.tools.sweep_extras":
+            raise
+        return {}
+    found = getattr(module, "extra_families", None)
+    return dict(found() if callable(found) else getattr(module, "EXTRA_FAMILIES", {}))
 
 
 def _free_port() -> int:
@@ -47,7 +71,9 @@ def _worker(rank: int, world: int, pg_timeout: float, inbox, outbox) -> None:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from hp_functional.tools.sweep import CRASH, check_family, first_line
+    from hp_functional.tools.sweep import CRASH, check_extra, check_family, first_line
+
+    extras = extra_families()
 
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
@@ -61,7 +87,10 @@ def _worker(rank: int, world: int, pg_timeout: float, inbox, outbox) -> None:
             outbox.put((rank, {"init_failed": first_line(exc)}))
             return
         try:
-            row = check_family(model_type, functional=functional)
+            if model_type in extras:
+                row = check_extra(model_type, extras[model_type], functional=functional)
+            else:
+                row = check_family(model_type, functional=functional)
         except BaseException as exc:  # noqa: BLE001 - reported as the family's row
             row = {"model_type": model_type, "tp": world, "plan": "", "outcome": CRASH, "reason": first_line(exc)}
         finally:
@@ -149,10 +178,26 @@ class Ranks:
 
 
 def model_types() -> list[str]:
-    """Every model type of the installed transformers' causal-LM auto mapping."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """Every model type with a PyTorch model in the installed transformers (``sweep_tasks.model_types``)."""
+    from hp_functional.tools.sweep_tasks import model_types as all_types
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return all_types()
+
+
+def category(name: str, extras: dict) -> str:
+    """The row's category (an extra family's is known once built: ``other`` until then)."""
+    from hp_functional.tools.sweep_tasks import category_of
+
+    return "other" if name in extras else category_of(name)
+
+
+def head(name: str, extras: dict) -> str:
+    from hp_functional.tools.sweep_tasks import task_for
+
+    try:
+        return "extra" if name in extras else task_for(name).name
+    except KeyError:
+        return ""
 
 
 def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, jobs: int = 1,
@@ -163,6 +208,7 @@ def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, jo
     for i, t in enumerate(types):
         todo.put((i, t))
     table: dict[str, dict[int, dict]] = {t: {} for t in types}
+    extras = extra_families()
 
     def work() -> None:
         pools = {tp: Ranks(tp, timeout) for tp in tps}
@@ -174,10 +220,13 @@ def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, jo
                     return
                 for tp in tps:
                     built = all(r["outcome"] != "not buildable tiny" for r in table[t].values())
-                    if tp != min(tps) and not (built and heads_allow(t, tp)):
+                    if tp != min(tps) and not (built and (t in extras or heads_allow(t, tp))):
                         continue
                     row = table[t][tp] = pools[tp].run(t, functional)
-                    log(f"[{i + 1}/{len(types)}] {t:28s} tp {tp}: {row['outcome']:20s} {row.get('plan', ''):9s} "
+                    if "category" not in row:  # a hang or a dead rank: the parent names it
+                        row.update(category=category(t, extras), task=head(t, extras))
+                    log(f"[{i + 1}/{len(types)}] {t:28s} tp {tp}: {row['outcome']:20s} {row.get('task', ''):22s} "
+                        f"{row.get('plan', ''):9s} "
                         f"{row['reason'][:110]}  ({row.get('seconds', 0):.1f} s)", flush=True)
         finally:
             for p in pools.values():
@@ -191,35 +240,63 @@ def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, jo
     return table
 
 
-def counts(table: dict[str, dict[int, dict]], tp: int) -> Counter:
-    return Counter(rows[tp]["outcome"] for rows in table.values() if tp in rows)
+def counts(table: dict[str, dict[int, dict]], tp: int, cat: str | None = None) -> Counter:
+    return Counter(rows[tp]["outcome"] for rows in table.values()
+                   if tp in rows and (cat is None or rows[tp].get("category") == cat))
+
+
+def goal(table: dict[str, dict[int, dict]], tp: int, cat: str | None = None) -> tuple[int, int]:
+    """(rows exact with every rank below ``GOAL_SHARE`` of the parameters, buildable rows) at ``tp``."""
+    rows = [r[tp] for r in table.values() if tp in r and (cat is None or r[tp].get("category") == cat)]
+    built = [r for r in rows if r["outcome"] != UNBUILDABLE]
+    met = [r for r in built if r["outcome"] == EXACT and (r.get("share") or 1.0) < GOAL_SHARE]
+    return len(met), len(built)
+
+
+def _pct(met: int, of: int) -> str:
+    return f"{met}/{of} ({100 * met / of:.0f} %)" if of else "–"
 
 
 def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path, seconds: float) -> None:
-    """``docs/models.md``: versions, counts, one row per family."""
+    """``docs/models.md``: versions, the goal metric, counts overall and per category, one row per type."""
     import torch
     import transformers
 
+    from hp_functional.tools.sweep_tasks import CATEGORIES
+
+    found = {r.get("category") for rows in table.values() for r in rows.values()} - {None, ""}
+    cats = [c for c in CATEGORIES if c in found] + sorted(found - set(CATEGORIES))  # extras may bring their own
     lines = [
-        "# Support table: every causal LM of transformers",
+        "# Support table: every model type of transformers",
         "",
         f"Generated by `python benchmarks/models.py` on {datetime.date.today().isoformat()}: transformers "
-        f"{transformers.__version__}, torch {torch.__version__}, {len(table)} model types of "
-        "`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, CPU gloo ranks, "
-        f"{seconds / 60:.0f} min on this machine.",
+        f"{transformers.__version__}, torch {torch.__version__}, {len(table)} model types (every type with a "
+        "PyTorch model: `MODEL_MAPPING_NAMES` and every head mapping of `transformers.models.auto.modeling_auto`, "
+        f"plus the extra families of `hp_functional.tools.sweep_extras`), CPU gloo ranks, {seconds / 60:.0f} min "
+        "on this machine.",
         "",
-        "Each family: a tiny config from `hp_functional.tools.model_configs.tiny_config_for` (hidden 64, 4 heads "
-        "of 16, 2 KV heads at tp 2 and 4 at tp 4, vocabulary 128, 2 to 4 layers, 4 experts), eager attention, "
-        "random weights, batch 2 × 8 tokens; the plan is `ShardingPlan.from_hf(model)` where HF declares a TP "
-        "plan and `hpf.auto_plan(model, mesh)` otherwise; `shard()` on a 1-D `tp` mesh, the loss and every "
-        "gradient (`.backward()` and `torch.func.grad`, gathered with `hpf.unshard`) against the unsharded "
-        "model in the same process (`hp_functional.tools.sweep.check_family`). tp 4 runs where tp 2 built and "
-        "the heads divide by 4.",
+        "Each type: its main head (`hp_functional.tools.sweep_tasks.task_for`: causal LM where it has one, then "
+        "seq2seq LM, masked LM, image-text-to-text, multimodal LM, speech seq2seq, the contrastive base model "
+        "(CLIP, SigLIP: `return_loss=True`), image classification, CTC, audio classification, sequence "
+        "classification, else the bare base model), a tiny config from "
+        "`hp_functional.tools.model_configs.tiny_config_for` (hidden 64, 4 heads of 16, 2 KV heads at tp 2 and 4 "
+        "at tp 4, vocabulary 128, 2 to 4 layers, 4 experts, images 32 × 32 in patches of 8, a 2-layer audio "
+        "feature extractor, 3 labels), eager attention, random weights, inputs built from the config "
+        "(`hp_functional.tools.sweep_inputs`: batch 2 × 8 tokens, pixels, 400 audio samples or mel features, "
+        "labels); the loss is the model's own, else the mean square of its main output. The plan is "
+        "`ShardingPlan.from_hf(model)` where HF declares a TP plan and `hpf.auto_plan(model, mesh, "
+        "example_inputs=inputs)` otherwise; `shard()` on a 1-D `tp` mesh, the loss and every gradient "
+        "(`.backward()` and `torch.func.grad`, gathered with `hpf.unshard`) against the unsharded model in the "
+        "same process (`hp_functional.tools.sweep.check_family`). tp 4 runs where tp 2 built and the heads "
+        "divide by 4.",
         "",
         "Outcomes: **exact** (within 1e-5 and a rank holds < 80 % of the parameters); **ran, sharded little** "
         "(exact, but a rank holds ≥ 80 %); **refused** (the library's own error, first line); **crash** (any "
         "other exception, with the site); **wrong** (numbers differ: largest loss/gradient difference); "
         "**hang** (timeout); **not buildable tiny** (the tiny config or the unsharded model failed).",
+        "",
+        f"Goal: of the buildable types, exact with no rank holding {GOAL_SHARE:.0%} or more of the parameters: "
+        + "; ".join(f"tp {tp}: **{_pct(*goal(table, tp))}**" for tp in tps) + ".",
         "",
         "| outcome | " + " | ".join(f"tp {tp}" for tp in tps) + " |",
         "|---|" + "---:|" * len(tps),
@@ -228,43 +305,114 @@ def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path
     for outcome in reversed(OUTCOMES):
         lines.append(f"| {outcome} | " + " | ".join(str(per_tp[tp].get(outcome, 0)) for tp in tps) + " |")
     lines.append("| total | " + " | ".join(str(sum(per_tp[tp].values())) for tp in tps) + " |")
-    lines += ["", "Reproduce one family: `python benchmarks/models.py --only <model type>`.", "",
-              "| model type | " + " | ".join(f"tp {tp}" for tp in tps) + " | plan | reason |",
-              "|---|" + "---|" * len(tps) + "---|---|"]
+    tp_label = " / ".join(f"tp {tp}" for tp in tps)
+    lines += ["", f"Per category ({tp_label}):", "",
+              "| category | types | " + " | ".join(reversed(OUTCOMES)) + " | goal |",
+              "|---|---:|" + "---:|" * len(OUTCOMES) + "---|"]
+    for cat in cats:
+        n = sum(1 for rows in table.values() if any(r.get("category") == cat for r in rows.values()))
+        per = {tp: counts(table, tp, cat) for tp in tps}
+        cells = [" / ".join(str(per[tp].get(o, 0)) for tp in tps) for o in reversed(OUTCOMES)]
+        lines.append(f"| {cat} | {n} | " + " | ".join(cells) + " | "
+                     + " ; ".join(_pct(*goal(table, tp, cat)) for tp in tps) + " |")
+    lines += ["", "Reproduce one type: `python benchmarks/models.py --only <model type>`.", "",
+              "| model type | category | head | " + " | ".join(f"tp {tp}" for tp in tps) + " | plan | reason |",
+              "|---|---|---|" + "---|" * len(tps) + "---|---|"]
     for t, rows in table.items():
         cells = [rows[tp]["outcome"] if tp in rows else "–" for tp in tps]
         plan = next((r["plan"] for r in rows.values() if r.get("plan")), "")
+        cat = next((r["category"] for r in rows.values() if r.get("category")), "")
+        task = next((r["task"] for r in rows.values() if r.get("task")), "")
         reasons = []
         for tp in tps:
             if tp in rows and rows[tp]["reason"] and rows[tp]["reason"] not in reasons:
                 reasons.append(rows[tp]["reason"] if not reasons else f"tp {tp}: {rows[tp]['reason']}")
         reason = " ; ".join(reasons).replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {t} | " + " | ".join(cells) + f" | {plan} | {reason} |")
+        lines.append(f"| {t} | {cat} | {task} | " + " | ".join(cells) + f" | {plan} | {reason} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def build_only(types: list[str], timeout: float, memory_gb: float = 8.0, log=print) -> dict[str, dict[int, dict]]:
+    """``{model type: {2: row}}`` without sharding, in this process: whether each tiny model builds
+    and runs forward and backward (``sweep.build_only``); a type that takes longer than ``timeout``
+    (an alarm) or more than ``memory_gb`` of memory is not buildable."""
+    import resource
+    import signal
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from hp_functional.tools.sweep import build_only as build_row
+
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    if memory_gb:  # a model whose defaults stay huge fails to allocate instead of waking the OOM killer
+        resource.setrlimit(resource.RLIMIT_DATA, (int(memory_gb * 2 ** 30), resource.getrlimit(resource.RLIMIT_DATA)[1]))
+
+    def alarm(*_):
+        raise TimeoutError(f"building took more than {timeout:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    table = {}
+    try:
+        for i, t in enumerate(types):
+            signal.alarm(max(1, int(timeout)))
+            try:
+                row = build_row(t)
+            except (TimeoutError, MemoryError) as exc:
+                row = {"model_type": t, "tp": 2, "outcome": UNBUILDABLE, "reason": f"{type(exc).__name__}: {exc}"[:200],
+                       "plan": ""}
+            finally:
+                signal.alarm(0)
+            table[t] = {2: row}
+            log(f"[{i + 1}/{len(types)}] {t:28s} {row.get('category', ''):15s} {row.get('task', ''):22s} "
+                f"{row['outcome']:18s} {row.get('inputs', '')[:50]:50s} {row['reason'][:110]} "
+                f"({row.get('seconds', 0):.1f} s)", flush=True)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated model types (default: all); the table is not written")
+    ap.add_argument("--category", default="", help="comma-separated categories (decoder LM, encoder, vision, ...); "
+                                                    "the table is not written")
     ap.add_argument("--tp", default="2,4", help="world sizes (default 2,4)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per family and tp before it is a hang")
     ap.add_argument("--no-func-grad", action="store_true", help="check .backward() only, not torch.func.grad")
+    ap.add_argument("--no-extras", action="store_true", help="leave out the families of sweep_extras")
+    ap.add_argument("--build-only", action="store_true",
+                    help="no sharding: build each tiny model and run it unsharded (counts 'not buildable tiny')")
     ap.add_argument("--out", default=str(ROOT / "docs" / "models.md"), help="the markdown table to write")
     ap.add_argument("--json", default="", help="also write the rows as JSON here")
     ap.add_argument("--jobs", type=int, default=1, help="families at the same time (default 1; 2 on 2 cores)")
     args = ap.parse_args(argv)
     tps = [int(x) for x in args.tp.split(",")]
-    types = [t for t in args.only.split(",") if t] or model_types()
+    extras = {} if args.no_extras else extra_families()
+    types = [t for t in args.only.split(",") if t] or model_types() + sorted(extras)
+    if args.category:
+        wanted = {c.strip() for c in args.category.split(",")}
+        types = [t for t in types if category(t, extras) in wanted]
     t0 = time.perf_counter()
-    table = sweep(types, tps, args.timeout, not args.no_func_grad, args.jobs)
+    if args.build_only:
+        table = build_only([t for t in types if t not in extras], args.timeout)
+        tps = [2]
+        c = Counter(rows[2]["outcome"] for rows in table.values())
+        print(f"built {c.get('built', 0)}, {UNBUILDABLE} {c.get(UNBUILDABLE, 0)} (of {len(table)}); "
+              + ", ".join(f"{cat} {n}" for cat, n in Counter(r[2].get("category", "") for r in table.values()
+                                                             if r[2]["outcome"] == UNBUILDABLE).most_common()))
+    else:
+        table = sweep(types, tps, args.timeout, not args.no_func_grad, args.jobs)
+        for tp in tps:
+            c = counts(table, tp)
+            print(f"tp {tp}: " + ", ".join(f"{o} {c[o]}" for o in reversed(OUTCOMES) if c.get(o))
+                  + f" (of {sum(c.values())}); goal {_pct(*goal(table, tp))}")
     seconds = time.perf_counter() - t0
-    for tp in tps:
-        c = counts(table, tp)
-        print(f"tp {tp}: " + ", ".join(f"{o} {c[o]}" for o in reversed(OUTCOMES) if c.get(o)) + f" (of {sum(c.values())})")
     print(f"{seconds / 60:.1f} min")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1, default=str))
-    if not args.only:
+    if not (args.only or args.category or args.build_only):
         write_markdown(table, tps, Path(args.out), seconds)
         print(f"wrote {args.out}")
     return 0

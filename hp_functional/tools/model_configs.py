@@ -19,6 +19,7 @@ from typing import Any
 
 HIDDEN, FFN, MOE_FFN, HEADS, HEAD_DIM, VOCAB, POSITIONS, WINDOW = 64, 128, 64, 4, 16, 128, 64, 4
 EXPERTS, TOP_K, RANK, ROPE_DIM = 4, 2, 32, 8
+IMAGE, PATCH = 32, 8
 
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
 _ALSO_LAYERS = ("encoder_layers", "num_encoder_layers")
@@ -64,6 +65,16 @@ _PERIODS = {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period
             "global_attn_every_n_layers": 2, "global_attention_every_n_layers": 2, "sliding_window_pattern": 2,
             "_sliding_window_pattern": 2, "interleave_moe_layer_step": 1, "no_rope_layer_interval": 2,
             "moe_layer_interval": 1, "layer_group_size": 2, "num_nextn_predict_layers": 0}
+
+#: images, video and audio front ends: name -> the largest tiny value
+_MEDIA = {"image_size": IMAGE, "img_size": IMAGE, "patch_size": PATCH, "num_frames": 4, "num_mel_bins": 16,
+          "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4, "embed_dim": 32, "groups_width": 8,
+          "projection_dim": HIDDEN, "projection_size": HIDDEN}
+#: a wav2vec2-style convolutional feature extractor: two layers (downsampling 10x)
+_CONV_STACK = {"conv_dim": [32, 32], "conv_kernel": [10, 3], "conv_stride": [5, 2]}
+
+#: per-stage lists of a hierarchical vision model (Swin, ConvNeXt, ResNet, PVT): see ``_stage_list``
+_STAGE_LISTS = ("depths", "hidden_sizes", "embed_dims", "num_heads", "num_attention_heads")
 
 _NONE = {"head_dim": HEAD_DIM, "num_experts_per_tok": TOP_K, "n_routed_experts": EXPERTS, "n_shared_experts": 1}
 _PATTERNS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern", "mlp_layer_types",
@@ -145,6 +156,16 @@ def _shrink_int(key: str, value: Any, kv: int) -> Any:
     return value
 
 
+def _stage_list(key: str, value: list[int]) -> list[int]:
+    """A hierarchical model's per-stage list: 2 blocks in the first stage and 1 after, widths 16, 32,
+    64, ... (at most the default), heads a power of two of at most ``HEADS`` (so they divide the widths)."""
+    if key == "depths":
+        return [min(d, 2 if i == 0 else 1) for i, d in enumerate(value)]
+    if key in ("hidden_sizes", "embed_dims"):
+        return [min(v, 16 * 2 ** i) for i, v in enumerate(value)]
+    return [min(HEADS, 2 ** int(math.log2(h))) if h > 0 else h for h in value]
+
+
 def _kv_value(default_kv: int | None, kv: int) -> int:
     """Grouped-query attention with ``kv`` groups (a family's multi-query default stays multi-query)."""
     return 1 if default_kv == 1 else kv
@@ -201,14 +222,17 @@ def _sub_configs(fields: dict[str, Any]) -> tuple[str, ...]:
     return tuple(getattr(cls, "sub_configs", {}) or {}) if cls else ()
 
 
-def shrink(fields: dict[str, Any], kv: int = 2, sub_configs: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The overrides that make the config ``fields`` (a ``to_dict()``) tiny; sub-configs recursively."""
+def shrink(fields: dict[str, Any], kv: int = 2, sub_configs: tuple[str, ...] = (), media: bool = True) -> dict[str, Any]:
+    """The overrides that make the config ``fields`` (a ``to_dict()``) tiny; sub-configs recursively;
+    with ``media`` also the image, video and audio front ends (``_MEDIA``, ``_CONV_STACK``)."""
     out: dict[str, Any] = {}
-    n = next((fields[k] for k in _LAYERS if isinstance(fields.get(k), int)), None)
+    depths = fields.get("depths")
+    stages = media and isinstance(depths, list) and bool(depths) and all(isinstance(d, int) for d in depths)
+    n = None if stages else next((fields[k] for k in _LAYERS if isinstance(fields.get(k), int)), None)
     pick = _layer_pick(fields, n) if n else None
     for key, value in fields.items():
         if key in sub_configs and isinstance(value, dict):
-            out[key] = {**value, **shrink(value, kv, _sub_configs(value))}
+            out[key] = {**value, **shrink(value, kv, _sub_configs(value), media)}
         elif key in _LAYERS or key in _ALSO_LAYERS:
             out[key] = len(pick) if pick and key in _LAYERS else min(value, 2) if isinstance(value, int) else value
         elif key in _KV and (isinstance(value, int) or value is None):
@@ -216,7 +240,7 @@ def shrink(fields: dict[str, Any], kv: int = 2, sub_configs: tuple[str, ...] = (
         elif key in ("head_dim",) and "kv_lora_rank" in fields:  # MLA: rope over qk_rope_head_dim
             out[key] = ROPE_DIM
         elif isinstance(value, dict) and pick and value and all(str(k).isdigit() for k in value):  # per layer index
-            out[key] = {pick.index(int(k)): {**v, **shrink(v, kv)} if isinstance(v, dict) else v
+            out[key] = {pick.index(int(k)): {**v, **shrink(v, kv, media=media)} if isinstance(v, dict) else v
                         for k, v in value.items() if int(k) in pick}
         elif key in _PATTERNS and isinstance(value, list) and pick and len(value) % n == 0 and len(value) > n:
             m = len(value) // n  # several entries per layer (e.g. attention, mlp)
@@ -229,6 +253,19 @@ def shrink(fields: dict[str, Any], kv: int = 2, sub_configs: tuple[str, ...] = (
                 isinstance(value, list) or key in _PATTERNS):
             kept = [value[i] for i in pick]
             out[key] = "".join(kept) if isinstance(value, str) else kept
+        elif stages and key in _STAGE_LISTS and isinstance(value, list) and all(isinstance(v, int) for v in value):
+            out[key] = _stage_list(key, value)
+        elif stages and key in _LAYERS:  # a hierarchical model derives its layer count from depths
+            continue
+        elif stages and key in ("patch_size", "window_size") and isinstance(value, int):  # 16, 8, 4, 2 in windows of 2
+            out[key] = min(value, 2)
+        elif media and key in _MEDIA and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = min(value, _MEDIA[key])
+        elif media and key in _CONV_STACK and isinstance(value, (list, tuple)) and all(
+                isinstance(fields.get(k), (list, tuple)) and len(fields[k]) == len(value) for k in _CONV_STACK):
+            out[key] = _CONV_STACK[key]
+        elif media and key in ("image_size", "img_size") and isinstance(value, (list, tuple)) and len(value) == 2:
+            out[key] = [min(v, IMAGE) for v in value]
         elif key.startswith("rope_") and isinstance(value, dict) or key == "rope_scaling":
             out[key] = _rope(value)
         elif isinstance(value, float) and ("dropout" in key or key.endswith("pdrop") or key in _ZERO):
@@ -268,9 +305,11 @@ def special_ids(config) -> set[int]:
     return ids
 
 
-def tiny_config_for(model_type: str, tp: int = 2, **overrides):
+def tiny_config_for(model_type: str, tp: int = 2, *, media: bool = True, **overrides):
     """The tiny config of ``model_type`` for ``tp`` ranks (4 heads; 2 KV heads at tp 2, 4 at tp 4),
-    eager attention.  Raises whatever the config class raises where it cannot be made tiny."""
+    eager attention; ``media=False`` keeps the image/audio front ends at their defaults (the causal-LM
+    rows of the support table, which feed text only).  Raises whatever the config class raises where
+    it cannot be made tiny."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
@@ -284,12 +323,14 @@ def tiny_config_for(model_type: str, tp: int = 2, **overrides):
             sub_type = getattr(spec, "model_type", None) or getattr(sub, "model_type", None)
             if fields.get(key) is None and sub_type in CONFIG_MAPPING:
                 fields[key] = CONFIG_MAPPING[sub_type]().to_dict()
-    kw = shrink(fields, kv=max(2, tp), sub_configs=tuple(subs))
+    kw = shrink(fields, kv=max(2, tp), sub_configs=tuple(subs), media=media)
     fix = FAMILY.get(model_type, {})
     for key, value in (fix(max(2, tp)) if callable(fix) else fix).items():
         kw[key] = {**kw[key], **value} if isinstance(value, dict) and isinstance(kw.get(key), dict) else value
     kw.update(overrides)
     config = cls(**kw)
+    if media and getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0  # T5: labels shifted right from pad
     config._attn_implementation = "eager"
     for sub in getattr(cls, "sub_configs", {}) or {}:
         child = getattr(config, sub, None)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .sweep_inputs import loss_of
+
 EXACT, LITTLE, REFUSED, CRASH, WRONG, HANG, UNBUILDABLE = (
     "exact", "ran, sharded little", "refused", "crash", "wrong", "hang", "not buildable tiny")
 #: worst first: how per-rank outcomes that disagree are combined.
@@ -62,16 +64,19 @@ def hf_declares_plan(model) -> bool:
     return bool(getattr(model, "_tp_plan", None) or getattr(getattr(model, "config", None), "base_model_tp_plan", None))
 
 
-def build(model_type: str, tp: int, seed: int = 0):
-    """The tiny model (eval mode: no dropout; weights perturbed so no parameter sits at its
-    symmetric init), its token ids (no special token) and the unsharded loss and gradients."""
-    from transformers import AutoModelForCausalLM
+def build(model_type: str, tp: int, seed: int = 0, task=None):
+    """The tiny model of ``task`` (default: the type's main head, ``sweep_tasks.task_for``; eval
+    mode: no dropout; weights perturbed so no parameter sits at its symmetric init), its inputs (a
+    dict of keyword arguments: token ids avoid every special token) and the unsharded loss and
+    gradients."""
+    from .model_configs import tiny_config_for
+    from .sweep_inputs import config_overrides, reference
+    from .sweep_tasks import instantiate, task_for
 
-    from .model_configs import VOCAB, special_ids, tiny_config_for
-
-    config = tiny_config_for(model_type, tp=tp)
+    task = task or task_for(model_type)
+    config = tiny_config_for(model_type, tp=tp, **config_overrides(task))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = instantiate(model_type, task, config).eval()
     if hasattr(model, "set_default_language") and getattr(config, "languages", None):  # X-MOD: adapters per language
         model.set_default_language(config.languages[0])
     g = torch.Generator().manual_seed(seed + 1)
@@ -79,35 +84,21 @@ def build(model_type: str, tp: int, seed: int = 0):
         for p in model.parameters():
             if p.is_floating_point():
                 p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.02)
-    vocab = min(VOCAB, model.get_input_embeddings().weight.shape[0]) if model.get_input_embeddings() is not None else VOCAB
-    allowed = torch.tensor([i for i in range(3, vocab) if i not in special_ids(config)])
-    ids = allowed[torch.randint(0, len(allowed), (BATCH, SEQ), generator=g)]
-    ref = loss_of(model(input_ids=ids, labels=ids))
-    if not torch.isfinite(ref):
-        raise ValueError(f"unsharded loss is {ref.item()}")
-    ref.backward()
+    inputs, ref = reference(model, config, task, g)
     grads = {k: p.grad for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    return model, ids, ref.detach(), grads
+    return model, inputs, ref, grads
 
 
-def loss_of(out) -> torch.Tensor:
-    """The model's own loss, else the mean square of its logits."""
-    loss = getattr(out, "loss", None)
-    if loss is None:
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        loss = logits.float().pow(2).mean()
-    return loss
-
-
-def plan_for(model, mesh) -> tuple[Any, str]:
-    """``ShardingPlan.from_hf`` where HF declares a TP plan, ``auto_plan`` otherwise."""
+def plan_for(model, mesh, inputs: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``ShardingPlan.from_hf`` where HF declares a TP plan, ``auto_plan`` otherwise (traced on
+    ``inputs``, the keyword arguments the row runs ``apply_fn`` on)."""
     from ..plan.plan import ShardingPlan
     from ..planner.auto import auto_plan
 
     if hf_declares_plan(model):
         return ShardingPlan.from_hf(model), "from_hf"
-    return auto_plan(model, mesh), "auto_plan"
+    return auto_plan(model, mesh, example_inputs=inputs), "auto_plan"
 
 
 def plan_source(model) -> str:
@@ -115,25 +106,28 @@ def plan_source(model) -> str:
     return "from_hf" if hf_declares_plan(model) else "auto_plan"
 
 
-def compare(model, ids, ref_loss, ref_grads, mesh, plan, functional: bool) -> dict[str, Any]:
+def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, functional: bool,
+            loss_fn=loss_of) -> dict[str, Any]:
     """Shard, run ``.backward()`` (and ``torch.func.grad``), gather every gradient; the largest
-    differences and this rank's share of the parameters."""
+    differences and this rank's share of the parameters.  ``loss_fn``: the loss of one output."""
     from ..core.gather import unshard
     from ..runtime.shard import shard
 
     apply_fn, params, info = shard(model, plan, mesh)
-    out = apply_fn(params, input_ids=ids, labels=ids)
-    loss = loss_of(out)
+    out = apply_fn(params, **inputs)
+    loss = loss_fn(out)
     loss.backward()
     runs = [("backward", loss.detach(), {k: p.grad for k, p in params.items()})]
     note = ""
     if functional:
         try:
-            grads, value = torch.func.grad_and_value(lambda p: loss_of(apply_fn(p, input_ids=ids, labels=ids)))(
-                {k: p.detach() for k, p in params.items()})
-            runs.append(("func.grad", value.detach(), grads))
+            # only what trains: a frozen parameter (Whisper's sinusoidal positions) has no reference gradient
+            frozen = {k: p.detach() for k, p in params.items() if not p.requires_grad}
+            grads, value = torch.func.grad_and_value(lambda p: loss_fn(apply_fn({**frozen, **p}, **inputs)))(
+                {k: p.detach() for k, p in params.items() if p.requires_grad})
+            runs.append(("func.grad", value.detach(), {k: grads.get(k) for k in params}))
         except Exception as exc:
-            if _functional_works(model, ids):
+            if _functional_works(model, inputs, loss_fn):
                 raise
             note = f"; torch.func.grad not checked: the unsharded model fails under it too ({first_line(exc)[:80]})"
     worst = {"loss": 0.0, "grad": 0.0, "where": "", "note": note}
@@ -163,43 +157,86 @@ def compare(model, ids, ref_loss, ref_grads, mesh, plan, functional: bool) -> di
     return {"ok": ok, **worst, "share": held / max(total, 1)}
 
 
-def _functional_works(model, ids) -> bool:
+def _functional_works(model, inputs: dict[str, Any], loss_fn=loss_of) -> bool:
     """Whether ``torch.func.grad`` runs on the unsharded model (HF's Bloom, e.g., has an
     ``autograd.Function`` without ``setup_context``)."""
     params = {k: p.detach() for k, p in model.named_parameters()}
     try:
-        torch.func.grad(lambda p: loss_of(torch.func.functional_call(model, p, (), {"input_ids": ids, "labels": ids})))(
-            params)
+        torch.func.grad(lambda p: loss_fn(torch.func.functional_call(model, p, (), inputs)))(params)
     except Exception:  # noqa: BLE001 - any failure: the transform does not apply to this model
         return False
     return True
 
 
-def check_family(model_type: str, mesh=None, *, functional: bool = True, seed: int = 0) -> dict[str, Any]:
+def check_family(model_type: str, mesh=None, *, functional: bool = True, seed: int = 0, task=None) -> dict[str, Any]:
     """The support-table row of ``model_type`` on this rank (call on every rank of ``mesh``, a
-    1-D mesh named ``tp``; default: one over the whole default process group)."""
+    1-D mesh named ``tp``; default: one over the whole default process group).  ``task``: the head
+    (a ``sweep_tasks.Task``; default: the type's main head)."""
+    from .sweep_tasks import category_of, task_for
+
+    def make(tp: int):
+        row["category"] = category_of(model_type)
+        row["task"] = (task or task_for(model_type)).name
+        return build(model_type, tp, seed, task or task_for(model_type))
+
+    row: dict[str, Any] = {"model_type": model_type}
+    return _check(row, make, mesh, functional)
+
+
+def check_extra(name: str, builder, mesh=None, *, functional: bool = True, seed: int = 0) -> dict[str, Any]:
+    """``check_family`` for a family outside transformers (``sweep_extras``, module docstring):
+    ``builder(tp, seed)`` returns an object with ``model``, ``inputs``, ``category`` and
+    ``loss_of(output)``, or a tuple ``(model, inputs, category)`` (the loss then ``loss_of``)."""
+    loss_fn = [loss_of]
+
+    def make(tp: int):
+        made = builder(tp, seed)
+        if hasattr(made, "model"):
+            model, inputs, row["category"], loss_fn[0] = made.model, made.inputs, made.category, made.loss_of
+        else:
+            model, inputs, row["category"] = made
+        row["task"] = "extra"
+        model = model.eval()
+        ref = loss_fn[0](model(**inputs))
+        if not torch.isfinite(ref):
+            raise ValueError(f"unsharded loss is {ref.item()}")
+        ref.backward()
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return model, inputs, ref.detach(), grads
+
+    row: dict[str, Any] = {"model_type": name}
+    return _check(row, make, mesh, functional, lambda out: loss_fn[0](out))
+
+
+def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -> dict[str, Any]:
+    """Build (``make(tp)`` -> model, inputs, loss, gradients; it may fill the row's category and
+    task), plan, shard and compare (``loss_fn``: the loss of one output); the row with its outcome."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..core.errors import CheckpointError, PlanError, ReplicationError
+    from ..core.errors import CheckpointError, CollectiveError, PlanError, ReplicationError
 
     t0 = time.perf_counter()
-    row: dict[str, Any] = {"model_type": model_type, "plan": "", "reason": "", "share": None}
+    row.update(plan="", reason="", share=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if mesh is None:
             mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
         row["tp"] = mesh.size()
         try:
-            model, ids, ref_loss, ref_grads = build(model_type, mesh.size(), seed)
+            model, inputs, ref_loss, ref_grads = make(mesh.size())
         except Exception as exc:  # noqa: BLE001 - the family cannot be built or run unsharded at tiny size
             return {**row, "outcome": UNBUILDABLE, "reason": first_line(exc), "seconds": time.perf_counter() - t0}
         row["plan"] = plan_source(model)
+        row["inputs"] = ", ".join(inputs)
         try:
-            plan, _ = plan_for(model, mesh)
-            res = compare(model, ids, ref_loss, ref_grads, mesh, plan, functional)
-        except (PlanError, ReplicationError, CheckpointError) as exc:
+            plan, _ = plan_for(model, mesh, inputs)
+            res = compare(model, inputs, ref_loss, ref_grads, mesh, plan, functional, loss_fn)
+        except (PlanError, ReplicationError, CheckpointError) as exc:  # the library's own refusal, by name
             row.update(outcome=REFUSED, reason=first_line(exc))
+        except CollectiveError as exc:  # a collective that did not complete: a rank stuck or out of step
+            row.update(outcome=HANG, reason=f"{first_line(exc)} @ {site(exc)}")
         except Exception as exc:  # noqa: BLE001 - classified: a timeout is a hang, anything else a crash
             row.update(outcome=HANG if _is_hang(exc) else CRASH, reason=f"{first_line(exc)} @ {site(exc)}")
         else:
@@ -214,6 +251,26 @@ def check_family(model_type: str, mesh=None, *, functional: bool = True, seed: i
             row["reason"] += res["note"]
     row["seconds"] = time.perf_counter() - t0
     return row
+
+
+def build_only(model_type: str, tp: int = 2, seed: int = 0) -> dict[str, Any]:
+    """The row of ``model_type`` without sharding (``benchmarks/models.py --build-only``): whether
+    its tiny model of its main head builds and runs forward and backward unsharded, on which inputs."""
+    from .sweep_tasks import category_of, task_for
+
+    t0 = time.perf_counter()
+    row: dict[str, Any] = {"model_type": model_type, "tp": tp, "plan": "", "reason": "", "share": None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            row["category"] = category_of(model_type)
+            row["task"] = task_for(model_type).name
+            model, inputs, ref_loss, _ = build(model_type, tp, seed)
+        except Exception as exc:  # noqa: BLE001 - not buildable: its reason is the row
+            return {**row, "outcome": UNBUILDABLE, "reason": first_line(exc), "seconds": time.perf_counter() - t0}
+    total = sum(p.numel() for p in model.parameters())
+    return {**row, "outcome": "built", "plan": plan_source(model), "inputs": ", ".join(inputs),
+            "reason": f"loss {ref_loss.item():.3g}, {total} parameters", "seconds": time.perf_counter() - t0}
 
 
 def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:

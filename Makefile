@@ -24,7 +24,7 @@ BIN   := $(VENV)/bin
 KEY   := $(shell (cat "$(ROOT)/pyproject.toml"; echo "$(TORCH) $(EXTRAS)") | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.hpf-setup-$(KEY)
 
-.PHONY: demo test test-fast test-newest setup-newest mutation-check setup clean-setup titan3-venv
+.PHONY: demo test test-fast test-newest setup-newest mutation-check setup clean-setup titan3-venv diffusers timm-newest
 
 demo: $(STAMP)
 	cd "$(ROOT)" && "$(BIN)/hp-functional" demo
@@ -88,3 +88,16 @@ $(NEWEST_STAMP):
 
 clean-setup:
 	rm -f "$(VENV)"/.hpf-setup-* "$(NEWEST_VENV)"/.hpf-setup-*
+
+# The optional extras' models (docs/diffusion-and-timm.md): diffusers' DiT, PixArt, SD3 and Flux in .venv (the
+# diffusers extra, ~87 MB; torch kept by a constraint), and timm's ViT in .venv-newest, since timm imports
+# torchvision and the torchvision wheels this project installs are built for torch 2.14.1.  Each runs its tests,
+# slow ones included (the suite skips them where the extra is not installed).
+diffusers: $(STAMP)
+	"$(BIN)/python" -c "import torch; print(f'torch=={torch.__version__}')" > "$(VENV)/torch-now.txt"
+	cd "$(ROOT)" && "$(BIN)/python" -m pip install -c "$(VENV)/torch-now.txt" -e ".[test,diffusers]"
+	cd "$(ROOT)" && "$(BIN)/python" -m pytest tests/models/test_diffusers.py $(PYTEST_ARGS)
+
+timm-newest: $(NEWEST_STAMP)
+	cd "$(ROOT)" && "$(NEWEST_VENV)/bin/python" -m pip install -c "$(NEWEST_VENV)/torch-pin.txt" -e ".[test,timm]"
+	cd "$(ROOT)" && "$(NEWEST_VENV)/bin/python" -m pytest tests/models/test_timm.py tests/models/test_handwritten.py $(PYTEST_ARGS)

@@ -1,12 +1,24 @@
 """A fixed subset of the support table (``benchmarks/models.py``, ``docs/models.md``): the same
-per-family check (``hp_functional.tools.sweep.check_family``: tiny config, ``from_hf`` or
-``auto_plan``, loss and every gradient under ``.backward()`` and ``torch.func.grad`` against the
-unsharded model) for a few representative families, at ws 2 and 4 in the rank pools."""
+per-family check (``hp_functional.tools.sweep.check_family``: tiny config, the type's main head
+and inputs, ``from_hf`` or ``auto_plan``, loss and every gradient under ``.backward()`` and
+``torch.func.grad`` against the unsharded model) for a few representative families, at ws 2 and 4
+in the rank pools, and one type of every other category at ws 2."""
 
 import pytest
 
 from hp_functional.tools.model_configs import tiny_config_for
-from hp_functional.tools.sweep import EXACT, LITTLE, REFUSED, UNBUILDABLE, check_family, combine, heads_allow
+from hp_functional.tools.sweep import (
+    CRASH,
+    EXACT,
+    HANG,
+    LITTLE,
+    REFUSED,
+    UNBUILDABLE,
+    WRONG,
+    check_family,
+    combine,
+    heads_allow,
+)
 from tests.conftest import get_pool
 from tests.support.helpers import mesh
 
@@ -28,6 +40,32 @@ def test_family_matches_unsharded(pool, family):
     assert row["plan"] == ("auto_plan" if family in ("gpt2", "opt") else "from_hf"), row
     if row["outcome"] == EXACT:
         assert row["share"] < 0.8, row
+
+
+#: one type per category beyond the decoder LMs -> (its category, its head)
+CATEGORY_ROWS = {"deberta-v2": ("encoder", "masked-lm"), "t5": ("encoder-decoder", "seq2seq-lm"),
+                 "vit": ("vision", "image-classification"), "wav2vec2": ("speech", "ctc"),
+                 "clip": ("dual encoder", "contrastive"), "llava": ("vision-language", "image-text-to-text")}
+
+
+def case_rows(model_types):
+    return [check_family(t, mesh()) for t in model_types]
+
+
+@pytest.mark.slow
+def test_every_category_is_exact_or_refused_by_name():
+    """Every category's row builds, and ``shard()`` either computes the unsharded loss and
+    gradients or refuses with the library's own error: never wrong, a crash or a hang."""
+    per_rank = get_pool(2).run(case_rows, list(CATEGORY_ROWS))
+    for i, (model_type, (category, head)) in enumerate(CATEGORY_ROWS.items()):
+        assert per_rank[0][i]["model_type"] == model_type
+        row = combine([rows[i] for rows in per_rank])
+        assert (row["category"], row["task"]) == (category, head), row
+        assert row["outcome"] not in (WRONG, CRASH, HANG, UNBUILDABLE), row
+        if row["outcome"] in (EXACT, LITTLE):
+            assert row["share"] < 1.0, row
+        else:
+            assert row["outcome"] == REFUSED and row["reason"].split(":")[0].endswith("Error"), row
 
 
 def test_tiny_configs_follow_the_family_rules():

@@ -275,7 +275,8 @@ def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path
         f"plus the extra families of `hp_functional.tools.sweep_extras`), CPU gloo ranks, {seconds / 60:.0f} min "
         "on this machine.",
         "",
-        "Each type: its main head (`hp_functional.tools.sweep_tasks.task_for`: causal LM where it has one, then "
+        "Each type: its main head (`hp_functional.tools.sweep_tasks.task_for`: causal LM where it has one (an "
+        "encoder-decoder's seq2seq head first), then "
         "seq2seq LM, masked LM, image-text-to-text, multimodal LM, speech seq2seq, the contrastive base model "
         "(CLIP, SigLIP: `return_loss=True`), image classification, CTC, audio classification, sequence "
         "classification, else the bare base model), a tiny config from "

@@ -1,11 +1,23 @@
-"""One row of the support table: a tiny model of one HF causal-LM family, sharded over a 1-D
-``tp`` mesh with the plan a new user would reach for, against the unsharded model in the same
-process.  ``benchmarks/models.py`` runs it for every family (one process group per family);
+"""One row of the support table: a tiny model of one HF model type with its main head, sharded
+over a 1-D ``tp`` mesh with the plan a new user would reach for, against the unsharded model in
+the same process.  ``benchmarks/models.py`` runs it for every type (one process group per type);
 ``tests/models/test_model_sweep.py`` runs it for a fixed few inside the rank pools.
 
 ``check_family`` runs on every rank of the mesh and returns a plain dict (picklable):
 ``outcome`` is one of ``OUTCOMES``; ``reason`` the first line of the error (with its site for a
-crash) or the largest differences for ``wrong``.
+crash) or the largest differences for ``wrong``; ``category`` and ``task`` (the head) name the
+row (``sweep_tasks``); ``inputs`` the keyword arguments it ran on (``sweep_inputs``).
+Classification: ``refused`` is the library's own error (``PlanError`` and its ``ShapeError``,
+``ReplicationError``, ``CheckpointError``), ``hang`` a ``CollectiveError`` or a timeout, ``crash``
+anything else (a raw torch error from inside the library is a bug, with its site).
+
+Families outside transformers (diffusers, timm) come from ``hp_functional.tools.sweep_extras``
+where it exists: its ``extra_families()`` (or a dict ``EXTRA_FAMILIES``) maps a name to
+``builder(tp: int, seed: int)``, which returns an object with ``model``, ``inputs`` (the keyword
+arguments of one forward), ``category`` and ``loss_of(output) -> scalar``, or a tuple
+``(model, inputs, category)`` (the loss then ``loss_of``); ``check_extra(name, builder)`` is its
+row.  ``benchmarks/models.py`` reads that registry when it runs (``--no-extras`` leaves it out):
+nothing registers itself at import.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ EXCEPTIONS = {
 
 #: modules tested through the module that calls them: module -> the test file that covers them
 THROUGH = {
-    "hp_functional.analysis.audit": "tests/planner/test_auto_plan_exact.py",  # the shape audit of planned regions
     "hp_functional.analysis.trace": "tests/planner/test_auto_plan.py",
     "hp_functional.cli.demo": "tests/cli/test_cli.py",  # `hp-functional demo`
     "hp_functional.compile.kv_heads": "tests/compile/test_kv_heads.py",

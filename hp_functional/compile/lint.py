@@ -201,8 +201,11 @@ def _cousins(f: _Family, axis: str) -> tuple[list[str], list[str]]:
     top = f.parent.rpartition(".")[0]
     near = [c for c, p in f.by_fqn.items() if p.axis == axis and c != f.head and (not top or c.startswith(top + "."))
             and not c.startswith(f.parent + ".")]
-    out = [c for c in near if isinstance(pl := _placement(f.specs[c].out_dst, "output", axis), Shard) and pl.dim == -1]
-    return out, [c for c in near if _placement(f.specs[c].in_src, 0, axis) == Shard(-1)]
+    out = {c for c in near if isinstance(pl := _placement(f.specs[c].out_dst, "output", axis), Shard) and pl.dim == -1}
+    into = {c for c in near if _placement(f.specs[c].in_src, 0, axis) == Shard(-1)}
+    parent = lambda c: c.rpartition(".")[0]  # noqa: E731 - a cousin's own family must lack its partner
+    return ([c for c in out if not any(parent(d) == parent(c) for d in into)],
+            [c for c in into if not any(parent(d) == parent(c) for d in out)])
 
 
 def _siblings(f: _Family) -> list[Finding]:
@@ -224,8 +227,6 @@ def _siblings(f: _Family) -> list[Finding]:
         sharded = [c for c in mine if any(isinstance(pl.get(axis), Shard) for pl in specs[c].params.values())]
         flagged = set()
         cousins = _cousins(f, axis)  # BERT: query/key/value in attention.self, the rowwise dense in attention.output
-        if producers and not consumers and cousins[1]:
-            producers = []
         if consumers and not producers and cousins[0]:
             consumers = []
         if producers and not consumers:
@@ -236,7 +237,7 @@ def _siblings(f: _Family) -> list[Finding]:
                     "error", u, f"{u} is left replicated (no plan entry) but consumes the Shard(-1) outputs of {producers}, "
                     "which nothing reduces: plan it Rowwise, or gather those outputs (gather_output=True)", "unreduced"))
             flagged.update(culprits)
-            if not culprits:
+            if not culprits and not cousins[1]:
                 for c in producers:
                     findings.append(Finding(
                         "warning", c, f"{c}: its output stays sharded on the last dim (Colwise without gather_output) and "

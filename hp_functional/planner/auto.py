@@ -255,7 +255,8 @@ class _Generator:
             path = self._path_of(get()) if get else None
         except (NotImplementedError, AttributeError):
             path = None
-        if path is None or not isinstance(self.modules[path], nn.Embedding):
+        declared = path is not None and isinstance(self.modules[path], nn.Embedding)
+        if not declared:
             path = next((p for p in self.trace.calls if isinstance(self.modules.get(p), nn.Embedding)
                          and INPUT in self.trace.producers(p)), None)
         if path is None:
@@ -263,6 +264,9 @@ class _Generator:
         if path in self.covered:
             return path
         rows = self.modules[path].num_embeddings
+        if rows % self.n and not declared:  # a table the inputs index that is no vocabulary (DiT's class labels)
+            self.roles[path] = f"input embedding (replicated: {rows} rows do not split over {self.n} ranks)"
+            return None
         if rows % self.n:
             raise PlanError(f"auto_plan: {path}: a vocabulary of {rows} does not split over {self.n} ranks of axis "
                             f"{self.axis!r} (pad it, or override {path!r} with NoParallel())")

@@ -25,6 +25,7 @@ from .trace import TracedInt, _leaves, _plain, _snapshot, _to_meta, fake_mode, m
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 CONTRACTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "mm", "linear", "scaled_dot_product_attention"}
 FACTORIES = ("new_", "empty_like", "zeros_like", "ones_like", "full_like", "size", "dim")
+CONCATS = ("cat", "concat", "concatenate")
 
 Shape = tuple[int, ...]
 
@@ -103,6 +104,8 @@ class _Recorder(TorchFunctionMode):
         outs = tuple(tuple(t.shape) for t in _leaves(out) if isinstance(t, Tensor))
         found = self.packing(leaves) if self.packed else None
         cut = self._follow(name, args, out, *found) if found is not None else None
+        if found is not None and name in CONCATS:
+            cut = _concatenated(args, kwargs, found[1])
         if outs and ins:
             self.ops.append(Op(name, ins, outs, attrs, packed=found[1] if found else None, cut=cut))
         return out
@@ -152,6 +155,19 @@ class _Recorder(TorchFunctionMode):
                         f"plan {p.source!r} as {fix}, or gather it (Colwise(gather_output=True))")
             self.tag(t, p.moved(p.dim, tuple(p.blocks[edges.index(a):edges.index(b)])))
         return None
+
+
+def _concatenated(args, kwargs, p: Packed) -> str | None:
+    """Why a concatenation along a divided dim is not the global one divided: each rank holds its
+    slice of every piece, not a contiguous slice of the whole (Flux's single block concatenates
+    attention and MLP features and contracts them in one Rowwise projection)."""
+    pieces = [t for t in (args[0] if args else kwargs.get("tensors", ())) if isinstance(t, Tensor)]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if len(pieces) < 2 or not isinstance(dim, int) or dim % pieces[0].dim() != p.dim:
+        return None
+    return (f"it concatenates {len(pieces)} tensors along dim {p.dim}, which {p.source!r}'s sharded output divides: a "
+            "rank holds its slice of each piece, not a contiguous slice of the whole; gather the pieces "
+            "(Colwise(gather_output=True)) or keep them apart")
 
 
 def _permutation(name: str, args, ndim: int) -> list[int] | None:

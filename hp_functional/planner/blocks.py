@@ -78,6 +78,15 @@ def _residual(trace: ModelTrace, path: str, module: nn.Module, block: str) -> bo
     return is_norm(module) and any(p == INPUT or not inside(p, block) for p in trace.producers(path))
 
 
+def _modulates(trace: ModelTrace, parent: str, node: str, projections: set[str]) -> bool:
+    """Whether ``parent``'s output mixes ``node``'s with its own input stream passed through a
+    module of its own (an adaLN's ``norm(x) * (1 + scale) + shift``): then ``node`` modulates the
+    stream rather than computing features a projection contracts, and the flow stops there."""
+    call = trace.calls[parent]
+    return any(m != node and m not in projections and inside(m, parent) and trace.producers(m) & call.first
+               for m in call.main)
+
+
 def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], projections: set[str],
              modules: Mapping[str, nn.Module]) -> tuple[set[str], set[str]]:
     """(``candidates`` that ``start``'s output reaches inside ``block``, modules passed on the way).
@@ -99,7 +108,8 @@ def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], pr
                 passed.add(c)
                 todo.append(c)
         parent = node.rpartition(".")[0]
-        if node and inside(parent, block) and parent not in seen and node in trace.calls.get(parent, _NO_CALL).main:
+        if (node and inside(parent, block) and parent not in seen and node in trace.calls.get(parent, _NO_CALL).main
+                and not _modulates(trace, parent, node, projections)):
             seen.add(parent)  # left through the enclosing module's output: not passed through it
             todo.append(parent)
     return hit, passed

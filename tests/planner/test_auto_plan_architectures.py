@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 import hp_functional as hpf
 
@@ -99,11 +100,28 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
+class ParallelBlock(nn.Module):
+    """Attention and MLP side by side, their features concatenated into one projection (Flux's
+    single block, GPT-J-style parallel blocks with a fused output)."""
+
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.heads, self.ln = heads, nn.LayerNorm(d)
+        self.qkv, self.mlp_in, self.out = nn.Linear(d, 3 * d), nn.Linear(d, 2 * d), nn.Linear(3 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.ln(x)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        return x + self.out(torch.cat([att, F.gelu(self.mlp_in(h))], dim=-1))
+
+
 class HandWrittenGPT(nn.Module):
-    def __init__(self, vocab=128, d=64):
+    def __init__(self, vocab=128, d=64, block=Block):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(1, 16, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
+        self.blocks = nn.ModuleList(block(d) for _ in range(2))
         self.norm, self.out = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, ids, targets):
@@ -118,7 +136,13 @@ def handwritten():
     return HandWrittenGPT(), {"ids": ids, "targets": ids}
 
 
-MODELS = {"bert": bert, "vit": vit, "t5": t5, "bart": bart, "whisper": whisper, "clip": clip, "handwritten": handwritten}
+def parallel_blocks():
+    ids = _ids()
+    return HandWrittenGPT(block=ParallelBlock), {"ids": ids, "targets": ids}
+
+
+MODELS = {"bert": bert, "vit": vit, "t5": t5, "bart": bart, "whisper": whisper, "clip": clip, "handwritten": handwritten,
+          "parallel": parallel_blocks}
 
 
 def _loss(out):
@@ -176,7 +200,7 @@ def test_an_encoder_and_a_vision_model_are_exact():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, tp", [("t5", 2), ("t5", 4), ("bart", 2), ("whisper", 2), ("clip", 2), ("handwritten", 2),
-                                      ("handwritten", 4)])
+                                      ("handwritten", 4), ("parallel", 2)])
 def test_architectures_are_exact(name, tp):
     """tp 4 runs one head per rank (T5: its relative bias one column each); the support table
     (``benchmarks/models.py``) runs every type at tp 2 and 4."""
@@ -221,3 +245,22 @@ def test_fsdp_over_an_auto_planned_encoder():
         return [k for k, g in ref_grads.items() if not _close(full[k], g)]
 
     assert hpf.emulate(rank, (2, 2), ("dp", "tp")) == [[]] * 4
+
+
+def test_a_concatenation_of_sharded_features_into_one_rowwise_is_refused():
+    """Attention and MLP features concatenated, then one Rowwise: each rank would hold its slice
+    of each piece, not a contiguous slice of the whole, so the hand plan below is silently wrong;
+    the shape audit refuses it, naming the op and the fix.  auto_plan gathers that block instead
+    (exact: ``test_architectures_are_exact[parallel-2]``)."""
+    model, inputs = parallel_blocks()
+    plan = {"blocks.*": hpf.Heads(attrs=("heads",)), "blocks.*.qkv": hpf.Colwise(packed=3), "blocks.*.mlp_in": hpf.Colwise(),
+            "blocks.*.out": hpf.Rowwise()}
+
+    def rank(mesh):
+        with pytest.raises(hpf.PlanError, match="concatenates 2 tensors along dim 2.*gather the pieces"):
+            hpf.shard(model, plan, mesh, verify=False)
+        auto = hpf.auto_plan(model, mesh, example_inputs=inputs)
+        return auto.entries["blocks.*.out"], [n for n in auto.notes if "gathered" in n]
+
+    out, notes = hpf.emulate(rank, (2,), ("tp",))[0]
+    assert out == hpf.Rowwise(input_layout=Replicate()) and notes, (out, notes)

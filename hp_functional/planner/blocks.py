@@ -94,7 +94,8 @@ def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], pr
     Data flows to the modules that consume it and out of the module it was computed in (its
     output is the enclosing module's output: BERT's ``attention.self`` hands the heads to
     ``attention.output.dense``).  It stops at any other projection, at a module that holds one,
-    and at a norm on the residual stream."""
+    at a norm on the residual stream, and at a module called more than once (its calls' flows are
+    one node in the trace: following it would join unrelated uses)."""
     seen, hit, passed, todo = set(), set(), set(), [start]
     while todo:
         node = todo.pop()
@@ -104,7 +105,8 @@ def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], pr
             seen.add(c)
             if c in candidates:
                 hit.add(c)
-            elif not (c in projections or _holds(c, projections) or _residual(trace, c, modules[c], block)):
+            elif not (c in projections or _holds(c, projections) or _residual(trace, c, modules[c], block)
+                      or trace.calls[c].count > 1):  # a module called twice (SwinV2's drop_path) merges two flows
                 passed.add(c)
                 todo.append(c)
         parent = node.rpartition(".")[0]
@@ -202,7 +204,7 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
     heads = {h for p in cols for h in heads_of(trace, p)} | {getattr(modules[o], a) for o, a in attrs}
     owned = list(modules[block].named_parameters(recurse=False))
     per_head = [join(block, name) for name, q in owned if q.dim() == 1 and q.shape[0] in heads]
-    per_head += _head_embeddings(modules, block, heads, roles)
+    per_head += _head_tables(modules, block, heads, roles)
     for name, _ in owned:  # used outside the sharded region (a layer scale on the output): else the audit refuses
         if join(block, name) not in per_head:
             out.param_roles[join(block, name)] = "parameter of the block (replicated: outside its sharded region)"
@@ -229,11 +231,11 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
     return out
 
 
-def _head_embeddings(modules: Mapping[str, nn.Module], block: str, heads: set[int], roles: Mapping[str, str]) -> list[str]:
-    """Tables of one value per head below ``block`` (T5's relative position bias: an
-    ``nn.Embedding`` of ``heads`` columns added to the scores), as per-head candidates."""
-    return [join(p, "weight") for p, m in modules.items() if inside(p, block) and isinstance(m, nn.Embedding)
-            and m.embedding_dim in heads and p not in roles]
+def _head_tables(modules: Mapping[str, nn.Module], block: str, heads: set[int], roles: Mapping[str, str]) -> list[str]:
+    """Tables of one column per head below ``block`` (T5's relative position bias, an
+    ``nn.Embedding``; Swin's and BEiT's ``relative_position_bias_table``), as per-head candidates."""
+    return [join(p, name) for p, m in modules.items() if (p == block or inside(p, block)) and p not in roles
+            for name, q in m.named_parameters(recurse=False) if q.dim() == 2 and q.shape[-1] in heads]
 
 
 def per_head_dim(param) -> int:

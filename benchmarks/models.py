@@ -257,6 +257,32 @@ def _pct(met: int, of: int) -> str:
     return f"{met}/{of} ({100 * met / of:.0f} %)" if of else "–"
 
 
+#: what a user can expect, by kind of model (docs/auto-plan.md has the rules behind it).
+EXPECT = [
+    "## What to expect, by kind of model",
+    "",
+    "- **Decoder LMs** with an HF `tp_plan`: HF's plan, entry for entry; `auto_plan` plans what it leaves out "
+    "(nothing, for most). Without one: `auto_plan` by dataflow (GPT-2's `Conv1D`, OPT, BLOOM). Mixtures of experts "
+    "are found from their routing and left to `from_hf(ep_axis=...)` / `hpf.Experts`: HF's plans that leave experts "
+    "whole make the rows \"sharded little\".",
+    "- **Encoders** (BERT, RoBERTa, DeBERTa-v2, ELECTRA, ModernBERT): attention and MLP pairs are found across sibling "
+    "modules (`attention.self` → `attention.output`); masked-LM heads are vocab-sharded with their tied bias.",
+    "- **Encoder-decoders** (T5, BART, mBART, Marian, Whisper): one embedding table for encoder, decoder and head; "
+    "cross-attention planned like self-attention; T5's relative position bias sharded by head.",
+    "- **Vision** (ViT, DeiT, BEiT, Swin, ConvNeXt) and **speech** (Whisper, wav2vec2, HuBERT): convolutions "
+    "(patch embeddings, feature encoders) and classifiers stay replicated and `plan.coverage` says so; a tiny "
+    "model made mostly of them shards little.",
+    "- **Dual encoders** (CLIP, SigLIP): both towers sharded, the projections and `logit_scale` replicated, their "
+    "contrastive loss exact.",
+    "- **Vision-language models**: the text model by HF's plan and the vision tower and projector by `auto_plan` "
+    "(`auto_plan(..., base=ShardingPlan.from_hf(model))`); types whose image inputs the sweep cannot build yet run "
+    "on text only (the `inputs` of their row say which).",
+    "- **Diffusion transformers and timm** (optional extras): [diffusion and timm](diffusion-and-timm.md).",
+    "- **Refused** rows name the module and the fix; **not buildable tiny** rows are the sweep's own limits "
+    "(the tiny config or its inputs), not the library's.",
+]
+
+
 def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path, seconds: float) -> None:
     """``docs/models.md``: versions, the goal metric, counts overall and per category, one row per type."""
     import torch
@@ -285,8 +311,10 @@ def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path
         "feature extractor, 3 labels), eager attention, random weights, inputs built from the config "
         "(`hp_functional.tools.sweep_inputs`: batch 2 × 8 tokens, pixels, 400 audio samples or mel features, "
         "labels); the loss is the model's own, else the mean square of its main output. The plan is "
-        "`ShardingPlan.from_hf(model)` where HF declares a TP plan and `hpf.auto_plan(model, mesh, "
-        "example_inputs=inputs)` otherwise; `shard()` on a 1-D `tp` mesh, the loss and every gradient "
+        "`hpf.auto_plan(model, mesh, example_inputs=inputs, base=ShardingPlan.from_hf(model))` where HF "
+        "declares a TP plan (HF's entries kept, what they leave out planned by dataflow; `from_hf` alone where "
+        "auto_plan refuses the rest) and `hpf.auto_plan(model, mesh, example_inputs=inputs)` otherwise "
+        "(`hp_functional.tools.sweep.plan_for`); `shard()` on a 1-D `tp` mesh, the loss and every gradient "
         "(`.backward()` and `torch.func.grad`, gathered with `hpf.unshard`) against the unsharded model in the "
         "same process (`hp_functional.tools.sweep.check_family`). tp 4 runs where tp 2 built and the heads "
         "divide by 4.",
@@ -316,6 +344,7 @@ def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path
         cells = [" / ".join(str(per[tp].get(o, 0)) for tp in tps) for o in reversed(OUTCOMES)]
         lines.append(f"| {cat} | {n} | " + " | ".join(cells) + " | "
                      + " ; ".join(_pct(*goal(table, tp, cat)) for tp in tps) + " |")
+    lines += ["", *EXPECT]
     lines += ["", "Reproduce one type: `python benchmarks/models.py --only <model type>`.", "",
               "| model type | category | head | " + " | ".join(f"tp {tp}" for tp in tps) + " | plan | reason |",
               "|---|---|---|" + "---|" * len(tps) + "---|---|"]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..analysis.trace import example_call
 from ..core.collectives import AxisGroup, CopyTo
 from ..core.errors import PlanError, PlanWarning
 from ..core.facets import ReducedOver
@@ -75,7 +76,8 @@ def check_head_counts(planned: list[Planned], specs: Mapping[str, ModuleSpec], g
 
 
 def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: bool,
-           varying_uses: Mapping[str, frozenset[str]] | None = None, real: bool = False) -> Program:
+           varying_uses: Mapping[str, frozenset[str]] | None = None, real: bool = False,
+           inputs: tuple[tuple, dict] | None = None) -> Program:
     # Each pass reads what the ones before decided: the mesh; the specs; KV-head replication
     # (compile.kv_heads); lint (errors raise together, warnings warn: compile.lint, with the shape
     # audit of every planned region, compile.lint_heads); head counts; storage placements, tied and
@@ -93,7 +95,8 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
     boundaries = lower_boundaries(planned, specs, analysis, groups)
     tree_steps = lower_parameter_conversions(placed, specs, analysis, groups)
     covered = {k: {s.axis for s in v} for k, v in tree_steps.items()}
-    flow = trace_dataflow(model, boundaries, analysis, placed.infos, placed.leaf_of, list(groups), covered, real=real)
+    flow = trace_dataflow(model, boundaries, analysis, placed.infos, placed.leaf_of, list(groups), covered, inputs,
+                          real=real)
     uses = dict(flow.varying_uses)
     for key, axes in (varying_uses or {}).items():
         uses[key] = uses.get(key, frozenset()) | axes
@@ -115,11 +118,12 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
     )
 
 
-def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh
-                  ) -> tuple[dict[str, frozenset[str]], str | None]:
+def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh,
+                 inputs: tuple[tuple, dict] | None = None) -> tuple[dict[str, frozenset[str]], str | None]:
     """(``compile.dataflow``'s varying uses of ``model``'s parameters traced on ``model`` itself —
-    real tensors, for a private probe copy whose forward cannot run on meta —, why not if it failed: None when it ran)."""
-    program = _build(model, as_plan(plan), mesh, run_lint=False, real=True)
+    real tensors, for a private probe copy whose forward cannot run on meta —, why not if it failed: None when it ran);
+    ``inputs``: ``(args, kwargs)`` of that forward, on ``model``'s device (None: synthesized token ids)."""
+    program = _build(model, as_plan(plan), mesh, run_lint=False, real=True, inputs=inputs)
     uses: dict[str, frozenset[str]] = {}
     for key, steps in program.param_steps.items():
         axes = frozenset(s.axis for s in steps if s.collective is CopyTo)
@@ -129,7 +133,7 @@ def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
 
 
 def build_program(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *,
-                  varying_uses: Mapping[str, frozenset[str]] | None = None) -> Program:
+                  varying_uses: Mapping[str, frozenset[str]] | None = None, example_inputs=None) -> Program:
     """Compile ``plan`` for ``model`` on ``mesh`` (docs/architecture.md#the-passes).  Reads
     ``model`` and ``plan``; communicates nothing; raises ``PlanError``/``ShapeError`` naming the
     culprit and warns ``PlanWarning`` for lint's warnings.
@@ -140,10 +144,15 @@ def build_program(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMe
         mesh: a ``DeviceMesh`` with named dims that holds this rank.
         varying_uses: leaf key → axes: what a trace of a real probe copy found, for a model whose
             forward cannot run on meta tensors (``shard()`` passes it); None: trace a meta copy.
+        example_inputs: what one forward of ``model`` takes (a tensor, a tuple of positional
+            arguments or a dict of keyword arguments, as ``auto_plan``'s): the dataflow pass traces
+            it (on meta) instead of token ids it synthesizes only for a model that starts with an
+            embedding; None: synthesize.
     Returns:
         The ``Program``: boundaries, every leaf's ``ShardInfo``, parameter conversions, axis groups.
     """
-    return _build(model, as_plan(plan), mesh, run_lint=True, varying_uses=varying_uses)
+    inputs = None if example_inputs is None else example_call(model, example_inputs)
+    return _build(model, as_plan(plan), mesh, run_lint=True, varying_uses=varying_uses, inputs=inputs)
 
 
 def lint(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> list[Finding]:

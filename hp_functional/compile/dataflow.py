@@ -9,7 +9,7 @@ per rank (JAX's varying type).  See docs/guarantees.md#exact-or-refused.
 
 from __future__ import annotations
 
-__all__ = ["synthesize_inputs", "trace_dataflow"]
+__all__ = ["Unchecked", "synthesize_inputs", "trace_dataflow", "unchecked_in_regions"]
 
 import inspect
 from collections.abc import Mapping, Sequence
@@ -24,10 +24,12 @@ from ..analysis.trace import _leaves, _to_meta
 from ..core.errors import PlanError
 from ..core.lowering import Step
 from ..core.placement import ShardInfo, splits
-from ..core.program import Boundary
+from ..core.program import Boundary, Planned
 from ..core.signature import arg_slots, map_arguments
+from ..core.style import ModuleSpec
+from ..parallel.tensor.styles import is_conv1d
 from .reduced_copy import Reduced, plan_marks, reduced_copy
-from .regions import Varying
+from .regions import Varying, is_below
 
 
 @dataclass(frozen=True)
@@ -248,3 +250,83 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
 
     return (module.register_forward_pre_hook(pre, with_kwargs=True),
             module.register_forward_hook(post, with_kwargs=True))
+
+
+@dataclass(frozen=True)
+class Unchecked:
+    """A module this pass would have had to trace: not planned, inside the planned ``region``, holding
+    ``params`` (FQNs) replicated and unreduced on ``axis`` that need not see the region's replicated data."""
+
+    module: str
+    region: str
+    axis: str
+    params: tuple[str, ...]
+
+
+def _widths(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a Linear or HF Conv1D (weight stored ``[in, out]``), else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return tuple(module.weight.shape)
+    return None
+
+
+def _innermost_first(item) -> tuple:
+    (region, axis), _ = item
+    return -(region.count(".") + bool(region)), region, axis
+
+
+def unchecked_in_regions(model: nn.Module, boundaries: Sequence[Boundary], infos: Mapping[str, ShardInfo],
+                         leaf_of: Mapping[str, str], param_steps: Mapping[str, Sequence[Step]]) -> list[Unchecked]:
+    """What only this pass (or ``shard()``'s probe) can clear, for a model it could not trace: every
+    module that is not planned, sits inside a planned region — the parent of planned projections whose
+    output stays sharded or whose input arrives sharded (``lint_heads.audit_regions``' notion, less a
+    rowwise projection that splits a replicated input at its own entry: nothing sharded leaves it) — and
+    holds parameters that stay replicated on the region's axis with no gradient reduction there.  Such
+    a module may see each rank's share of the heads (a per-head q/k norm between a colwise projection
+    and the attention), whose gradient is then a per-rank share that nothing reduces.
+
+    A module whose parameters' last dim is a width the region's data has while replicated — the input
+    of one of its colwise projections, the output of one of its rowwise ones (a pre-norm beside an MLP
+    in one layer module, Whisper's layer norms) — is presumed to see that data and is not listed: a
+    per-head norm's width is a head's, a fraction of the projection's.  Modules under a planned module
+    that computes with a function of its own (``Local``, ``Experts``) are that style's to reduce."""
+    planned: dict[str, Planned] = {b.planned.fqn: b.planned for b in boundaries}
+    specs: dict[str, ModuleSpec] = {b.planned.fqn: b.spec for b in boundaries}
+    regions: dict[tuple[str, str], set[int]] = {}  # (parent, axis) -> widths of its replicated data
+    for fqn, p in planned.items():
+        widths = _widths(p.module)
+        spec = specs[fqn]
+        if not fqn or widths is None or not any(splits(pl.get(p.axis)) for pl in spec.params.values()):
+            continue
+        # what arrives split (a rowwise after a colwise, sequence parallelism), not what its own entry splits
+        split_in = any(splits(pl.get(p.axis)) for pl in spec.in_src.values())
+        split_out = splits(spec.out_dst.get("output", spec.out_src.get("output", {})).get(p.axis))
+        if not (split_in or split_out):
+            continue
+        replicated = regions.setdefault((fqn.rpartition(".")[0], p.axis), set())
+        replicated |= {w for w, split in zip(widths, (split_in, split_out), strict=True) if not split}
+    own = [f for f, p in planned.items() if not p.style.own_forward]
+    found: list[Unchecked] = []
+    for name, module in model.named_modules():
+        if name in planned or any(name == f or is_below(name, f) for f in own):
+            continue
+        for (region, axis), widths in sorted(regions.items(), key=_innermost_first):
+            if not is_below(name, region) or any(is_below(region, f) or region == f for f in own):
+                continue
+            at_risk = []
+            for pname, prm in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}"
+                leaf = leaf_of.get(full)
+                if leaf is None or splits(infos[leaf].axes.get(axis)):
+                    continue
+                if any(s.axis == axis for s in param_steps.get(leaf, ())):
+                    continue  # its gradient is already reduced (or converted) on this axis
+                if prm.dim() >= 1 and prm.shape[-1] in widths:
+                    continue  # the width of the region's replicated data: presumed to see it
+                at_risk.append(full)
+            if at_risk:
+                found.append(Unchecked(name, region, axis, tuple(at_risk)))
+                break
+    return found

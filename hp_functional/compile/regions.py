@@ -11,7 +11,7 @@ Reads the specs only.
 
 from __future__ import annotations
 
-__all__ = ["Varying", "analyse_regions", "consumer_axes"]
+__all__ = ["Varying", "analyse_regions", "consumer_axes", "is_below"]
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass

@@ -3,16 +3,17 @@ same copy unsharded — loss and every gradient — on the real ranks, before ``
 
 The copy (``probe_copy``) keeps the model's structure with each stack of blocks reduced to one
 block of each distinct kind (structure and layer type), seeded random values (meta-built models
-included), buffers recomputed by their modules' init; nothing of the user's weights or data is
-used.  ``run_probe`` shards it with the same plan on the same mesh, feeds both a tiny synthetic
-batch and compares.  A mismatch raises ``PlanError`` on every rank (every rank compares the same
-gathered numbers), naming the worst parameter.  The probe also lends its real copy to
+included), buffers recomputed by their modules' init; nothing of the user's weights is used.
+``run_probe`` shards it with the same plan on the same mesh, feeds both a tiny synthetic batch (or
+the user's ``shard(..., example_inputs=)``) and compares.  A mismatch raises ``PlanError`` on every
+rank (every rank compares the same gathered numbers), naming the worst parameter.  The probe also lends its real copy to
 ``compile.dataflow`` when the model's forward cannot run on meta tensors.
 """
 
 from __future__ import annotations
 
-__all__ = ["PROBE_CACHE", "ProbeCache", "probe_copy_or_reason", "probe_key", "probe_varying_uses", "run_probe"]
+__all__ = ["PROBE_CACHE", "ProbeCache", "probe_copy_or_reason", "probe_inputs", "probe_key", "probe_varying_uses",
+           "run_probe"]
 
 import inspect
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from collections.abc import Callable, Hashable, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..compile.agree import checksum
 from ..compile.build import varying_uses
@@ -39,13 +41,15 @@ PROBE_VOCAB = 128
 TOLERANCE = 1e-4
 
 
-def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping[str, str]) -> Reduced:
+def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping[str, str],
+               vocab: int | None = PROBE_VOCAB) -> Reduced:
     """``compile.reduce.reduced_copy`` of ``model`` (``marks``: how the plan treats each path) on
     ``device`` with seeded random values (unit-scale activations; no module init needed) and its
-    buffers recomputed by their modules' init."""
+    buffers recomputed by their modules' init; its vocabulary shrunk to ``vocab`` (None: kept)."""
     probe = reduced_copy(model, marks)
     twin = probe.model.eval()  # dropout off: the probe compares functions, not random draws
-    shrink_vocab(twin, PROBE_VOCAB)
+    if vocab is not None:
+        shrink_vocab(twin, vocab)
     originals = dict(model.named_buffers())
     buffers, missing = {}, []
     for name, _ in twin.named_buffers():  # the model's own constants where it has them, else recomputed
@@ -110,11 +114,13 @@ class ProbeCache:
 PROBE_CACHE = ProbeCache()
 
 
-def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | None, program) -> tuple:
+def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | None, program,
+              inputs: tuple[tuple, dict] | None = None) -> tuple:
     """What a probe's verdict depends on: the copy's module classes, scalar attributes, shapes,
     dtypes and config (``compile.lint_heads.fingerprint``), the bits of its buffers (the model's
-    own constants), the plan restated on it, the mesh, the varying uses and the conversions the
-    compiled ``program`` gives the parameters (what the dataflow pass decided)."""
+    own constants), the plan restated on it, the mesh, the varying uses, the conversions the
+    compiled ``program`` gives the parameters (what the dataflow pass decided) and the batch given
+    (``inputs``: the bits of its tensors, the rest by ``repr``; None: the synthesized one)."""
     steps = tuple(sorted((k, tuple((s.collective.name, s.axis) for s in v)) for k, v in program.param_steps.items()))
     settings = (tuple(sorted(plan.axes.items())), tuple(sorted((k, repr(v)) for k, v in plan.settings.items())),
                 tuple(sorted(plan.optional_roles)),
@@ -122,7 +128,29 @@ def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | N
     return (fingerprint(probe.model), tuple((n, checksum(b)) for n, b in probe.model.named_buffers()),
             tuple(sorted((k, repr(v)) for k, v in plan.entries.items())), settings,
             tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names, mesh.device_type,
-            tuple(sorted((k, tuple(sorted(v))) for k, v in (uses or {}).items())), steps)
+            tuple(sorted((k, tuple(sorted(v))) for k, v in (uses or {}).items())), steps,
+            None if inputs is None else _signature(inputs))
+
+
+def _signature(inputs: tuple[tuple, dict]) -> tuple:
+    leaves, spec = tree_flatten(inputs)
+    return (str(spec), tuple((tuple(x.shape), x.dtype, checksum(x)) if isinstance(x, Tensor) else repr(x)
+                             for x in leaves))
+
+
+def probe_inputs(inputs: tuple[tuple, dict], device: torch.device) -> tuple[tuple[tuple, dict] | None, str]:
+    """``shard(..., example_inputs=)``'s ``(args, kwargs)`` on the probe copy's ``device`` (detached
+    copies), or why not: meta tensors carry no values to compare."""
+    if any(isinstance(x, Tensor) and x.device.type == "meta" for x in tree_flatten(inputs)[0]):
+        return None, "example_inputs are meta tensors: no values to probe with"
+    return tree_map(lambda x: x.detach().to(device) if isinstance(x, Tensor) else x, inputs), ""
+
+
+def _fits_vocab(inputs: tuple[tuple, dict] | None, vocab: int) -> bool:
+    """Whether every integer tensor of ``inputs`` indexes below ``vocab`` (the shrunk copy takes it)."""
+    ints = [x for x in tree_flatten(inputs)[0] if isinstance(x, Tensor) and not x.is_floating_point()
+            and not x.is_complex() and x.dtype != torch.bool and x.numel() and x.device.type != "meta"]
+    return all(int(x.max()) < vocab for x in ints)
 
 
 def shrink_vocab(twin: nn.Module, vocab: int) -> None:
@@ -160,15 +188,16 @@ def shrink_vocab(twin: nn.Module, vocab: int) -> None:
             c.vocab_size = vocab
 
 
-def probe_varying_uses(probe: Reduced, plan, mesh) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]],
-                                                             str | None]:
-    """``compile.dataflow`` on the probe's real copy: (its varying uses by the copy's FQNs, the same
-    by the original FQNs, why not if that forward failed too: None when it ran)."""
-    uses, skipped = varying_uses(probe.model, plan, mesh)
+def probe_varying_uses(probe: Reduced, plan, mesh, inputs: tuple[tuple, dict] | None = None
+                       ) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]], str | None]:
+    """``compile.dataflow`` on the probe's real copy (fed ``inputs``, on its device; None: synthesized
+    token ids): (its varying uses by the copy's FQNs, the same by the original FQNs, why not if that
+    forward failed too: None when it ran)."""
+    uses, skipped = varying_uses(probe.model, plan, mesh, inputs)
     return uses, {o: axes for k, axes in uses.items() for o in probe.names.get(k, [k])}, skipped
 
 
-def _batch(model: nn.Module, mesh) -> dict | None:
+def _batch(model: nn.Module, mesh) -> tuple[tuple, dict] | None:
     """A tiny batch the model's forward takes (ids long enough for every context-parallel layout)."""
     inputs = synthesize_inputs(model)
     if inputs is None:
@@ -179,7 +208,8 @@ def _batch(model: nn.Module, mesh) -> dict | None:
     batch = {"input_ids": ids} if "input_ids" in params else {next(iter(params)): ids}
     if "labels" in params:
         batch["labels"] = ids
-    return batch
+    device = next(model.parameters()).device
+    return (), {k: v.to(device) for k, v in batch.items()}
 
 
 def _vocab(model: nn.Module) -> int:
@@ -187,41 +217,47 @@ def _vocab(model: nn.Module) -> int:
     return emb.num_embeddings
 
 
-def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[str, frozenset[str]] | None) -> str:
-    """Shard the probe copy (``shard_fn``: ``shard`` without the probe), run both on one batch and
-    compare loss and every gradient; returns why the comparison was skipped ("" when it ran) and
+def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[str, frozenset[str]] | None,
+              inputs: tuple[tuple, dict] | None = None) -> str:
+    """Shard the probe copy (``shard_fn``: ``shard`` without the probe), run both on one batch —
+    ``inputs`` (``(args, kwargs)`` on the copy's device: ``shard(..., example_inputs=)``), else a
+    synthesized one — and compare loss and every gradient; returns why the comparison was skipped ("" when it ran) and
     raises ``PlanError`` on a mismatch.  Collective: every rank calls it.  Gradients are taken
     even where ``shard`` is called under ``torch.no_grad()``; where the unsharded model has no
     backward here (flex attention on the CPU), only the loss is compared."""
     with torch.enable_grad():
-        return _run_probe(probe, plan, mesh, shard_fn, varying)
+        return _run_probe(probe, plan, mesh, shard_fn, varying, inputs)
 
 
-def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying) -> str:
+def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) -> str:
     model = probe.model
-    batch = _batch(model, mesh)
+    given = inputs is not None
+    batch = inputs if given else _batch(model, mesh)
     if batch is None:
-        return f"{type(model).__name__} does not start with an embedding: no batch to probe with"
-    batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
+        return (f"{type(model).__name__} does not start with an embedding: no batch to probe with "
+                "(shard(..., example_inputs=...) gives one)")
+    args, kwargs = batch
+    which = "example_inputs" if given else "synthesized batch"
     no_backward = None  # why the unsharded model cannot be differentiated here, if it cannot
     try:
-        ref_out = model(**batch)
+        ref_out = model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the model itself does not take this batch (a pipeline stage's view)
         try:  # or only not with gradients (flex attention on the CPU)
             with torch.no_grad():
-                ref_out = model(**batch)
+                ref_out = model(*args, **kwargs)
             no_backward = exc
         except Exception:  # noqa: BLE001
-            return f"skipped: the model does not take the synthesized batch ({type(exc).__name__}: {str(exc)[:120]})"
+            return f"skipped: the model does not take the {which} ({type(exc).__name__}: {str(exc)[:120]})"
     # a non-HF model's CP root computes the loss from the labels argument it declares
     declared = plan.settings.get("cp_inputs") if plan.axes.get("cp") is not None else None
-    labels = {declared.labels: next(iter(batch.values()))} if declared is not None else {}
+    first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
+    labels = {declared.labels: first} if declared is not None else {}
     apply_fn, params, info = shard_fn(model, plan, mesh, varying)
     try:
         with torch.set_grad_enabled(no_backward is None):
-            out = apply_fn(params, **batch, **labels)
+            out = apply_fn(params, *args, **kwargs, **labels)
     except PlanError as exc:  # a refusal of this batch (raised alike on every rank, before any collective)
-        return f"skipped: the plan refuses the probe's batch ({str(exc).splitlines()[0][:160]})"
+        return f"skipped: the plan refuses the probe's {which} ({str(exc).splitlines()[0][:160]})"
     except Exception as exc:  # the unsharded copy ran this batch: the plan is what cannot run
         raise PlanError(f"shard-time probe: the plan cannot run on a random copy of the model that runs unsharded "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); a shape the "
@@ -288,11 +324,12 @@ def _compare(loss: Tensor, ref: Tensor, grads: Mapping[str, Tensor], ref_grads: 
                         f"parameter a wrong gradient. {hint}")
 
 
-def probe_copy_or_reason(model: nn.Module, seed: int, device: torch.device,
-                         marks: Mapping[str, str]) -> tuple[Reduced | None, str]:
-    """``probe_copy``, or why the model cannot be copied and initialised for the probe."""
+def probe_copy_or_reason(model: nn.Module, seed: int, device: torch.device, marks: Mapping[str, str],
+                         inputs: tuple[tuple, dict] | None = None) -> tuple[Reduced | None, str]:
+    """``probe_copy``, or why the model cannot be copied and initialised for the probe; ``inputs``:
+    the batch it will be fed (its vocabulary is kept where an integer input indexes beyond ``PROBE_VOCAB``)."""
     try:
-        return probe_copy(model, seed, device, marks), ""
+        return probe_copy(model, seed, device, marks, PROBE_VOCAB if _fits_vocab(inputs, PROBE_VOCAB) else None), ""
     except PlanError as exc:
         return None, f"no probe copy: {exc}"
     except Exception as exc:  # noqa: BLE001 - a model whose init cannot run privately: reported, not probed

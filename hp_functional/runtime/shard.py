@@ -30,11 +30,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..analysis.trace import example_call
 from ..compile.agree import agree
 from ..compile.build import build_program
+from ..compile.dataflow import Unchecked, synthesize_inputs, unchecked_in_regions
 from ..compile.reduced_copy import Reduced, plan_marks, reduced_plan
 from ..core.collectives import AxisGroup
 from ..core.deprecation import renamed_keywords
+from ..core.errors import PlanError
 from ..core.placement import ShardInfo
 from ..core.program import Program
 from ..core.raw_collectives import mesh_device
@@ -42,7 +45,15 @@ from ..plan.plan import ShardingPlan, as_plan
 from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .initial_values import InitialValues
-from .probe import PROBE_CACHE, ProbeCache, probe_copy_or_reason, probe_key, probe_varying_uses, run_probe
+from .probe import (
+    PROBE_CACHE,
+    ProbeCache,
+    probe_copy_or_reason,
+    probe_inputs,
+    probe_key,
+    probe_varying_uses,
+    run_probe,
+)
 from .remat import (
     Remat,
     RematPlan,
@@ -117,7 +128,7 @@ def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
     seed: int | None = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
     remat: bool | Sequence[str] | Remat | None = None, verify: bool = True,
-    probe_cache: ProbeCache | None = PROBE_CACHE,
+    probe_cache: ProbeCache | None = PROBE_CACHE, example_inputs=None,
 ) -> Sharded:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
@@ -153,57 +164,113 @@ def shard(
             (``runtime.probe``; ``apply_fn.runtime.checks`` says what ran).  False skips it.
         probe_cache: where passed proofs are remembered, so the same structure, plan and mesh is
             probed once (``runtime.probe.ProbeCache``; default: the process's); None: always probe.
+        example_inputs: what one forward of ``model`` takes — a tensor, a tuple of positional
+            arguments or a dict of keyword arguments (as ``auto_plan``'s) — for the dataflow pass
+            (traced on meta) and the probe (fed to its copy) instead of the token ids they synthesize
+            only for a model that starts with an ``nn.Embedding``.  Without it, such a model's plan is
+            refused where an unplanned module with parameters sits inside a planned region
+            (docs/guarantees.md#exact-or-refused).
     Returns:
         ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns what
         ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups once)
         to this rank's local shard; ``shard_info`` says where each shard sits (a ``ShardInfo`` per key).
     """
-    program, checks, proof = compile_sharding(model, plan, mesh, seed=seed, verify=verify)
+    program, checks, proof = compile_sharding(model, plan, mesh, seed=seed, verify=verify, example_inputs=example_inputs)
     proved = None if proof is None or probe_cache is None else probe_cache.lookup(proof.key)
     agreed = agree_on(model, program, weights=weights, seed=seed, agree_timeout=agree_timeout,
                       verify_values=verify_values, remat=remat, proved_before=proved is not None)
     if proof is not None:  # agreed, and before the weights are read: the copy is freed before they are taken
         checks["probe"] = prove(proof, mesh=mesh, proved=proved if agreed.proved_before else None,
                                 probe_cache=probe_cache, agree_timeout=agree_timeout)
+        if proof.unchecked and not checks["probe"].startswith(EXACT):  # the same verdict on every rank
+            raise _unchecked_error(proof.unchecked, f"the probe did not compare the gradients ({checks['probe']})")
         del proof
     return materialise(model, program, agreed, checks=checks)
+
+
+#: the probe's verdict when it compared the loss and every gradient
+EXACT = "exact on the probe copy"
 
 
 @dataclass(frozen=True)
 class Proof:
     """What the shard-time proof runs on (``runtime.probe``): the private ``copy`` of the model,
-    the ``plan`` restated on its paths, the varying uses traced on it (None: the meta trace's)
-    and the ``key`` its verdict is remembered by (``probe_key``)."""
+    the ``plan`` restated on its paths, the varying uses traced on it (None: the meta trace's),
+    the ``key`` its verdict is remembered by (``probe_key``), the batch it is fed (``inputs`` on
+    the copy's device; None: synthesized) and what only it can clear (``unchecked``: the dataflow
+    pass did not run; unless it compares every gradient, ``shard()`` refuses)."""
 
     copy: Reduced
     plan: ShardingPlan
     uses: Mapping[str, frozenset[str]] | None
     key: tuple
+    inputs: tuple[tuple, dict] | None = None
+    unchecked: tuple[Unchecked, ...] = ()
+    example_inputs: object = None  # as given to shard(): the copy's own dataflow pass traces it
 
 
 def compile_sharding(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, seed: int | None,
-                     verify: bool) -> tuple[Program, dict[str, str], Proof | None]:
+                     verify: bool, example_inputs=None) -> tuple[Program, dict[str, str], Proof | None]:
     """``build_program`` and the proof's local preparation (no collective): the program, the
-    checks so far (how the dataflow was traced; why there is no proof) and the ``Proof`` to run."""
-    program = build_program(model, plan, mesh)
-    checks = {"dataflow": program.dataflow_skipped or "traced on meta tensors"}
+    checks so far (how the dataflow was traced; why there is no proof) and the ``Proof`` to run.
+    Where neither the dataflow pass nor the probe can see the data (no batch to synthesize and no
+    ``example_inputs``), a plan with an unplanned module holding parameters inside a planned region
+    raises ``PlanError`` here, on every rank (``compile.dataflow.unchecked_in_regions``)."""
+    inputs = None if example_inputs is None else example_call(model, example_inputs)
+    program = build_program(model, plan, mesh, example_inputs=example_inputs)
+    given = " (example_inputs)" if inputs is not None else ""
+    checks = {"dataflow": program.dataflow_skipped or f"traced on meta tensors{given}"}
     skipped = _why_not_proved(verify=verify, seed=seed)
-    if skipped:
-        checks["probe"] = skipped
-        return program, checks, None
-    marks = plan_marks(program.boundaries, program.infos, program.leaf_of)
-    copy, why = probe_copy_or_reason(model, seed, mesh_device(mesh), marks)
+    copy = None
+    if not skipped:
+        marks = plan_marks(program.boundaries, program.infos, program.leaf_of)
+        copy, skipped = probe_copy_or_reason(model, seed, mesh_device(mesh), marks, inputs)
+    fed = None
+    if copy is not None and inputs is not None:
+        fed, skipped = probe_inputs(inputs, next(copy.model.parameters(), torch.empty(0)).device)
+        if fed is None:
+            copy = None
     if copy is None:
-        checks["probe"] = why
+        checks["probe"] = skipped
+        _refuse_unchecked(model, program, checks["dataflow"], f"no probe ({skipped})")
         return program, checks, None
     copy_plan = reduced_plan(as_plan(plan), model, copy, mesh.mesh_dim_names or ())  # its blocks are renumbered
     uses = None
     if program.dataflow_skipped:  # trace the real copy instead (local, no collective)
-        uses, original_uses, failed = probe_varying_uses(copy, copy_plan, mesh)
+        uses, original_uses, failed = probe_varying_uses(copy, copy_plan, mesh, fed)
         if not failed:
             program = build_program(model, plan, mesh, varying_uses=original_uses)
-            checks["dataflow"] = "traced on the probe's real copy"
-    return program, checks, Proof(copy, copy_plan, uses, probe_key(copy, copy_plan, mesh, uses, program))
+            checks["dataflow"] = f"traced on the probe's real copy{given}"
+    unchecked: tuple[Unchecked, ...] = ()
+    if program.dataflow_skipped:
+        if fed is None and synthesize_inputs(copy.model) is None:  # the probe has no batch either
+            _refuse_unchecked(model, program, checks["dataflow"], "no batch to probe with")
+        unchecked = tuple(unchecked_in_regions(model, program.boundaries, program.infos, program.leaf_of,
+                                               program.param_steps))
+    key = probe_key(copy, copy_plan, mesh, uses, program, fed)
+    return program, checks, Proof(copy, copy_plan, uses, key, fed, unchecked, example_inputs if fed else None)
+
+
+def _refuse_unchecked(model: nn.Module, program: Program, dataflow: str, probe: str) -> None:
+    """``PlanError`` (local, before any collective) where the dataflow pass did not run and an
+    unplanned module with replicated parameters sits inside a planned region; else nothing."""
+    if not program.dataflow_skipped:
+        return
+    found = unchecked_in_regions(model, program.boundaries, program.infos, program.leaf_of, program.param_steps)
+    if found:
+        raise _unchecked_error(found, f"{dataflow}; {probe}")
+
+
+def _unchecked_error(found, why: str) -> PlanError:
+    first = found[0]
+    more = f" (and {', '.join(u.module for u in found[1:4])}{', ...' if len(found) > 4 else ''})" if found[1:] else ""
+    return PlanError(
+        f"{first.module} is not planned, sits inside the planned region {first.region!r} and holds parameters "
+        f"replicated on mesh axis {first.axis!r} ({', '.join(first.params)}){more}; neither the dataflow pass nor the "
+        f"probe could see what data it receives ({why}), so if it sees each rank's share of the heads its gradient "
+        "would be a per-rank share that nothing reduces. Plan it NoParallel(reduce_grads=True) if it sees each rank's "
+        "share of the heads (a per-head norm), NoParallel() if it sees only replicated data, or pass "
+        "shard(..., example_inputs=...) so the data it sees is traced (docs/guarantees.md#exact-or-refused)")
 
 
 def _why_not_proved(*, verify: bool, seed: int | None) -> str:
@@ -248,8 +315,8 @@ def prove(proof: Proof, *, mesh: DeviceMesh, proved: str | None, probe_cache: Pr
     or the probe run now (a collective; a mismatch raises ``PlanError``) and recorded in ``probe_cache``."""
     if proved is not None:
         return f"{proved} (probed before in this process: same structure, plan and mesh)"
-    shard_copy = functools.partial(shard_unproved, agree_timeout=agree_timeout)
-    verdict = run_probe(proof.copy, proof.plan, mesh, shard_copy, proof.uses) or "exact on the probe copy"
+    shard_copy = functools.partial(shard_unproved, agree_timeout=agree_timeout, example_inputs=proof.example_inputs)
+    verdict = run_probe(proof.copy, proof.plan, mesh, shard_copy, proof.uses, proof.inputs) or EXACT
     if probe_cache is not None:
         probe_cache.record(proof.key, verdict)
     return verdict
@@ -257,10 +324,11 @@ def prove(proof: Proof, *, mesh: DeviceMesh, proved: str | None, probe_cache: Pr
 
 def shard_unproved(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh,
                    varying_uses: Mapping[str, frozenset[str]] | None = None, *,
-                   agree_timeout: float | None) -> Sharded:
-    """``shard()`` of the probe's copy (``run_probe``'s ``shard_fn``): compiled with ``varying_uses``,
-    agreed on the fingerprint only, seed 0, nothing recomputed, no proof of its own."""
-    program = build_program(model, plan, mesh, varying_uses=varying_uses)
+                   agree_timeout: float | None, example_inputs=None) -> Sharded:
+    """``shard()`` of the probe's copy (``run_probe``'s ``shard_fn``): compiled with ``varying_uses``
+    (None: its own dataflow pass, on ``example_inputs`` where given), agreed on the fingerprint
+    only, seed 0, nothing recomputed, no proof of its own."""
+    program = build_program(model, plan, mesh, varying_uses=varying_uses, example_inputs=example_inputs)
     agreed = agree_on(model, program, weights=None, seed=0, agree_timeout=agree_timeout, verify_values=False,
                       remat=False)
     return materialise(model, program, agreed)

@@ -16,16 +16,18 @@ pytest.importorskip("diffusers")
 pytestmark = pytest.mark.slow  # each model: two shard() calls and their proofs, 1-3 s
 
 
-def _run(name: str, plan_of, n: int):
+def _run(name: str, plan_of, n: int, given: bool = False):
     """Per rank: (loss, full gradients) by torch.func.grad and by .backward(), and the unsharded
-    model's loss and gradients."""
+    model's loss and gradients; ``given``: shard with ``example_inputs`` (the batch)."""
     extra = extra_families()[name](n, 0)
     model = extra.model
     ref = extra.loss_of(model(**extra.inputs))
     ref.backward()
 
     def run(mesh):
-        apply_fn, params, info = hpf.shard(model, plan_of(model, mesh, extra), mesh)
+        apply_fn, params, info = hpf.shard(model, plan_of(model, mesh, extra), mesh,
+                                           example_inputs=extra.inputs if given else None)
+        assert not given or "example_inputs" in apply_fn.runtime.checks["dataflow"], apply_fn.runtime.checks
         grads, loss = torch.func.grad_and_value(lambda p: extra.loss_of(apply_fn(p, **extra.inputs)))(params)
         leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
         eager = extra.loss_of(apply_fn(leaves, **extra.inputs))
@@ -35,9 +37,9 @@ def _run(name: str, plan_of, n: int):
     return hpf.emulate(run, (n,), ("tp",)), ref.detach(), model
 
 
-def _exact(name: str, plan_of, ns=(2, 4)) -> None:
+def _exact(name: str, plan_of, ns=(2, 4), given: bool = False) -> None:
     for n in ns:
-        ranks, ref, model = _run(name, plan_of, n)
+        ranks, ref, model = _run(name, plan_of, n, given)
         for rank in ranks:
             for how, (loss, grads) in zip(("torch.func.grad", ".backward()"), rank, strict=True):
                 assert_close(loss, ref, f"{name} tp {n} {how} loss")
@@ -74,14 +76,18 @@ def test_flux_hand_plan_with_its_per_head_norms_reduced_is_exact():
     _exact("diffusers:Flux", lambda model, mesh, extra: {**hand_plan("diffusers:Flux"), **PER_HEAD_NORMS})
 
 
-@pytest.mark.xfail(strict=True, reason="silently wrong: Flux's per-head norm_q/norm_k left unplanned get per-rank partial "
-                   "gradients (tp 2: 4e-4 on 6e-4), and neither the dataflow pass nor the probe runs on a model that "
-                   "does not start with an embedding (no batch is synthesized), so shard() accepts the plan")
-def test_flux_hand_plan_without_its_norms_is_exact_or_refused():
-    try:
+def test_flux_hand_plan_without_its_norms_is_refused_without_example_inputs():
+    """Left unplanned, the per-head norms would get per-rank partial gradients (tp 2: 4e-4 on 6e-4);
+    with no batch to synthesize (no embedding first) neither the dataflow pass nor the probe sees
+    their data, so shard() refuses, naming a norm and the fixes."""
+    with pytest.raises(hpf.PlanError, match=r"attn\.norm_(added_)?[qk] is not planned.*NoParallel\(reduce_grads=True\)"
+                       r".*example_inputs"):
         _exact("diffusers:Flux", _hand("diffusers:Flux"), ns=(2,))
-    except hpf.PlanError:
-        pass  # refused by name: what the guarantee allows
+
+
+def test_flux_hand_plan_without_its_norms_is_exact_with_example_inputs():
+    """Given the batch, the dataflow pass traces it and reduces the norms' gradients itself."""
+    _exact("diffusers:Flux", _hand("diffusers:Flux"), ns=(2,), given=True)
 
 
 @pytest.mark.parametrize("name, needle", [

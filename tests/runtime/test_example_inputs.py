@@ -1,0 +1,141 @@
+"""A per-head q/k norm left unplanned on a model that does not start with an embedding: exact or
+refused.
+
+The model starts with a linear patch embedding, so no batch can be synthesized for the dataflow
+pass or the shard-time probe.  Its attention normalises q and k per head (``LayerNorm(head_dim)``,
+as Flux, SD3 and timm's ``qk_norm`` do) between the colwise q/k projections and sdpa: on each rank
+that norm sees the rank's share of the heads, so its gradient is a per-rank share unless something
+reduces it.  ``shard()`` without ``example_inputs`` refuses such a plan by name; with them the
+dataflow pass traces the batch and reduces the norm's gradient (loss and every gradient equal the
+unsharded model's); a norm planned ``NoParallel(reduce_grads=True)``, an attention without the
+norms and a pre-norm of the layer's replicated width beside a planned MLP are accepted as before.
+Every rank a thread (``hpf.emulate``), tp 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hp_functional as hpf
+from tests.support.helpers import assert_close
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, qk_norm: bool):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, n, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, n, -1, self.head_dim)).transpose(1, 2)
+        v = self.v(x).view(b, n, -1, self.head_dim).transpose(1, 2)
+        return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    """Whisper's layout: the layer norms and the MLP's projections are children of the layer."""
+
+    def __init__(self, dim: int, heads: int, qk_norm: bool):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, qk_norm)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class PatchNet(nn.Module):
+    """A linear patch embedding first (no ``nn.Embedding``), one block, a pooled head."""
+
+    def __init__(self, qk_norm: bool = True, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.patch = nn.Linear(12, dim)
+        self.block = Block(dim, heads, qk_norm)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        return self.head(self.block(self.patch(x))).mean(1)
+
+
+PLAN = {"block.attn.q": hpf.Colwise(), "block.attn.k": hpf.Colwise(), "block.attn.v": hpf.Colwise(),
+        "block.attn.o": hpf.Rowwise(), "block.fc1": hpf.Colwise(), "block.fc2": hpf.Rowwise()}
+NORMS = ("block.attn.q_norm", "block.attn.k_norm")
+
+
+def _reference(model, x):
+    model.zero_grad()
+    loss = model(x).square().sum()
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _sharded(model, plan, x, mesh, **kw):
+    """(loss, full gradients, checks) of the sharded model, or the PlanError it raised (on every rank)."""
+    try:
+        apply_fn, params, info = hpf.shard(model, plan, mesh, probe_cache=None, **kw)
+    except hpf.PlanError as exc:
+        return exc
+    grads, loss = torch.func.grad_and_value(lambda p: apply_fn(p, x).square().sum())(params)
+    return loss.detach(), hpf.unshard(grads, info), dict(apply_fn.runtime.checks)
+
+
+def _exact(result, ref, what: str) -> dict:
+    assert not isinstance(result, Exception), f"{what}: refused: {result}"
+    loss, grads, checks = result
+    assert_close(loss, ref[0], f"{what} loss")
+    for k, g in ref[1].items():
+        assert_close(grads[k], g, f"{what} grad {k}", atol=1e-6, rtol=1e-4)
+    return checks
+
+
+def test_unplanned_per_head_norm_is_refused_or_traced_with_example_inputs():
+    torch.manual_seed(0)
+    model, x = PatchNet(), torch.randn(2, 5, 12)
+    ref = _reference(model, x)
+
+    def run(mesh):
+        return (_sharded(model, PLAN, x, mesh),
+                _sharded(model, PLAN, x, mesh, example_inputs={"x": x}),
+                _sharded(model, PLAN, x, mesh, example_inputs=(x,), verify=False))
+
+    for refused, given, unverified in hpf.emulate(run, (2,), ("tp",)):
+        assert isinstance(refused, hpf.PlanError), refused
+        message = str(refused)
+        assert "block.attn.q_norm is not planned" in message and "'block.attn'" in message, message
+        for fix in ("NoParallel(reduce_grads=True)", "NoParallel()", "shard(..., example_inputs=...)"):
+            assert fix in message, message
+        assert "block.ln1" not in message and "block.ln2" not in message, message  # the layer's replicated width
+        checks = _exact(given, ref, "example_inputs")
+        assert checks == {"dataflow": "traced on meta tensors (example_inputs)", "probe": "exact on the probe copy"}
+        assert _exact(unverified, ref, "example_inputs, verify=False")["dataflow"].startswith("traced on meta")
+
+
+@pytest.mark.slow  # three more shard() calls and an emulation: about 1 s
+def test_planned_norms_and_regions_without_them_are_accepted():
+    torch.manual_seed(0)
+    model, plain, x = PatchNet(), PatchNet(qk_norm=False), torch.randn(2, 5, 12)
+    ref, plain_ref = _reference(model, x), _reference(plain, x)
+
+    def run(mesh):
+        return (_sharded(model, {**PLAN, **dict.fromkeys(NORMS, hpf.NoParallel(reduce_grads=True))}, x, mesh),
+                _sharded(model, {**PLAN, **dict.fromkeys(NORMS, hpf.NoParallel())}, x, mesh),
+                _sharded(plain, PLAN, x, mesh))
+
+    for reduced, claimed, without in hpf.emulate(run, (2,), ("tp",)):
+        checks = _exact(reduced, ref, "norms NoParallel(reduce_grads=True)")
+        assert "no batch to trace" in checks["dataflow"], checks
+        _exact(without, plain_ref, "no per-head norms")
+        # NoParallel() states that the norm sees replicated data: accepted as stated, and then its
+        # gradient is a per-rank share — what the refusal above prevents when nothing is stated
+        assert not isinstance(claimed, Exception), claimed
+        wrong = (claimed[1]["block.attn.q_norm.weight"] - ref[1]["block.attn.q_norm.weight"]).abs().max()
+        assert wrong > 1e-3 * ref[1]["block.attn.q_norm.weight"].abs().max(), wrong

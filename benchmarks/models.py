@@ -63,8 +63,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: the memory one rank of the sharded sweep may allocate (ranks of 2 families at tp 4 fit in 24 GiB).
+RANK_MEMORY_GB = 2
+
+
 def _worker(rank: int, world: int, pg_timeout: float, inbox, outbox) -> None:
     """One rank: for each family a fresh gloo process group, ``check_family``, then destroyed."""
+    import resource
     from datetime import timedelta
 
     import torch
@@ -77,6 +82,9 @@ def _worker(rank: int, world: int, pg_timeout: float, inbox, outbox) -> None:
 
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
+    # a tiny config whose defaults stay huge (ColPali's) fails to allocate (not buildable tiny) instead of waking
+    # the OOM killer, which takes the rank and whatever else runs on the machine
+    resource.setrlimit(resource.RLIMIT_DATA, (RANK_MEMORY_GB * 2 ** 30, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     outbox.put((rank, "ready"))  # imports done: the per-family timeout starts from here
     while (job := inbox.get()) is not None:
         port, model_type, functional = job

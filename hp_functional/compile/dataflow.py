@@ -222,8 +222,16 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
     slots = arg_slots(module.forward, list(ins), b.planned.fqn) if ins else []
 
     def entering(slot, t):
-        if not isinstance(t, Tensor) or id(t) not in mode.data:
+        if not isinstance(t, Tensor):
             return t
+        if id(t) not in mode.data:
+            kind = mode._kind(t)
+            if kind is None:
+                return t
+            alias = t.view_as(t)  # parameter-derived: converted at the boundary all the same
+            mode.keep.append(alias)
+            mode.derived[id(alias)] = (kind[0], (kind[1] - ins[slot.key][0]) | ins[slot.key][1])
+            return alias
         alias = t.view_as(t)
         mode.set(alias, (mode.data[id(t)] - ins[slot.key][0]) | ins[slot.key][1])
         return alias
@@ -246,6 +254,11 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
                 # a Local's fn makes its outputs what it declares with its own collectives (the module's own
                 # forward traced here does not): they vary only as its inputs did, or where declared split
                 mode.set(o, ((entered if local else mode.data[id(t)]) - reduced) | split_out)
+            elif isinstance(t, Tensor) and (kind := mode._kind(t)) is not None:
+                # computed from parameters and constants alone (MarkupLM's xpath embeddings of constant ids): the
+                # boundary reduces or splits it all the same
+                mode.keep.append(o)
+                mode.derived[id(o)] = (kind[0], (kind[1] - reduced) | split_out)
         return out
 
     return (module.register_forward_pre_hook(pre, with_kwargs=True),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch.func import grad_and_value
 
 import hp_functional as hpf
@@ -269,3 +270,38 @@ def case_probe_refuses_a_wrong_loss():
 def test_probe_refuses_a_wrong_loss():
     for message in get_pool(2).run(case_probe_refuses_a_wrong_loss):
         assert "shard-time probe" in message and "the sharded loss" in message, message
+
+
+class ConstantBranch(nn.Module):
+    """A colwise/rowwise pair on data computed from parameters and constants alone (MarkupLM's
+    xpath embeddings of padding ids when no xpath is given), added to the residual stream."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.embed, self.table = nn.Embedding(vocab, d), nn.Embedding(4, d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, input_ids):
+        pad = torch.ones(input_ids.shape, dtype=torch.long)  # constant ids: no data flows from the input
+        x = self.embed(input_ids) + self.down(torch.relu(self.up(self.table(pad))))
+        return self.head(self.norm(x)).square().mean()
+
+
+def test_a_pair_on_parameter_derived_data_leaves_the_stream_replicated():
+    """The rowwise all-reduce makes the pair's output replicated even when no input data reaches
+    it; the dataflow pass treated it as still split, and the norm after it got its gradient
+    all-reduced (twice the true one: silently wrong with verify=False, refused by the probe)."""
+    torch.manual_seed(0)
+    model = ConstantBranch()
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(ids).backward()
+    ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    def rank(mesh):
+        apply_fn, params, info = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, mesh, verify=False)
+        grads = torch.func.grad(lambda p: apply_fn(p, ids))(params)
+        full = hpf.unshard(grads, info)
+        return [k for k, g in ref.items() if not torch.allclose(full[k], g, atol=1e-6)]
+
+    assert hpf.emulate(rank, (2,), ("tp",)) == [[], []]

@@ -133,10 +133,12 @@ class _Generator:
         skip = self._moe() + sorted(self.covered)
         embed = self._embedding()
         head = self._head(embed)
+        self._tie_groups(embed, head)
         projections = [p for p, m in self.modules.items() if B.is_projection(m) and p != head
                        and not any(inside(p, s) or p == s for s in skip)]
         self._pair_by_dataflow([p for p in projections if p in self.trace.calls], {*projections, head} - {None})
         self._uncalled([p for p in projections if p not in self.trace.calls])
+        self._tie_groups(embed, head)  # again: a pair may have taken a projection tied to the table
         errors = [e for blk in self.blocks.values() for e in blk.errors]
         if errors:
             raise PlanError("auto_plan: " + "; ".join(errors))
@@ -146,6 +148,43 @@ class _Generator:
                             "leave them replicated, or plan them with overrides={...})")
         if sequence_parallel:
             sequence_parallel_plan(self.entries, self.roles, self.blocks, self.modules, self.trace, head)
+
+    def _tie_groups(self, *planned: str | None) -> None:
+        """Every module reading the token table or the head's weight takes the same placement of
+        it: a tied ``nn.Embedding`` becomes ``VocabEmbedding``; where a reader cannot (a quantised
+        linear, a projection paired rowwise: BLIP's text decoder), the whole group is replicated."""
+        by_tensor: dict[int, dict[str, str]] = {}
+        for fqn, q in self.model.named_parameters(remove_duplicate=False):
+            by_tensor.setdefault(id(q), {})[fqn.rpartition(".")[0]] = fqn.rpartition(".")[2]
+        tied = [p for p in planned if p is not None] + sorted(self.entries)
+        for path in dict.fromkeys(p for p in tied if p in self.entries and p not in self.covered):
+            weight = getattr(self.modules[path], "weight", None)
+            readers = by_tensor.get(id(weight), {}) if isinstance(weight, nn.Parameter) else {}
+            if len(readers) < 2:
+                continue
+            for owner in sorted(set(readers) - set(self.entries) - self.covered):
+                m = self.modules[owner]
+                if isinstance(m, nn.Embedding) and m.num_embeddings % self.n == 0:
+                    self.entries[owner], self.roles[owner] = VocabEmbedding(), f"embedding (tied to {path})"
+            want = self._placement(path, readers[path])
+            odd = sorted(o for o, name in readers.items() if o not in self.covered and self._placement(o, name) != want)
+            if not odd:
+                continue
+            for owner in readers:
+                if self.entries.pop(owner, None) is not None:
+                    self.roles[owner] = f"tied to {odd[0]}, which cannot hold it alike (replicated)"
+                bias = getattr(self.modules[owner], "bias", None)
+                for fqn in [f for f in self.special if bias is not None and self.model.get_parameter(f) is bias]:
+                    del self.special[fqn]
+            self.notes.append(f"{path}: its weight is also read by {odd[0]} ({type(self.modules[odd[0]]).__name__}), "
+                              "which cannot hold it sharded alike: the tied group is replicated")
+
+    def _placement(self, owner: str, name: str):
+        """The placement ``owner``'s entry gives its parameter ``name`` on the axis (None: unplanned)."""
+        style = self.entries.get(owner)
+        if style is None:
+            return None
+        return style.spec(self.modules[owner], owner, self.axis).params.get(name, {}).get(self.axis)
 
     # -------------------------------------------------------------- rule 4
     def _pair_by_dataflow(self, called: list[str], projections: set[str]) -> None:
@@ -202,7 +241,7 @@ class _Generator:
         for owner in _ancestors(path)[:-1]:
             mine = self.modules[owner]
             shapes = [(k, tuple(v.shape)) for k, v in mine.named_parameters()]
-            for source in self.blocks:
+            for source in [b for b in self.blocks if b != owner]:
                 other = self.modules[source]
                 if type(other) is type(mine) and [(k, tuple(v.shape)) for k, v in other.named_parameters()] == shapes:
                     return owner, source

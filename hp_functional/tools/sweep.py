@@ -142,7 +142,7 @@ def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, func
     from ..core.gather import unshard
     from ..runtime.shard import shard
 
-    apply_fn, params, info = shard(model, plan, mesh)
+    apply_fn, params, info = shard(model, plan, mesh, example_inputs=inputs)
     out = apply_fn(params, **inputs)
     loss = loss_fn(out)
     loss.backward()

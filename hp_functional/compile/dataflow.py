@@ -293,7 +293,7 @@ def _innermost_first(item) -> tuple:
 def unchecked_in_regions(model: nn.Module, boundaries: Sequence[Boundary], infos: Mapping[str, ShardInfo],
                          leaf_of: Mapping[str, str], param_steps: Mapping[str, Sequence[Step]]) -> list[Unchecked]:
     """What only this pass (or ``shard()``'s probe) can clear, for a model it could not trace: every
-    module that is not planned, sits inside a planned region — the parent of planned projections whose
+    module that is not planned, sits inside (or is, or encloses) a planned region — the parent of planned projections whose
     output stays sharded or whose input arrives sharded (``lint_heads.audit_regions``' notion, less a
     rowwise projection that splits a replicated input at its own entry: nothing sharded leaves it) — and
     holds parameters that stay replicated on the region's axis with no gradient reduction there.  Such
@@ -326,11 +326,14 @@ def unchecked_in_regions(model: nn.Module, boundaries: Sequence[Boundary], infos
         if name in planned or any(name == f or is_below(name, f) for f in own):
             continue
         for (region, axis), widths in sorted(regions.items(), key=_innermost_first):
-            if not is_below(name, region) or any(is_below(region, f) or region == f for f in own):
+            # inside the region, the region itself, or above it: a parameter of an enclosing module (MLCD's root-level
+            # class_pos_emb, joined to the rotary table its attention rotates head-sharded queries with) reaches it too
+            near = is_below(name, region) or name == region or not name or is_below(region, name)
+            if not near or any(is_below(region, f) or region == f for f in own):
                 continue
             at_risk = []
             for pname, prm in module.named_parameters(recurse=False):
-                full = f"{name}.{pname}"
+                full = f"{name}.{pname}" if name else pname
                 leaf = leaf_of.get(full)
                 if leaf is None or splits(infos[leaf].axes.get(axis)):
                     continue

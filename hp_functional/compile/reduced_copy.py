@@ -76,6 +76,11 @@ def reduced_copy(model: nn.Module, marks: Mapping[str, str] | None = None) -> Re
     for path, container in list(twin.named_modules()):
         if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or not _is_block_stack(container):
             continue
+        try:  # a stack inside a block an enclosing stack dropped (UnivNet's resblocks.2.convs) is gone with it
+            if twin.get_submodule(path) is not container:
+                continue
+        except AttributeError:
+            continue
         kinds: dict[tuple, list[str]] = {}
         for key, block in container.named_children():
             full = f"{path}.{key}" if path else key

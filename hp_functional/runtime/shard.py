@@ -264,8 +264,10 @@ def _refuse_unchecked(model: nn.Module, program: Program, dataflow: str, probe: 
 def _unchecked_error(found, why: str) -> PlanError:
     first = found[0]
     more = f" (and {', '.join(u.module for u in found[1:4])}{', ...' if len(found) > 4 else ''})" if found[1:] else ""
+    where = ("sits inside" if first.module.startswith(first.region + ".") or not first.region
+             else "is or encloses")
     return PlanError(
-        f"{first.module} is not planned, sits inside the planned region {first.region!r} and holds parameters "
+        f"{first.module or '<root module>'} is not planned, {where} the planned region {first.region!r} and holds parameters "
         f"replicated on mesh axis {first.axis!r} ({', '.join(first.params)}){more}; neither the dataflow pass nor the "
         f"probe could see what data it receives ({why}), so if it sees each rank's share of the heads its gradient "
         "would be a per-rank share that nothing reduces. Plan it NoParallel(reduce_grads=True) if it sees each rank's "

@@ -176,7 +176,8 @@ def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, func
                 continue
             diff = (got.float() - ref.float()).abs()
             d = diff.max().item() if diff.numel() else 0.0
-            if not bool((diff <= TOL * (1 + ref.float().abs().max())).all()):  # relative to the tensor's scale
+            scale = ref.float().abs().max() if ref.numel() else 0.0  # relative to the tensor's scale
+            if not bool((diff <= TOL * (1 + scale)).all()):
                 ok = False
                 if d >= worst["grad"]:
                     worst["where"] = f"{label} grad {k}"

@@ -171,6 +171,9 @@ def _candidates(model, config, task: Task, gen: torch.Generator, placeholders: d
         for m in keep:
             if m == "image":
                 inputs[image] = _pixels(config, gen, video=image.endswith("videos") or _is_video(config, model))
+                if "noise" in params:  # ViT-MAE draws its patch mask from torch.rand unless given the noise
+                    patches = (getattr(config, "image_size", 32) // getattr(config, "patch_size", 8)) ** 2
+                    inputs["noise"] = torch.rand(BATCH, patches, generator=gen)
         inputs.update(_required(params, inputs, model, config, gen))
         if "audio" in keep:
             for tensor in _audio(config, audio, gen):

@@ -169,7 +169,7 @@ def _check(name, tp, functional=True):
 
     def rank(mesh):
         plan = hpf.auto_plan(model, mesh, example_inputs=inputs)
-        apply_fn, params, info = hpf.shard(model, plan, mesh)
+        apply_fn, params, info = hpf.shard(model, plan, mesh, example_inputs=inputs)  # the batch the checks trace
         loss = _loss(apply_fn(params, **inputs))
         loss.backward()
         runs = [(loss.detach(), {k: p.grad for k, p in params.items()})]
@@ -236,7 +236,8 @@ def test_fsdp_over_an_auto_planned_encoder():
     model, inputs, ref_loss, ref_grads = _reference("bert")
 
     def rank(mesh):
-        apply_fn, params, info = hpf.shard(model, hpf.auto_plan(model, mesh["tp"], example_inputs=inputs), mesh["tp"])
+        plan = hpf.auto_plan(model, mesh["tp"], example_inputs=inputs)
+        apply_fn, params, info = hpf.shard(model, plan, mesh["tp"], example_inputs=inputs)
         apply_fn, params, info = hpf.fsdp(apply_fn, params, info, mesh, "dp")
         dp = mesh.get_local_rank("dp")
         mine = {k: v[dp:dp + 1] for k, v in inputs.items()}

@@ -139,3 +139,37 @@ def test_planned_norms_and_regions_without_them_are_accepted():
         assert not isinstance(claimed, Exception), claimed
         wrong = (claimed[1]["block.attn.q_norm.weight"] - ref[1]["block.attn.q_norm.weight"]).abs().max()
         assert wrong > 1e-3 * ref[1]["block.attn.q_norm.weight"].abs().max(), wrong
+
+
+class RootScale(nn.Module):
+    """A per-head-dim scale owned by the root and used on the attention's head-sharded queries (as
+    MLCD's root-level ``class_pos_emb`` joins the rotary table its attention rotates them with)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch, self.attn, self.head = nn.Linear(12, 32), Attention(32, 4, False), nn.Linear(32, 3)
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        h = self.patch(x)
+        b, n, _ = h.shape
+        attn = self.attn
+        q = (attn.q(h).view(b, n, -1, 8) * self.scale).transpose(1, 2)
+        k, v = (m(h).view(b, n, -1, 8).transpose(1, 2) for m in (attn.k, attn.v))
+        out = attn.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+        return self.head(h + out).mean(1)
+
+
+def test_a_root_parameter_reaching_a_region_is_refused_or_traced():
+    torch.manual_seed(0)
+    model, x = RootScale(), torch.randn(2, 5, 12)
+    ref = _reference(model, x)
+    plan = {k.removeprefix("block."): v for k, v in PLAN.items() if ".attn." in k}
+
+    def run(mesh):
+        return _sharded(model, plan, x, mesh), _sharded(model, plan, x, mesh, example_inputs=(x,))
+
+    for refused, given in hpf.emulate(run, (2,), ("tp",)):
+        assert isinstance(refused, hpf.PlanError) and "<root module> is not planned, is or encloses" in str(refused)
+        assert "(scale)" in str(refused), refused
+        _exact(given, ref, "example_inputs")

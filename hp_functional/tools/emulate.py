@@ -18,8 +18,12 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.distributed as dist
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.overrides import TorchFunctionMode
 
 from ..core.errors import PlanError
 
@@ -69,7 +73,8 @@ def emulate(
 
     Each rank is a thread of torch's threaded process group: it calls ``init_process_group``,
     ``init_device_mesh`` and ``fn`` on its own, so everything ``fn`` does (``shard()`` and its
-    agreement, ``apply_fn``, ``torch.func`` transforms, ``hpf.fsdp``, ``hpf.save``) runs per rank as
+    agreement, ``apply_fn``, reverse-mode ``torch.func`` transforms (forward mode is refused:
+    ``_NoForwardMode``), ``hpf.fsdp``, ``hpf.save``) runs per rank as
     on spawned processes; a collective waits for its peers' threads.  An exception on any rank
     stops the others' collectives and is re-raised here (the lowest failing rank's).  ``fn`` must
     take what it needs from its arguments, not from the global random generator (the ranks run at
@@ -100,6 +105,20 @@ def emulate(
         _ONE_AT_A_TIME.release()
 
 
+class _NoForwardMode(TorchFunctionMode):
+    """Refuses forward-mode differentiation in a rank's thread: torch keeps its forward-AD state
+    (the dual level, functorch's jvp nesting) per process, not per thread, so ranks running
+    ``jvp``/``jacfwd``/``hessian`` at once corrupt each other — errors, or a wrong number."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if forward_ad._current_level >= 0 or any(
+                i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
+            raise PlanError("emulate: forward-mode differentiation (torch.func.jvp, jacfwd, hessian, "
+                            "torch.autograd.forward_ad) cannot run on emulate's threads: torch keeps its state per "
+                            "process, so the ranks would corrupt each other's; run it on real ranks (torchrun, gloo)")
+        return func(*args, **(kwargs or {}))
+
+
 def _run(fn, shape, names, world: int, device: str, timeout: float) -> list:
     from torch.testing._internal.distributed import multi_threaded_pg as threaded  # registers "threaded"
 
@@ -111,7 +130,8 @@ def _run(fn, shape, names, world: int, device: str, timeout: float) -> list:
     def rank_main(rank: int) -> None:
         dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
         try:
-            results[rank] = fn(init_device_mesh(device, shape, mesh_dim_names=names))
+            with _NoForwardMode():
+                results[rank] = fn(init_device_mesh(device, shape, mesh_dim_names=names))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors[rank] = exc
             threaded.ProcessLocalGroup.exception_handle(exc)  # wakes the peers waiting in a collective

@@ -245,3 +245,17 @@ def test_bad_arguments_are_refused():
         hpf.emulate(lambda m: None, (0,))
     with pytest.raises(hpf.PlanError, match="mesh_dim_names is required"):
         hpf.emulate(lambda m: None, (1, 1, 1, 1))
+
+
+def test_forward_mode_differentiation_is_refused_by_name():
+    """torch keeps forward-AD state per process: ranks running jvp on threads at once corrupt each
+    other's (a jacfwd∘jacrev comparison came out wrong with no error), so emulate refuses it."""
+
+    def rank(mesh):
+        x = torch.ones(3)
+        return torch.func.jvp(torch.sin, (x,), (x,))
+
+    with pytest.raises(hpf.PlanError, match="forward-mode differentiation .* cannot run on emulate's threads"):
+        hpf.emulate(rank, (2,), ("tp",))
+    grads = hpf.emulate(lambda mesh: torch.func.grad(lambda x: x.sin().sum())(torch.ones(3)), (2,), ("tp",))
+    assert all(torch.allclose(g, torch.ones(3).cos()) for g in grads)  # reverse mode runs as before

@@ -52,15 +52,6 @@ def t5():
     return model, {"input_ids": _ids(), "labels": _ids(shape=(B, 6))}
 
 
-def bart():
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    model = BartForConditionalGeneration(_eager(BartConfig(
-        vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=32)))
-    return model, {"input_ids": _ids(), "labels": _ids(shape=(B, 6))}
-
-
 def whisper():
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
@@ -141,7 +132,7 @@ def parallel_blocks():
     return HandWrittenGPT(block=ParallelBlock), {"ids": ids, "targets": ids}
 
 
-MODELS = {"bert": bert, "vit": vit, "t5": t5, "bart": bart, "whisper": whisper, "clip": clip, "handwritten": handwritten,
+MODELS = {"bert": bert, "vit": vit, "t5": t5, "whisper": whisper, "clip": clip, "handwritten": handwritten,
           "parallel": parallel_blocks}
 
 

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hp_functional.tools.sweep import EXACT, HANG, OUTCOMES, UNBUILDABLE, combine, heads_allow  # noqa: E402
+from hp_functional.tools.sweep import CRASH, EXACT, HANG, OUTCOMES, UNBUILDABLE, WRONG, combine, heads_allow  # noqa: E402
 
 #: a row meets the goal where it is exact and no rank holds this share of the parameters or more.
 GOAL_SHARE = 0.65
@@ -330,7 +330,8 @@ def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path
         "Outcomes: **exact** (within 1e-5 and a rank holds < 80 % of the parameters); **ran, sharded little** "
         "(exact, but a rank holds ≥ 80 %); **refused** (the library's own error, first line); **crash** (any "
         "other exception, with the site); **wrong** (numbers differ: largest loss/gradient difference); "
-        "**hang** (timeout); **not buildable tiny** (the tiny config or the unsharded model failed).",
+        "**hang** (timeout); **not buildable tiny** (the tiny config or the unsharded model failed, or a rank ran over "
+        "the sweep's per-rank memory cap).",
         "",
         f"Goal: of the buildable types, exact with no rank holding {GOAL_SHARE:.0%} or more of the parameters: "
         + "; ".join(f"tp {tp}: **{_pct(*goal(table, tp))}**" for tp in tps) + ".",
@@ -424,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="no sharding: build each tiny model and run it unsharded (counts 'not buildable tiny')")
     ap.add_argument("--out", default=str(ROOT / "docs" / "models.md"), help="the markdown table to write")
     ap.add_argument("--json", default="", help="also write the rows as JSON here")
+    ap.add_argument("--update", default="",
+                    help="a full run's --json: rerun --only's types (default: its crashes, hangs and wrong rows), merge "
+                         "them in and write the table")
     ap.add_argument("--jobs", type=int, default=1, help="families at the same time (default 1; 2 on 2 cores)")
     args = ap.parse_args(argv)
     tps = [int(x) for x in args.tp.split(",")]
@@ -440,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"built {c.get('built', 0)}, {UNBUILDABLE} {c.get(UNBUILDABLE, 0)} (of {len(table)}); "
               + ", ".join(f"{cat} {n}" for cat, n in Counter(r[2].get("category", "") for r in table.values()
                                                              if r[2]["outcome"] == UNBUILDABLE).most_common()))
+    elif args.update:
+        table = {t: {int(tp): row for tp, row in rows.items()} for t, rows in json.loads(Path(args.update).read_text()).items()}
+        redo = [t for t in args.only.split(",") if t] or [
+            t for t, rows in table.items() if any(r["outcome"] in (CRASH, HANG, WRONG) for r in rows.values())]
+        print(f"rerunning {len(redo)}: {', '.join(redo)}")
+        table.update(sweep(redo, tps, args.timeout, not args.no_func_grad, args.jobs))
+        args.only = args.category = ""  # the merged table is a full one
     else:
         table = sweep(types, tps, args.timeout, not args.no_func_grad, args.jobs)
         for tp in tps:

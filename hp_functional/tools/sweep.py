@@ -269,6 +269,8 @@ def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -
             row.update(outcome=HANG, reason=f"{first_line(exc)} @ {site(exc)}")
         except Exception as exc:  # noqa: BLE001 - classified: a timeout is a hang, anything else a crash
             row.update(outcome=HANG if _is_hang(exc) else CRASH, reason=f"{first_line(exc)} @ {site(exc)}")
+            if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc):  # the sweep's own cap, not a bug
+                row.update(outcome=UNBUILDABLE, reason=f"over the sweep's per-rank memory cap ({first_line(exc)[:80]})")
         else:
             row["share"] = res["share"]
             if not res["ok"]:

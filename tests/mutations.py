@@ -246,7 +246,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("least-specific-pattern-wins", "hp_functional/core/paths.py::most_specific",
              "top = max(specificity(c.pattern) for c in cands)", "top = min(specificity(c.pattern) for c in cands)",
              ("tests/core/test_paths.py",), "the most specific pattern wins, whatever the entry order"),
-    Mutation("concatenation-along-a-shard-accepted", "hp_functional/analysis/audit.py::_concatenated",
+    Mutation("concatenation-along-a-shard-accepted", "hp_functional/analysis/packing.py::concatenated",
              "    if len(pieces) < 2 or", "    if True or len(pieces) < 2 or",
              ("tests/planner/test_auto_plan_architectures.py::test_a_concatenation_of_sharded_features_into_one_rowwise_is_refused",),
              "a concatenation along a sharded dim into one Rowwise is refused, never silently wrong"),

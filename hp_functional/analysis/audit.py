@@ -20,30 +20,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from ..core.placement import splits
+from .packing import CONCATS, Packed, concatenated, permutation, slice_of, view_packing
 from .trace import TracedInt, _leaves, _plain, _snapshot, _to_meta, fake_mode, meta_copy
 
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 CONTRACTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "mm", "linear", "scaled_dot_product_attention"}
 FACTORIES = ("new_", "empty_like", "zeros_like", "ones_like", "full_like", "size", "dim")
-CONCATS = ("cat", "concat", "concatenate")
 
 Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Packed:
-    """How a tensor of a local run is divided: along ``dim``, each rank holding its slice of every
-    block of ``blocks`` (local sizes, in order) — a planned projection's sharded output, one block
-    for a plain ``Colwise``, ``packed`` blocks for ``Colwise(packed=...)`` — from the output of
-    planned child ``source``.  A view, split or slice of ``dim`` is right only where it respects
-    the blocks (docs/guarantees.md#exact-or-refused-the-shape-audit)."""
-
-    source: str
-    dim: int
-    blocks: tuple[int, ...]
-
-    def moved(self, dim: int, blocks: tuple[int, ...] | None = None) -> Packed:
-        return Packed(self.source, dim, self.blocks if blocks is None else blocks)
 
 
 @dataclass(frozen=True)
@@ -105,7 +89,7 @@ class _Recorder(TorchFunctionMode):
         found = self.packing(leaves) if self.packed else None
         cut = self._follow(name, args, out, *found) if found is not None else None
         if found is not None and name in CONCATS:
-            cut = _concatenated(args, kwargs, found[1])
+            cut = concatenated(args, kwargs, found[1])
         if outs and ins:
             self.ops.append(Op(name, ins, outs, attrs, packed=found[1] if found else None, cut=cut))
         return out
@@ -117,11 +101,11 @@ class _Recorder(TorchFunctionMode):
         if len(results) == 1 and tuple(results[0].shape) == shape and name not in CONTRACTS:
             self.tag(results[0], p)  # elementwise: a bias, an activation, dropout, a dtype
         elif name in VIEWS and len(results) == 1:
-            moved = _view_packing(p, shape, tuple(results[0].shape))
+            moved = view_packing(p, shape, tuple(results[0].shape))
             if moved is not None:
                 self.tag(results[0], moved)
         elif name in ("permute", "transpose", "swapaxes", "swapdims", "movedim") and len(results) == 1:
-            dims = _permutation(name, args, len(shape))
+            dims = permutation(name, args, len(shape))
             if dims is not None:
                 self.tag(results[0], p.moved(dims.index(p.dim)))
         elif name in ("split", "chunk", "tensor_split", "split_with_sizes", "unbind") or name == "__getitem__":
@@ -131,7 +115,7 @@ class _Recorder(TorchFunctionMode):
     def _pieces(self, name, args, results, shape, p: Packed) -> str | None:
         """A split or slice of the packed dim: each piece must be whole blocks (tagged with them)."""
         if name == "__getitem__":
-            span = _slice_of(args[1] if len(args) > 1 else None, shape, p.dim)
+            span = slice_of(args[1] if len(args) > 1 else None, shape, p.dim)
             if span is None:
                 return None  # the packed dim untouched or indexed by a number ("lost" sees that)
             spans, results = [span], results[:1]
@@ -155,73 +139,6 @@ class _Recorder(TorchFunctionMode):
                         f"plan {p.source!r} as {fix}, or gather it (Colwise(gather_output=True))")
             self.tag(t, p.moved(p.dim, tuple(p.blocks[edges.index(a):edges.index(b)])))
         return None
-
-
-def _concatenated(args, kwargs, p: Packed) -> str | None:
-    """Why a concatenation along a divided dim is not the global one divided: each rank holds its
-    slice of every piece, not a contiguous slice of the whole (Flux's single block concatenates
-    attention and MLP features and contracts them in one Rowwise projection)."""
-    pieces = [t for t in (args[0] if args else kwargs.get("tensors", ())) if isinstance(t, Tensor)]
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-    if len(pieces) < 2 or not isinstance(dim, int) or dim % pieces[0].dim() != p.dim:
-        return None
-    return (f"it concatenates {len(pieces)} tensors along dim {p.dim}, which {p.source!r}'s sharded output divides: a "
-            "rank holds its slice of each piece, not a contiguous slice of the whole; gather the pieces "
-            "(Colwise(gather_output=True)) or keep them apart")
-
-
-def _permutation(name: str, args, ndim: int) -> list[int] | None:
-    """The input dim of every output dim of a permute/transpose/movedim; None: not readable."""
-    rest = [int(a) for a in _leaves(args[1:]) if isinstance(a, int)]
-    order = list(range(ndim))
-    if name == "permute" and len(rest) == ndim:
-        return [d % ndim for d in rest]
-    if name in ("transpose", "swapaxes", "swapdims") and len(rest) == 2:
-        a, b = (d % ndim for d in rest)
-        order[a], order[b] = order[b], order[a]
-        return order
-    if name == "movedim" and len(rest) == 2:
-        a, b = (d % ndim for d in rest)
-        order.insert(b, order.pop(a))
-        return order
-    return None
-
-
-def _slice_of(index, shape: Shape, dim: int) -> tuple[int, int] | None:
-    """The [start, stop) that ``x[index]`` keeps of ``dim`` when a step-1 slice cuts it; None when
-    it keeps all of it, or indexes it otherwise."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if any(x is Ellipsis for x in items):
-        at = next(i for i, x in enumerate(items) if x is Ellipsis)
-        used = sum(1 for x in items if x is not None and x is not Ellipsis)
-        items[at:at + 1] = [slice(None)] * (len(shape) - used)
-    d = 0
-    for x in items:
-        if x is None:
-            continue
-        if d == dim:
-            if not isinstance(x, slice) or x.step not in (None, 1):
-                return None
-            a, b, _ = slice(*(None if v is None else int(v) for v in (x.start, x.stop, x.step))).indices(shape[dim])
-            return None if (a, b) == (0, shape[dim]) else (a, b)
-        if not isinstance(x, (int, slice)):
-            return None  # a tensor or list index: dims renumbered
-        d += 1
-    return None
-
-
-def _view_packing(p: Packed, before: Shape, after: Shape) -> Packed | None:
-    """The packing a view of a packed tensor keeps on its outermost dim of the packed dim's group
-    (its blocks in that dim's units), or None: the view puts the blocks on dims of their own (a
-    ``(..., 3, H, D)`` view of packed q, k, v) or cannot keep them (``compare`` judges it)."""
-    outer, inner = math.prod(before[:p.dim]), math.prod(before[p.dim + 1:])
-    flat = [b * inner for b in p.blocks]
-    for j in range(len(after)):  # the outermost dim starting where the packed dim starts (a local head count of 1 too)
-        stride = math.prod(after[j + 1:])
-        if math.prod(after[:j]) == outer and stride and all(f % stride == 0 for f in flat) and sum(flat) // stride == after[j]:
-            return p.moved(j, tuple(f // stride for f in flat))
-    return None
-
 
 
 def record_or_resize(outputs: dict, i: int, rel: str, out: Tensor, layout, device) -> Tensor:
@@ -383,7 +300,7 @@ def _view(g: Op, m: Op, din, dout) -> tuple[str, str] | None:
         if p is not None and len(p.blocks) > 1:  # judged on the global shapes: a local head count of 1 is ambiguous
             sizes = [g.outs[0][j] for j in group[1]]
             prefix = next((t for t in range(1, len(sizes)) if math.prod(sizes[:t]) == len(p.blocks)), None)
-            whole = _view_packing(p.moved(dim, tuple(b * k for b in p.blocks)), g.ins[0], g.outs[0])
+            whole = view_packing(p.moved(dim, tuple(b * k for b in p.blocks)), g.ins[0], g.outs[0])
             if prefix is not None and len(set(p.blocks)) == 1:
                 want = {group[1][prefix]: k}  # the blocks on dims of their own, each divided inside
             elif whole is None:

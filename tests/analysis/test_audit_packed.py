@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hp_functional as hpf
-from hp_functional.analysis.audit import Packed, compare, handoff, record
+from hp_functional.analysis.audit import compare, handoff, record
+from hp_functional.analysis.packing import Packed
 
 DIM, HEADS = 32, 4
 

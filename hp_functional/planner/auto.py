@@ -256,7 +256,7 @@ class _Generator:
         found: list[str] = []
         for route in [r for r in self.trace.routes if r.module not in self.covered]:
             for scope in [route.module, *_ancestors(route.module)]:
-                if any(self._dispatches(e) for e in self.modules if e == scope or inside(e, scope)):
+                if any(self._dispatches(e) for e in self.modules if (e == scope or inside(e, scope)) and e not in self.covered):
                     if not any(scope == f or inside(scope, f) for f in found):
                         found = [f for f in found if not inside(f, scope)] + [scope]
                     break

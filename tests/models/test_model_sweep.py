@@ -37,7 +37,10 @@ def case_family(model_type: str):
 def test_family_matches_unsharded(pool, family):
     row = combine(pool.run(case_family, family))
     assert row["outcome"] in FAMILIES[family], row
-    assert row["plan"] == ("auto_plan" if family in ("gpt2", "opt") else "from_hf+auto_plan"), row
+    if family in ("gpt2", "opt"):
+        assert row["plan"] == "auto_plan", row
+    else:  # HF's plan kept (Mixtral's experts too); auto_plan adds what it leaves out
+        assert row["plan"] == "from_hf+auto_plan", row
     if row["outcome"] == EXACT:
         assert row["share"] < 0.8, row
 

@@ -42,5 +42,10 @@ def output_items(out: object) -> list[tuple[object, object]]:
 
 
 def first_tensor(out: object) -> Tensor | None:
-    """The first tensor of ``output_items(out)``, if any."""
-    return next((v for _, v in output_items(out) if isinstance(v, Tensor)), None)
+    """The first tensor of ``output_items(out)``, looking into nested tuples, lists and mappings
+    (MGP-STR's logits are a tuple of three), if any."""
+    for _, v in output_items(out):
+        found = v if isinstance(v, Tensor) else first_tensor(v) if isinstance(v, (tuple, list, Mapping)) else None
+        if found is not None:
+            return found
+    return None

@@ -139,6 +139,7 @@ class _Generator:
         self._pair_by_dataflow([p for p in projections if p in self.trace.calls], {*projections, head} - {None})
         self._uncalled([p for p in projections if p not in self.trace.calls])
         self._tie_groups(embed, head)  # again: a pair may have taken a projection tied to the table
+        self._replicate_blocks_whose_heads_do_not_split()
         errors = [e for blk in self.blocks.values() for e in blk.errors]
         if errors:
             raise PlanError("auto_plan: " + "; ".join(errors))
@@ -206,6 +207,21 @@ class _Generator:
         for p in sorted(pending):
             self.entries[p], self.roles[p] = NoParallel(), "lone projection (replicated: it pairs with no other)"
             self.notes.append(f"{p}: a lone projection (no colwise/rowwise partner in the traced forward), replicated")
+
+    def _replicate_blocks_whose_heads_do_not_split(self) -> None:
+        """In a model whose attention blocks differ (a vision pyramid: 1 head in its first stage,
+        8 in its last), an attention block whose heads do not split is left replicated, noted,
+        while the others shard; where none splits, the errors stand (a PlanError naming them)."""
+        if not any(blk.attention and not blk.errors for blk in self.blocks.values()):
+            return
+        for path, blk in self.blocks.items():
+            if not blk.errors:
+                continue
+            for p in blk.roles:
+                if B.is_projection(self.modules.get(p)):
+                    self.entries[p], self.roles[p] = NoParallel(), "replicated: the heads of its block do not split"
+            self.notes.append(f"{path}: {blk.errors[0]}; left replicated (the model's other attention blocks shard)")
+            blk.errors = []
 
     def _add_block(self, blk: B.Block) -> None:
         self.blocks[blk.path] = blk

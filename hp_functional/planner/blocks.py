@@ -62,6 +62,7 @@ class Block:
     per_head: tuple[str, ...] = ()
     param_roles: dict[str, str] = field(default_factory=dict)
     gathered: bool = False
+    attention: bool = False  # its colwise outputs are viewed into heads (or it holds head counts)
     uncovered: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -199,6 +200,7 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
     attrs = sorted({a for c in trace.shape_calls if c.module == block or inside(c.module, block)
                     for a in c.attrs if (a[0] == block or inside(a[0], block)) and a[0] not in roles})
     out.errors = check_heads(trace, cols, n, axis) + _undivided(modules, attrs, n, axis)
+    out.attention = any(heads_of(trace, p) for p in cols) or any(says_heads(("attr", a)) for a in attrs)
     if out.errors:
         return out
     heads = {h for p in cols for h in heads_of(trace, p)} | {getattr(modules[o], a) for o, a in attrs}

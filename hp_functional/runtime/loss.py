@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor
 
+from ..core.errors import PlanError
+
 
 def scalar_loss(out: object, loss_fn: Callable[[object], Tensor] | None = None, who: str = "the model") -> Tensor:
     """The scalar to differentiate a model output by: ``loss_fn(out)``, else HF's ``out.loss``,
@@ -23,10 +25,10 @@ def scalar_loss(out: object, loss_fn: Callable[[object], Tensor] | None = None, 
     else:
         first = first_tensor(out)
         if first is None:
-            raise TypeError(f"{who} returned {type(out).__name__} with no tensor; pass loss_fn=")
+            raise PlanError(f"{who} returned {type(out).__name__} with no tensor to differentiate; pass loss_fn=")
         value = first.float().sum()
     if not isinstance(value, Tensor) or value.numel() != 1:
-        raise TypeError(f"the loss of {who} must be a scalar tensor, got {type(value).__name__}")
+        raise PlanError(f"the loss of {who} must be a scalar tensor, got {type(value).__name__}; pass loss_fn=")
     return value
 
 

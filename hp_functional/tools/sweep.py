@@ -38,6 +38,8 @@ EXACT, LITTLE, REFUSED, CRASH, WRONG, HANG, UNBUILDABLE = (
 #: worst first: how per-rank outcomes that disagree are combined.
 OUTCOMES = (HANG, CRASH, WRONG, REFUSED, UNBUILDABLE, LITTLE, EXACT)
 TOL = 1e-5
+#: the reason of a row whose rank ran out of the sweep's per-rank memory (``benchmarks/models.py`` caps it).
+MEMORY_CAP = "over the sweep's per-rank memory cap"
 #: a rank holding at least this share of the model's parameters has "sharded little".
 LITTLE_SHARE = 0.8
 BATCH, SEQ = 2, 8
@@ -123,7 +125,10 @@ def plan_for(model, mesh, inputs: dict[str, Any] | None = None) -> tuple[Any, st
 
     if not hf_declares_plan(model):
         return traced(None), "auto_plan"
-    hf = ShardingPlan.from_hf(model)
+    try:
+        hf = ShardingPlan.from_hf(model)
+    except PlanError:  # a plan of another library's styles (diffusers' own): auto_plan plans it all
+        return traced(None), "auto_plan"
     try:
         return traced(hf), "from_hf+auto_plan"
     except PlanError:
@@ -270,7 +275,7 @@ def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -
         except Exception as exc:  # noqa: BLE001 - classified: a timeout is a hang, anything else a crash
             row.update(outcome=HANG if _is_hang(exc) else CRASH, reason=f"{first_line(exc)} @ {site(exc)}")
             if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc):  # the sweep's own cap, not a bug
-                row.update(outcome=UNBUILDABLE, reason=f"over the sweep's per-rank memory cap ({first_line(exc)[:80]})")
+                row.update(outcome=UNBUILDABLE, reason=f"{MEMORY_CAP} ({first_line(exc)[:80]})")
         else:
             row["share"] = res["share"]
             if not res["ok"]:
@@ -307,6 +312,9 @@ def build_only(model_type: str, tp: int = 2, seed: int = 0) -> dict[str, Any]:
 
 def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from the per-rank rows: the worst outcome; a note where the ranks disagree."""
+    capped = [r for r in rows if r["outcome"] == UNBUILDABLE and r["reason"].startswith(MEMORY_CAP)]
+    if capped:  # a rank out of the sweep's memory leaves its peers waiting: the cap, not a hang
+        return {**capped[0], "reason": f"{capped[0]['reason']} (rank {rows.index(capped[0])}; its peers then stopped)"}
     worst = min(rows, key=lambda r: OUTCOMES.index(r["outcome"]))
     outcomes = sorted({r["outcome"] for r in rows})
     if len(outcomes) > 1:

@@ -256,7 +256,8 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
         ref.get_submodule(p.fqn).register_forward_hook(rec.hook(p.fqn))
     # verify=False: this is the comparison itself, module by module (the shard-time probe would only
     # refuse); the skeleton is a deep copy of ``ref``: it inherits the hooks
-    apply_fn, params, infos = shard(ref, plan, mesh, verify=False)
+    batch = (tuple(args) if not kwargs else dict(kwargs) if not args else None) if args or kwargs else None  # traced
+    apply_fn, params, infos = shard(ref, plan, mesh, verify=False, example_inputs=batch)
     program = apply_fn.program
     axes, groups = list(mesh.mesh_dim_names), program.groups
     # replicated gradients must be bit-identical over the axes the plan acts on; other axes (dp) may see other data

@@ -325,11 +325,7 @@ class _Generator:
         if rows % self.n:
             raise PlanError(f"auto_plan: {path}: a vocabulary of {rows} does not split over {self.n} ranks of axis "
                             f"{self.axis!r} (pad it, or override {path!r} with NoParallel())")
-        self.entries[path], self.roles[path] = VocabEmbedding(), "embedding"
-        table = self.modules[path].weight
-        for other, m in self.modules.items():  # one table read by several modules (T5, BART: encoder and decoder)
-            if other != path and other not in self.covered and isinstance(m, nn.Embedding) and m.weight is table:
-                self.entries[other], self.roles[other] = VocabEmbedding(), f"embedding (tied to {path})"
+        self.entries[path], self.roles[path] = VocabEmbedding(), "embedding"  # its tied readers: _tie_groups
         return path
 
     def _head(self, embed: str | None) -> str | None:

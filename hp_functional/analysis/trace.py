@@ -203,17 +203,19 @@ def _meta_flag(t) -> bool:
             and t.numel() == 1)
 
 
-def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None, device: str = "meta") -> nn.Module:
+def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None, device: str = "meta",
+              values: bool = False) -> nn.Module:
     """A deep copy of ``module`` whose parameters and buffers are meta tensors (at ``shapes``, by
     name, where given), without the user's module hooks (a private check must not run them; those
     of torch and transformers, which record router logits and hidden states, stay); ``module``
     itself is only read.  Under a ``FakeTensorMode``, ``device="cpu"`` makes them fake CPU tensors
-    instead (no storage either, but code that checks the device runs: ``trace_model``'s fallback)."""
+    instead (no storage either, but code that checks the device runs: ``trace_model``'s fallback).
+    ``values``: real tensors on ``device`` holding the module's values (zeros for meta ones)."""
     shapes = shapes or {}
     memo: dict[int, object] = {}
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         if id(t) not in memo:
-            meta = torch.empty(shapes.get(name, t.shape), dtype=t.dtype, device=device)
+            meta = _valued(t, device) if values else torch.empty(shapes.get(name, t.shape), dtype=t.dtype, device=device)
             memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
     twin = copy.deepcopy(module, memo)
     for m in twin.modules():
@@ -223,20 +225,28 @@ def meta_copy(module: nn.Module, shapes: Mapping[str, torch.Size] | None = None,
     return twin
 
 
+def _valued(t: Tensor, device: str) -> Tensor:
+    """A copy of ``t`` on ``device`` with its values; zeros of its shape for a meta tensor."""
+    if t.device.type == "meta":
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+    return t.detach().to(device, copy=True)
+
+
 def _library_hook(fn) -> bool:
     """Whether a module hook belongs to torch or transformers; anything else is the user's."""
     fn = getattr(fn, "func", fn)  # functools.partial
     return (getattr(fn, "__module__", None) or "").split(".")[0] in ("torch", "transformers")
 
 
-def _to_meta(obj, device: str = "meta"):
-    """``obj`` with every tensor replaced by an empty one of its shape on ``device`` (meta, or a fake one)."""
+def _to_meta(obj, device: str = "meta", values: bool = False):
+    """``obj`` with every tensor replaced by an empty one of its shape on ``device`` (meta, or a
+    fake one); with ``values``, by a copy holding its values (``_valued``)."""
     if isinstance(obj, Tensor):
-        return torch.empty(obj.shape, dtype=obj.dtype, device=device)
+        return _valued(obj, device) if values else torch.empty(obj.shape, dtype=obj.dtype, device=device)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_meta(o, device) for o in obj)
+        return type(obj)(_to_meta(o, device, values) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_meta(v, device) for k, v in obj.items()}
+        return {k: _to_meta(v, device, values) for k, v in obj.items()}
     return obj
 
 
@@ -301,21 +311,38 @@ class ModelTrace:
         return self.calls[path].producers if path in self.calls else set()
 
 
+#: the most parameter and buffer bytes ``trace_model``'s last fallback copies onto the CPU with values
+REAL_TRACE_BYTES = 1 << 30
+
+
 def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
     """One forward of a meta copy of ``model`` on ``inputs`` (``(args, kwargs)``, moved to meta)
     with the recording described in docs/auto-plan.md#the-trace.  Code that refuses meta tensors (flex
     attention checks the device) is traced again on fake CPU tensors (``FakeTensorMode``: shapes
-    and devices, no storage, nothing computed); the meta error is raised if that fails too."""
+    and devices, no storage, nothing computed).  Code whose control flow reads values
+    (``lengths.max().item()``, ``mask.nonzero()``) is traced last on a CPU copy with values (the
+    model's own, zeros for meta ones), when its parameters and buffers take at most
+    ``REAL_TRACE_BYTES``; the meta error is raised if every trace fails."""
     try:
         return _trace(model, inputs, "meta")
     except Exception as meta_error:
-        if "meta" not in str(meta_error):  # not a refusal of the meta device: fake tensors would fail alike
-            raise
-        try:
-            with fake_mode(True) as device:
-                return _trace(model, inputs, device)
-        except Exception:  # noqa: BLE001 - the meta failure is the one to report
-            raise meta_error from None
+        if "meta" in str(meta_error):  # a refusal of the meta device: fake tensors may run
+            try:
+                with fake_mode(True) as device:
+                    return _trace(model, inputs, device)
+            except Exception:  # noqa: BLE001 - the meta failure is the one to report
+                pass
+        if _nbytes(model) <= REAL_TRACE_BYTES:
+            try:
+                return _trace(model, inputs, "cpu", values=True)
+            except Exception:  # noqa: BLE001 - the meta failure is the one to report
+                pass
+        raise meta_error from None
+
+
+def _nbytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @contextlib.contextmanager
@@ -340,16 +367,22 @@ def fake_mode(fake: bool):
         log.setLevel(level)
 
 
-def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str) -> ModelTrace:
-    twin = meta_copy(model, device=device)
+def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str, values: bool = False) -> ModelTrace:
+    twin = meta_copy(model, device=device, values=values)
     for path, m in twin.named_modules():
         for attr, value in list(vars(m).items()):
             if type(value) is int:
                 setattr(m, attr, TracedInt(value, {(path, attr)}))
     tracer, calls = _Tracer(), {}
+    aliases: dict[int, list[str]] = {}  # a parameterless module registered under several paths (XLM's one act)
+    for path, m in twin.named_modules(remove_duplicate=False):
+        if next(m.parameters(), None) is None:
+            aliases.setdefault(id(m), []).append(path)
 
-    def pre(path):
+    def pre(registered):
         def hook(module, args, kwargs):
+            caller = tracer.stack[-1] if tracer.stack else None
+            path = next((p for p in aliases.get(id(module), ()) if p.rpartition(".")[0] == caller), registered)
             call = calls.setdefault(path, ModuleCall())
             first = next((t for t in _leaves((args, kwargs)) if isinstance(t, Tensor)), None)
             call.routed |= any(id(t) in tracer.routed for t in _leaves((args, kwargs)) if isinstance(t, Tensor))
@@ -361,9 +394,9 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str) -> ModelTr
             tracer.stack.append(path)
         return hook
 
-    def post(path):
+    def post():
         def hook(module, args, kwargs, output):
-            tracer.stack.pop()
+            path = tracer.stack.pop()
             calls[path].outputs |= tracer.src(output)
             calls[path].main |= tracer.src(next((t for t in _leaves(output) if isinstance(t, Tensor)), None))
             if isinstance(output, Tensor):
@@ -377,10 +410,10 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str) -> ModelTr
     handles = []
     for path, m in twin.named_modules():
         handles.append(m.register_forward_pre_hook(pre(path), with_kwargs=True))
-        handles.append(m.register_forward_hook(post(path), with_kwargs=True))
+        handles.append(m.register_forward_hook(post(), with_kwargs=True))
         if _holds_experts(m):
             m.forward = _stand_in_on_routed_failure(m.forward, path, tracer, calls)
-    args, kwargs = _to_meta(inputs[0], device), _to_meta(inputs[1], device)
+    args, kwargs = _to_meta(inputs[0], device, values), _to_meta(inputs[1], device, values)
     tracer.tag((args, kwargs), frozenset({INPUT}))
     with torch.no_grad(), tracer:
         output = twin(*args, **kwargs)

@@ -83,7 +83,7 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
     by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
     entries = {p.fqn for p in planned}  # with an entry, even one whose style failed
     head = loss_head(plan, model) if plan.settings.get("loss_parallel") else None
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
     parents = {fqn.rpartition(".")[0] for fqn, m in modules.items() if isinstance(m, nn.Linear) and fqn in by_fqn}
     for parent in sorted(parents):
         findings += _siblings(_Family(parent, modules, by_fqn, specs, head, mesh, entries))

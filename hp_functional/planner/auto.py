@@ -120,7 +120,7 @@ class _Generator:
                  covered: set[str] = frozenset()):
         self.model, self.trace, self.n, self.axis, self.allow = model, trace, n, axis, allow_uncovered
         self.covered = covered  # planned by a base plan: left as it is
-        self.modules = dict(model.named_modules())
+        self.modules = dict(model.named_modules(remove_duplicate=False))
         self.entries: dict[str, Style] = {}
         self.roles: dict[str, str] = {}  # module path -> the rule that decided it
         self.param_roles: dict[str, str] = {}  # parameter FQN -> a reason of its own

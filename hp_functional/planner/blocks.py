@@ -185,7 +185,7 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
     runs once per kind.  KV projections with fewer heads than ranks (the axis size a multiple of
     them) stay plain ``Colwise``, their head-count attributes divided by name, for the compiler's
     KV-head pass."""
-    modules, out = dict(model.named_modules()), Block(block)
+    modules, out = dict(model.named_modules(remove_duplicate=False)), Block(block)
     cols = [p for p, r in roles.items() if r == "colwise"]
     styles: dict[str, Style] = {}
     for p, r in roles.items():

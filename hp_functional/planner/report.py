@@ -101,7 +101,7 @@ class Coverage:
 def coverage(model: nn.Module, entries: Mapping[str, Style], roles: Mapping[str, str], special: Mapping[str, str],
              param_roles: Mapping[str, str], axis: str) -> Coverage:
     """The coverage rows of ``entries`` (per module path) and ``special`` (parameter FQN → handler)."""
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
     rows = []
     for fqn, _ in model.named_parameters(remove_duplicate=False):
         owner, _, name = fqn.rpartition(".")

@@ -367,3 +367,64 @@ def test_tracing_reads_and_never_mutates():
                and not isinstance(v, bool))
     assert {n: dict(vars(m)) for n, m in model.named_modules()}.keys() == attrs.keys()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+# ---------------------------------------------------------------- forwards that read values
+class RaggedLayer(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: nn.Module):
+        super().__init__()
+        self.fc_in, self.act, self.fc_out = nn.Linear(dim, hidden), act, nn.Linear(hidden, dim)
+
+    def forward(self, h):
+        return h + self.fc_out(self.act(self.fc_in(h)))
+
+
+class Ragged(nn.Module):
+    """Control flow on token values (``.item()``: XLM's ``lengths.max().item()``), and one
+    activation instance registered in every layer (XLM's shared ``act``)."""
+
+    def __init__(self, vocab=64, dim=16, hidden=32):
+        super().__init__()
+        act = nn.GELU()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(RaggedLayer(dim, hidden, act) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        n = int((ids != 0).sum(-1).max().item())  # the longest row, read from the values
+        h = self.embed(ids[:, :n])
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def case_value_reading_forward():
+    torch.manual_seed(0)
+    model, m = Ragged(), mesh()
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    ids[:, 6:] = 0
+    plan = hpf.auto_plan(model, m, example_inputs=ids)
+    apply_fn, params, info = hpf.shard(model, plan, m, example_inputs=ids)
+    ref = F.cross_entropy(model(ids).flatten(0, 1), ids[:, :6].flatten())
+    ref.backward()
+    loss = F.cross_entropy(apply_fn(params, ids).flatten(0, 1), ids[:, :6].flatten())
+    loss.backward()
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    diffs = {"loss": assert_close(loss, ref.detach(), "loss")}
+    diffs["grads"] = max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters())
+    return diffs, {k: v for k, v in plan.entries.items()}
+
+
+def test_a_forward_that_reads_values_is_traced_with_values(pool):
+    """Meta and fake tensors have no values to read: auto_plan traces a CPU copy with them, and
+    the shared activation does not join the layers' flows (each layer pairs its own fc_in/fc_out)."""
+    diffs, entries = pool.run(case_value_reading_forward)[0]
+    assert entries["layers.*.fc_in"] == hpf.Colwise() and entries["layers.*.fc_out"] == hpf.Rowwise(), entries
+
+
+def test_a_value_reading_forward_over_the_copy_budget_is_refused(monkeypatch):
+    from hp_functional.analysis import trace
+
+    monkeypatch.setattr(trace, "REAL_TRACE_BYTES", 1024)
+    with pytest.raises(hpf.PlanError, match=r"Ragged on meta tensors failed .*pass example_inputs"):
+        hpf.simulate(look(Ragged(), example_inputs=torch.ones(1, 8, dtype=torch.long)), world_size=2)

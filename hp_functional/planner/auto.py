@@ -322,9 +322,11 @@ class _Generator:
         if rows % self.n and not declared:  # a table the inputs index that is no vocabulary (DiT's class labels)
             self.roles[path] = f"input embedding (replicated: {rows} rows do not split over {self.n} ranks)"
             return None
-        if rows % self.n:
-            raise PlanError(f"auto_plan: {path}: a vocabulary of {rows} does not split over {self.n} ranks of axis "
-                            f"{self.axis!r} (pad it, or override {path!r} with NoParallel())")
+        if rows % self.n:  # exact replicated; sharding it is the user's choice of padding
+            self.roles[path] = f"embedding (replicated: a vocabulary of {rows} does not split over {self.n} ranks)"
+            self.notes.append(f"{path}: a vocabulary of {rows} does not split over {self.n} ranks of axis {self.axis!r}: "
+                              f"replicated (pad it to a multiple of {self.n} to shard it)")
+            return None
         self.entries[path], self.roles[path] = VocabEmbedding(), "embedding"  # its tied readers: _tie_groups
         return path
 
@@ -341,9 +343,12 @@ class _Generator:
                          and B.out_features(self.modules[p]) == vocab), None)
         if path is None or path in self.covered:
             return path
-        if B.out_features(self.modules[path]) % self.n:
-            raise PlanError(f"auto_plan: {path}: {B.out_features(self.modules[path])} output features do not split over "
-                            f"{self.n} ranks of axis {self.axis!r}")
+        if (width := B.out_features(self.modules[path])) % self.n:
+            self.roles[path] = f"output head (replicated: {width} output features do not split over {self.n} ranks)"
+            self.notes.append(f"{path}: {width} output features do not split over {self.n} ranks of axis {self.axis!r}: "
+                              f"replicated (pad the vocabulary to a multiple of {self.n} to shard it)")
+            self.entries[path] = NoParallel()  # planned as replicated: no pairing takes it
+            return path
         self.entries[path], self.roles[path] = Colwise(gather_output=True), "output head"
         bias = getattr(self.modules[path], "bias", None)
         for fqn, q in self.model.named_parameters(remove_duplicate=False):  # BERT: cls.predictions.bias is the head's

@@ -428,3 +428,14 @@ def test_a_value_reading_forward_over_the_copy_budget_is_refused(monkeypatch):
     monkeypatch.setattr(trace, "REAL_TRACE_BYTES", 1024)
     with pytest.raises(hpf.PlanError, match=r"Ragged on meta tensors failed .*pass example_inputs"):
         hpf.simulate(look(Ragged(), example_inputs=torch.ones(1, 8, dtype=torch.long)), world_size=2)
+
+
+def test_a_vocabulary_that_does_not_split_is_replicated_with_a_note():
+    hf = hpf.simulate(look(build_hf("llama", vocab_size=129)), world_size=2)
+    assert "model.embed_tokens" not in hf.entries and hf.entries["lm_head"] == hpf.NoParallel()
+    assert any("model.embed_tokens: a vocabulary of 129 does not split" in n and "pad" in n for n in hf.notes)
+    plan = hpf.simulate(look(build("custom", vocab=129)), world_size=2)
+    assert "tok_embeddings" not in plan.entries and plan.entries["output"] == hpf.NoParallel()
+    assert plan.entries["layers.*.feed_forward.w1"] == hpf.Colwise()  # the blocks are sharded as ever
+    assert "embedding (replicated: 129 rows do not split over 2 ranks" in plan.coverage.replicated["tok_embeddings.weight"]
+    assert any("lm_head: 129 output features do not split over 2 ranks" in n for n in hf.notes)

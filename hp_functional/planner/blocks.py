@@ -88,6 +88,19 @@ def _modulates(trace: ModelTrace, parent: str, node: str, projections: set[str])
                for m in call.main)
 
 
+def _called_twice(trace: ModelTrace, path: str) -> bool:
+    """Whether ``path`` ran more often than the nearest called module enclosing it: twice in one
+    call of its parent (SwinV2's ``drop_path`` after attention and after the MLP), its calls' flows
+    are one node in the trace and following it would join unrelated uses.  As often as its parent
+    (ALBERT's one layer run at every depth), each call is the same flow."""
+    parent = path
+    while parent:
+        parent = parent.rpartition(".")[0]
+        if parent in trace.calls:
+            return trace.calls[path].count > trace.calls[parent].count
+    return trace.calls[path].count > 1
+
+
 def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], projections: set[str],
              modules: Mapping[str, nn.Module]) -> tuple[set[str], set[str]]:
     """(``candidates`` that ``start``'s output reaches inside ``block``, modules passed on the way).
@@ -95,8 +108,8 @@ def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], pr
     Data flows to the modules that consume it and out of the module it was computed in (its
     output is the enclosing module's output: BERT's ``attention.self`` hands the heads to
     ``attention.output.dense``).  It stops at any other projection, at a module that holds one,
-    at a norm on the residual stream, and at a module called more than once (its calls' flows are
-    one node in the trace: following it would join unrelated uses)."""
+    at a norm on the residual stream, and at a module called more often than its parent
+    (``_called_twice``)."""
     seen, hit, passed, todo = set(), set(), set(), [start]
     while todo:
         node = todo.pop()
@@ -107,7 +120,7 @@ def _reached(trace: ModelTrace, start: str, block: str, candidates: set[str], pr
             if c in candidates:
                 hit.add(c)
             elif not (c in projections or _holds(c, projections) or _residual(trace, c, modules[c], block)
-                      or trace.calls[c].count > 1):  # a module called twice (SwinV2's drop_path) merges two flows
+                      or _called_twice(trace, c)):
                 passed.add(c)
                 todo.append(c)
         parent = node.rpartition(".")[0]

@@ -439,3 +439,40 @@ def test_a_vocabulary_that_does_not_split_is_replicated_with_a_note():
     assert plan.entries["layers.*.feed_forward.w1"] == hpf.Colwise()  # the blocks are sharded as ever
     assert "embedding (replicated: 129 rows do not split over 2 ranks" in plan.coverage.replicated["tok_embeddings.weight"]
     assert any("lm_head: 129 output features do not split over 2 ranks" in n for n in hf.notes)
+
+
+# ---------------------------------------------------------------- modules run more than once
+class TwiceBlock(nn.Module):
+    """One ``mix`` module run after both branches (SwinV2's ``drop_path``): following it would
+    join the attention's flow to the MLP's."""
+
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.q, self.o = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.up, self.act, self.down = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+        self.mix = nn.Identity()
+
+    def forward(self, h):
+        h = h + self.mix(self.o(self.q(h)))
+        return h + self.mix(self.down(self.act(self.up(h))))
+
+
+class SharedDepth(nn.Module):
+    """ALBERT: one block run at every depth, its activation as often as the block."""
+
+    def __init__(self, vocab=64, dim=16, depth=3):
+        super().__init__()
+        self.embed, self.block, self.depth = nn.Embedding(vocab, dim), TwiceBlock(dim), depth
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for _ in range(self.depth):
+            h = self.block(h)
+        return self.head(h)
+
+
+def test_a_module_run_at_every_depth_pairs_and_one_run_twice_per_call_stops_the_flow():
+    plan = hpf.simulate(look(SharedDepth()), world_size=2)
+    assert plan.entries["block.up"] == hpf.Colwise() and plan.entries["block.down"] == hpf.Rowwise()  # through act
+    assert plan.entries["block.q"] == hpf.Colwise() and plan.entries["block.o"] == hpf.Rowwise()

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .parallel.experts.calls import ExpertsCall as ExpertsCall
     from .parallel.experts.styles import Experts as Experts, expert_mesh as expert_mesh
     from .parallel.local import Local as Local
+    from .parallel.tensor.channels import Channels as Channels
     from .parallel.tensor.styles import (
         Colwise as Colwise,
         Heads as Heads,
@@ -139,6 +140,7 @@ _LAZY: dict[str, str] = {
     "ExpertsCall": ".parallel.experts.calls",
     "llama_sp_plan": ".plan.recipes",
     "megatron_plan": ".plan.recipes",
+    "Channels": ".parallel.tensor.channels",
     "Colwise": ".parallel.tensor.styles",
     "Heads": ".parallel.tensor.styles",
     "ModuleSpec": ".core.style",

@@ -68,11 +68,12 @@ def check_head_counts(planned: list[Planned], specs: Mapping[str, ModuleSpec], g
         for attr in specs[p.fqn].divide_attrs:
             value, n = getattr(p.module, attr, None), groups[p.axis].size
             if not isinstance(value, int) or value % n:
-                raise PlanError(
-                    f"{p.fqn}: attribute {attr}={value!r} is not divisible by mesh axis {p.axis!r} (size {n}); "
-                    "fewer KV heads than ranks are replicated only when the module states its head_dim and its "
-                    "K/V projections are planned Colwise (compile.kv_heads)"
-                )
+                fix = ("fewer KV heads than ranks are replicated only when the module states its head_dim and its "
+                       "K/V projections are planned Colwise (compile.kv_heads)") if "head" in attr else (
+                       "every rank must hold an equal share: use a mesh axis whose size divides it, or leave this "
+                       "module replicated (NoParallel())")
+                raise PlanError(f"{p.fqn}: attribute {attr}={value!r} is not divisible by mesh axis {p.axis!r} "
+                                f"(size {n}); {fix}")
 
 
 def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: bool,

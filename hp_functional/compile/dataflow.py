@@ -27,6 +27,7 @@ from ..core.placement import ShardInfo, splits
 from ..core.program import Boundary, Planned
 from ..core.signature import arg_slots, map_arguments
 from ..core.style import ModuleSpec
+from ..parallel.tensor.channels import CONVS
 from ..parallel.tensor.styles import is_conv1d
 from .reduced_copy import Reduced, plan_marks, reduced_copy
 from .regions import Varying, is_below
@@ -277,9 +278,12 @@ class Unchecked:
 
 
 def _widths(module: nn.Module) -> tuple[int, int] | None:
-    """(in, out) features of a Linear or HF Conv1D (weight stored ``[in, out]``), else None."""
+    """(in, out) features of a Linear or HF Conv1D (weight stored ``[in, out]``), (in, out)
+    channels of a convolution, else None."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
+    if isinstance(module, CONVS):
+        return module.in_channels, module.out_channels
     if is_conv1d(module):
         return tuple(module.weight.shape)
     return None
@@ -339,8 +343,9 @@ def unchecked_in_regions(model: nn.Module, boundaries: Sequence[Boundary], infos
                     continue
                 if any(s.axis == axis for s in param_steps.get(leaf, ())):
                     continue  # its gradient is already reduced (or converted) on this axis
-                if prm.dim() >= 1 and prm.shape[-1] in widths:
-                    continue  # the width of the region's replicated data: presumed to see it
+                seen = module.in_channels if isinstance(module, CONVS) else prm.shape[-1] if prm.dim() >= 1 else None
+                if seen in widths:
+                    continue  # the width (a convolution: channels) of the region's replicated data: presumed to see it
                 at_risk.append(full)
             if at_risk:
                 found.append(Unchecked(name, region, axis, tuple(at_risk)))

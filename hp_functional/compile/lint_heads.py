@@ -24,19 +24,23 @@ from ..core.placement import local_layout, mesh_placements, splits
 from ..core.program import Planned
 from ..core.style import ModuleSpec
 from ..parallel.local import Local
+from ..parallel.tensor.channels import CONVS, Channels
 from ..parallel.tensor.styles import is_conv1d
 
 Found = tuple[str, str, str]  # (module, code, message)
 
 
-def _width(module: nn.Module) -> int | None:
-    """The last dim of what ``module`` takes: its first Linear's, Conv1D's or 1-D weight's."""
+def _input_shape(module: nn.Module) -> tuple[int, ...] | None:
+    """The shape of a small input ``module`` takes: ``(1, 4, width)`` for the last dim of its first
+    Linear's, Conv1D's or 1-D weight's, ``(1, channels, 16, ...)`` for its first convolution's."""
     for m in module.modules():
         weight = getattr(m, "weight", None)
         if isinstance(m, nn.Linear) or is_conv1d(m):
-            return m.weight.shape[0] if is_conv1d(m) else m.in_features
+            return (1, 4, m.weight.shape[0] if is_conv1d(m) else m.in_features)
+        if isinstance(m, CONVS):
+            return (1, m.in_channels, *(16,) * len(m.kernel_size))
         if isinstance(weight, torch.Tensor) and weight.dim() == 1:
-            return weight.shape[0]
+            return (1, 4, weight.shape[0])
     return None
 
 
@@ -50,8 +54,9 @@ def _one_tensor_forward(module: nn.Module) -> bool:
 
 
 def _sharded_child(p: Planned, spec: ModuleSpec) -> bool:
-    """A planned projection whose output is handed on sharded or that needs its input sharded."""
-    if not (isinstance(p.module, nn.Linear) or is_conv1d(p.module)) or not any(
+    """A planned projection (or channel-split convolution) whose output is handed on sharded or
+    that needs its input sharded."""
+    if not (isinstance(p.module, (nn.Linear, *CONVS)) or is_conv1d(p.module)) or not any(
             splits(pl.get(p.axis)) for pl in spec.params.values()):
         return False
     out = spec.out_dst.get("output", spec.out_src.get("output", {})).get(p.axis)
@@ -108,14 +113,14 @@ class _Inputs:
     def __init__(self, model: nn.Module):
         self.model, self._trace, self.why = model, None, ""
 
-    def of(self, path: str, module: nn.Module, width: int) -> tuple[tuple, dict] | None:
+    def of(self, path: str, module: nn.Module, shape: tuple[int, ...] | None) -> tuple[tuple, dict] | None:
         if self._trace is None:
             self._trace, self.why = _TRACES.get(fingerprint(self.model), lambda: _trace_calls(self.model))
         call = self._trace.get(path)
         if call is not None:
             return call.args, call.kwargs
-        if width and _one_tensor_forward(module):
-            return (torch.empty(1, 4, width, device="meta"),), {}
+        if shape and _one_tensor_forward(module):
+            return (torch.empty(shape, device="meta"),), {}
         return None
 
 
@@ -154,7 +159,7 @@ def audit_regions(model: nn.Module, mesh: DeviceMesh, planned: Sequence[Planned]
                     shapes[rel] = local_layout(full, mesh_placements(per_axis, mesh, name), mesh, name)[0]
         except PlanError:  # indivisible dims, bad placements: placing the parameters raises those itself
             continue
-        call = inputs.of(parent, module, _width(module))
+        call = inputs.of(parent, module, _input_shape(module))
         if call is None:
             missed.append((parent, "its arguments cannot be synthesized (not reached by a meta forward of the model "
                            f"from input_ids{': ' + inputs.why if inputs.why else ''}, and its forward takes more "
@@ -216,6 +221,13 @@ def _message(parent: str, module: nn.Module, children: list[str], attrs: Mapping
              f"{[c.rpartition('.')[2] for c in children]}): {bad.why}")
     if bad.rule == "packed":  # a projection's packing, not a head count: the why names the fix
         return "shape", where
+    below = [(c.rpartition(".")[2], module.get_submodule(c[len(parent) + 1:] if parent else c)) for c in children]
+    convs = [name for name, m in below if isinstance(m, CONVS)]
+    if convs:  # channels split on dim 1, not heads: name the per-channel styles
+        return "shape", (f"{where}; the channels of {convs} are split on dim 1, so every module that reads them must "
+                         "be planned per channel: a convolution Rowwise() (or Colwise(input_layout=Shard(1))), a "
+                         "BatchNorm, GroupNorm or grouped convolution Channels() — or gather them first "
+                         "(Colwise(gather_output=True))")
     if earlier is not None:
         return "shape", (f"{where}; no integer attribute fed it (the nearest op before it that took one, "
                          f"{earlier.name}, took {listed(names)}): divide the head counts it uses "
@@ -268,6 +280,9 @@ def _local_view(parent: str, module: nn.Module, by_fqn: Mapping[str, Planned], s
                 shapes[prefix + name] = local_layout(full.shape, mesh_placements(per_axis, mesh, fqn), mesh, fqn)[0]
         size = mesh.size(list(mesh.mesh_dim_names).index(p.axis))
         sub = module.get_submodule(rel) if rel else module
+        if isinstance(p.style, Channels):  # a BatchNorm reads its channels' slice of its whole running statistics
+            shapes.update({prefix + n: torch.Size([b.shape[0] // size]) for n, b in sub.named_buffers(recurse=False)
+                           if b.dim() == 1 and b.shape[0] == getattr(sub, "num_features", None)})
         for attr in spec.divide_attrs:
             value = getattr(sub, attr, None)
             if not isinstance(value, int) or value % size:

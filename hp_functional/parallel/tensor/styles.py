@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ...core.errors import PlanError
 from ...core.style import Key, ModuleSpec, Style, _require
+from .channels import CONVS, batched_conv, channel_dim
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -27,12 +28,27 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def _projection(module: nn.Module, style: Style, fqn: str) -> tuple[int, int]:
-    """(weight dim of the output features, of the input features) of an ``nn.Linear`` (0, 1) or
-    a ``Conv1D`` (1, 0); a PlanError for any other module."""
+    """(weight dim of the output features, of the input features) of an ``nn.Linear`` (0, 1), a
+    ``Conv1D`` (1, 0) or an ungrouped ``nn.Conv1d/2d/3d`` (0, 1: output, input channels); a
+    PlanError for any other module."""
     if is_conv1d(module):
         return 1, 0
-    _require(module, (nn.Linear,), style, fqn)
+    if isinstance(module, CONVS):
+        if module.groups != 1:
+            raise PlanError(
+                f"{fqn or '<root module>'}: {type(style).__name__} splits the channels of {type(module).__name__}, but it "
+                f"is grouped (groups={module.groups}): each output channel sees only its group's inputs. Plan it "
+                "Channels() if it sits between a channel-split Colwise and Rowwise (its groups then split with the "
+                "channels), else NoParallel()")
+        return 0, 1
+    _require(module, (nn.Linear, *CONVS), style, fqn)
     return 0, 1
+
+
+def _features(module: nn.Module, layout: Placement) -> Placement:
+    """``layout`` on ``module``'s activations: ``Shard(-1)`` names the feature dim, the last for a
+    Linear and the channels (dim 1) for a convolution."""
+    return channel_dim(layout) if isinstance(module, CONVS) else layout
 
 
 def _per_feature(module: nn.Module, fqn: str) -> list[str]:
@@ -53,7 +69,10 @@ def _per_feature(module: nn.Module, fqn: str) -> list[str]:
 class Colwise(Style):
     """Linear with the output features sharded: weight and bias Shard(0), output Shard(-1).
     On HF's ``Conv1D`` (weight ``[in, out]``) the weight is Shard(1) and the skeleton's copy
-    holds ``nf`` (its output features) divided by the axis size.
+    holds ``nf`` (its output features) divided by the axis size.  On an ungrouped
+    ``nn.Conv1d/2d/3d`` the output channels are split: weight and bias Shard(0), output Shard(1)
+    (the channels of a batched ``(N, C, ...)`` input; ``Shard(-1)`` in a layout means that dim),
+    the skeleton's ``out_channels`` divided; ``packed`` is refused there.
 
     ``input_layout=Shard(1)`` all-gathers a sequence-sharded input (Megatron-SP);
     ``gather_output=True`` (or ``output_layout=Replicate()``) all-gathers the output.
@@ -70,20 +89,28 @@ class Colwise(Style):
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         out_dim, _ = _projection(module, self, fqn)
+        if self.packed and isinstance(module, CONVS):
+            raise PlanError(f"{fqn}: Colwise(packed=...) splits fused Linear projections, not the channels of "
+                            f"{type(module).__name__}: drop packed (or split the convolution into one per block)")
         out = Replicate() if self.gather_output else self.output_layout
         if self.packed and out != Shard(-1):
             raise PlanError(f"{fqn}: a packed Colwise keeps its output sharded (gathering would interleave the blocks "
                             "rank by rank); drop gather_output/output_layout")
         names = ["weight"] + (["bias"] if module.bias is not None else []) + _per_feature(module, fqn)
+        conv = isinstance(module, CONVS)
         return ModuleSpec(
             params={n: {axis: Shard(out_dim if n == "weight" else 0)} for n in names},
             param_blocks={n: self.packed for n in names} if self.packed else {},
-            in_src={0: {axis: self.input_layout}},
+            in_src={0: {axis: _features(module, self.input_layout)}},
             in_dst={0: {axis: Replicate()}},
-            out_src={"output": {axis: Shard(-1)}},
-            out_dst={"output": {axis: out}},
-            divide_attrs=("nf",) if out_dim == 1 else (),
+            out_src={"output": {axis: _features(module, Shard(-1))}},
+            out_dst={"output": {axis: _features(module, out)}},
+            divide_attrs=("nf",) if out_dim == 1 else ("out_channels",) if conv else (),
         )
+
+    def local_forward(self, module, forward, *, fqn, axis, axes):
+        """A convolution's forward refuses an unbatched input (its channels are dim 0, not 1)."""
+        return batched_conv(module, forward, fqn, split_input=False) if isinstance(module, CONVS) else forward
 
 
 @dataclass(frozen=True)
@@ -93,7 +120,10 @@ class Rowwise(Style):
     The bias is stored replicated and used as Partial (rank 0 adds it), so it is added once
     after the reduction.  ``output_layout=Shard(1)`` reduce-scatters onto the sequence dim
     (Megatron-SP); ``input_layout=Replicate()`` splits a replicated input locally.  On HF's
-    ``Conv1D`` (weight ``[in, out]``) the weight is Shard(0).
+    ``Conv1D`` (weight ``[in, out]``) the weight is Shard(0).  On an ungrouped
+    ``nn.Conv1d/2d/3d`` the input channels are split: weight Shard(1), input Shard(1) (the
+    channels of a batched ``(N, C, ...)`` input; ``Shard(-1)`` in a layout means that dim), the
+    skeleton's ``in_channels`` divided; the bias is added once, as on a Linear.
     """
 
     input_layout: Placement = Shard(-1)
@@ -106,11 +136,16 @@ class Rowwise(Style):
         return ModuleSpec(
             params={"weight": {axis: Shard(in_dim)}, **({"bias": {axis: Replicate()}} if has_bias else {})},
             param_dst={"bias": {axis: Partial()}} if has_bias else {},
-            in_src={0: {axis: self.input_layout}},
-            in_dst={0: {axis: Shard(-1)}},
+            in_src={0: {axis: _features(module, self.input_layout)}},
+            in_dst={0: {axis: _features(module, Shard(-1))}},
             out_src={"output": {axis: Partial()}},
-            out_dst={"output": {axis: self.output_layout}},
+            out_dst={"output": {axis: _features(module, self.output_layout)}},
+            divide_attrs=("in_channels",) if isinstance(module, CONVS) else (),
         )
+
+    def local_forward(self, module, forward, *, fqn, axis, axes):
+        """A convolution's forward refuses an unbatched input (its channels are dim 0, not 1)."""
+        return batched_conv(module, forward, fqn, split_input=True) if isinstance(module, CONVS) else forward
 
 
 @dataclass(frozen=True)

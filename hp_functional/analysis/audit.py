@@ -283,7 +283,10 @@ def _check(g: Op, m: Op, n: int) -> tuple[str, str] | None:
 def _view(g: Op, m: Op, din, dout) -> tuple[str, str] | None:
     """A view's division must land on the outermost dim of its divided input dim's group — for a
     packed input of P equal blocks viewed with the blocks on dims of their own (``(..., 3, H, D)``),
-    on the dim after them (each rank holds a slice of every block)."""
+    on the dim after them (each rank holds a slice of every block).  A group of leading dims only
+    (no feature dim: ViTDet's ``(B, H, S, D)`` → ``(B*H, S, D)`` and back) may hold it on any of its
+    dims: the rows are reordered, each one whole, and the shape checks of every later op still
+    apply; the shard-time probe compares the numbers."""
     grouped = groups(g.ins[0], g.outs[0])
     if grouped is None or din is None or len(din) > 1:
         return None
@@ -294,6 +297,9 @@ def _view(g: Op, m: Op, din, dout) -> tuple[str, str] | None:
         group = next(((a, b) for a, b in grouped if dim in a), None)
         if group is None:
             return None
+        rows = len(g.ins[0]) - 1 not in group[0] and len(g.outs[0]) - 1 not in group[1]
+        if rows and len(dout or ()) == 1 and dout[0][0] in group[1] and dout[0][1] == k:
+            return None  # rows only (ViTDet's batch × heads merged, then split back): each row whole
         if group[0][0] != dim:
             return "view", f"it merges the divided dim {dim} into a dim of which it is not the outermost part"
         want = {group[1][0]: k}

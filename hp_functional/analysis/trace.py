@@ -399,6 +399,8 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str, values: bo
             path = tracer.stack.pop()
             calls[path].outputs |= tracer.src(output)
             calls[path].main |= tracer.src(next((t for t in _leaves(output) if isinstance(t, Tensor)), None))
+            if _transparent(module):  # its output keeps its ops' sources: the flow runs through it
+                return output
             if isinstance(output, Tensor):
                 output = output.view_as(output)  # a fresh alias: the producer's own tag stays on the original
             elif type(output) is tuple:
@@ -420,6 +422,15 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str, values: bo
     for h in handles:
         h.remove()
     return ModelTrace(calls, tracer.shape_calls, output, tracer.assumed, tracer.routes, tracer.dispatch)
+
+
+def _transparent(module: nn.Module) -> bool:
+    """A leaf module without parameters or buffers (an activation, dropout, ``Identity``, DropPath):
+    a function of its inputs alone, so its output is traced as its ops' output rather than as a
+    node of its own.  One such module run twice in a block (dropout after the activation and after
+    the MLP) would otherwise join two flows into one node, and stop both."""
+    return (next(module.children(), None) is None and next(module.parameters(), None) is None
+            and next(module.buffers(), None) is None)
 
 
 def _holds_experts(module: nn.Module) -> bool:

@@ -224,6 +224,13 @@ class _Generator:
             blk.errors = []
 
     def _add_block(self, blk: B.Block) -> None:
+        if blk.uncovered:  # a module between the pair that no rule splits: the pair stays replicated (exact)
+            why = ", ".join(blk.uncovered)
+            for p in (p for p in blk.roles if B.is_projection(self.modules.get(p))):
+                self.entries[p], self.roles[p] = NoParallel(), "replicated: a module between its pair has no rule"
+            self.notes.append(f"{blk.path}: {why}: no rule splits it, so the pair around it is left replicated "
+                              "(plan it with overrides={...} to shard it)")
+            return
         self.blocks[blk.path] = blk
         self.entries.update(blk.styles)
         self.roles.update(blk.roles)
@@ -370,7 +377,8 @@ class _Generator:
             elif isinstance(m, nn.Embedding):
                 self.roles[path] = "auxiliary embedding (positions, types: replicated)"
             elif isinstance(m, nn.modules.conv._ConvNd):
-                self.roles[path] = "convolution (replicated: plan it with overrides={...} to split its channels)"
+                self.roles[path] = ("convolution (replicated: split its channels with overrides={...}: Colwise() on it, "
+                                    "Channels() on the norm or depthwise convolution after it, Rowwise() on the next one)")
             else:
                 for name, q in own:
                     big = q.dim() >= 2 or q.numel() * 100 >= total

@@ -19,7 +19,7 @@ from ..analysis.trace import INPUT, ModelTrace, ModuleCall
 from ..core.errors import PlanError
 from ..core.style import Style
 from ..parallel.tensor.styles import Colwise, Heads, NoParallel, Rowwise, is_conv1d
-from .heads import inside, join, says_heads, search_heads, splits_last
+from .heads import inside, join, says_heads, search_heads, split_tail, splits_last
 
 COL_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "c_fc", "wq", "wk", "wv", "query",
              "key", "value", "q", "k", "v", "fc1", "fc_in", "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1",
@@ -138,8 +138,7 @@ def packing(trace: ModelTrace, proj: str, width: int) -> int | tuple[int, ...] |
         if c.op in ("split", "chunk") and len(c.shapes_out) > 1 and all(s[:-1] == c.shape_in[:-1] for s in c.shapes_out):
             sizes = tuple(s[-1] for s in c.shapes_out)
             return len(sizes) if len(set(sizes)) == 1 else sizes
-        if splits_last(c):
-            tail = c.shapes_out[0][len(c.shape_in) - 1:]
+        if (tail := split_tail(c)) is not None:
             return tail[0] if len(tail) >= 3 and tail[0] in (2, 3) else None
     pieces = [c.shapes_out[0][-1] for c in mine if c.op == "getitem" and c.shapes_out
               and c.shapes_out[0][:-1] == c.shape_in[:-1] and c.shapes_out[0][-1] < width]
@@ -175,8 +174,20 @@ def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], candid
             roles[p] = "colwise" if col else "rowwise"  # the dataflow decides; a name only breaks a tie
         else:
             unpaired.append(p)
+    while lone := [p for p, r in roles.items() if not _partners(p, r, roles, reach)]:  # a chain of three's last
+        for p in lone:
+            del roles[p]
+        unpaired += lone
     between = {m for p, r in roles.items() if r == "colwise" for m in reach[p][1]}
     return roles, between, unpaired
+
+
+def _partners(p: str, role: str, roles: Mapping[str, str], reach) -> list[str]:
+    """The rowwise projections a colwise ``p`` feeds, or the colwise ones feeding a rowwise ``p``
+    (VideoMT's fc1 → fc2 → fc3: fc2 rowwise by name, so fc3 is fed by no colwise and pairs with none)."""
+    if role == "colwise":
+        return [q for q in reach[p][0] if roles.get(q) == "rowwise"]
+    return [q for q, r in roles.items() if r == "colwise" and p in reach[q][0]]
 
 
 def check_heads(trace: ModelTrace, cols: list[str], n: int, axis: str) -> list[str]:

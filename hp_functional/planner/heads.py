@@ -13,9 +13,10 @@ wins; None when none does.
 
 from __future__ import annotations
 
-__all__ = ["inside", "join", "says_heads", "search_heads", "splits_last"]
+__all__ = ["inside", "join", "says_heads", "search_heads", "split_tail", "splits_last"]
 
 import itertools
+import math
 from collections.abc import Mapping
 
 from torch import nn
@@ -37,11 +38,26 @@ def inside(path: str, block: str) -> bool:
     return path != block and (not block or path.startswith(block + "."))
 
 
+def split_tail(c: ShapeCall) -> tuple[int, ...] | None:
+    """The dims a shape call splits its input's last dim into (None: it does not), its leading
+    dims kept or merged (ViTDet's ``(B, H, W, 3C)`` → ``(B, H*W, 3, heads, D)``)."""
+    if c.op not in RESHAPES or not c.shapes_out or not c.shape_in:
+        return None
+    out, k = c.shapes_out[0], len(c.shape_in) - 1
+    if len(out) > k + 1 and out[:k] == c.shape_in[:k]:
+        return tuple(out[k:])
+    lead = 1
+    for i in range(len(out) - 1):
+        if lead == math.prod(c.shape_in[:k]) and math.prod(out[i:]) == c.shape_in[k] and len(out) - i >= 2 \
+                and out[i] != c.shape_in[k]:
+            return tuple(out[i:])
+        lead *= out[i]
+    return None
+
+
 def splits_last(c: ShapeCall) -> bool:
-    """Whether a shape call splits its input's last dim into several, keeping the leading dims."""
-    k = len(c.shape_in) - 1
-    return (c.op in RESHAPES and bool(c.shapes_out) and len(c.shapes_out[0]) > k + 1
-            and c.shapes_out[0][:k] == c.shape_in[:k])
+    """Whether a shape call splits its input's last dim into several (``split_tail``)."""
+    return split_tail(c) is not None
 
 
 def relative(path: str, block: str) -> str:

@@ -442,19 +442,30 @@ def test_a_vocabulary_that_does_not_split_is_replicated_with_a_note():
 
 
 # ---------------------------------------------------------------- modules run more than once
+class ScaledGELU(nn.Module):
+    """An activation with a buffer: a node of its own in the trace (not a transparent leaf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(1.0))
+
+    def forward(self, x):
+        return F.gelu(x) * self.scale
+
+
 class TwiceBlock(nn.Module):
-    """One ``mix`` module run after both branches (SwinV2's ``drop_path``): following it would
-    join the attention's flow to the MLP's."""
+    """A pre-norm block whose ``mix`` (a DropPath) runs after both branches."""
 
     def __init__(self, dim=16, hidden=32):
         super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.q, self.o = nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.up, self.act, self.down = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+        self.up, self.act, self.down = nn.Linear(dim, hidden), ScaledGELU(), nn.Linear(hidden, dim)
         self.mix = nn.Identity()
 
     def forward(self, h):
-        h = h + self.mix(self.o(self.q(h)))
-        return h + self.mix(self.down(self.act(self.up(h))))
+        h = h + self.mix(self.o(self.q(self.norm1(h))))
+        return h + self.mix(self.down(self.act(self.up(self.norm2(h)))))
 
 
 class SharedDepth(nn.Module):
@@ -472,7 +483,111 @@ class SharedDepth(nn.Module):
         return self.head(h)
 
 
-def test_a_module_run_at_every_depth_pairs_and_one_run_twice_per_call_stops_the_flow():
+def test_a_module_run_at_every_depth_pairs():
     plan = hpf.simulate(look(SharedDepth()), world_size=2)
     assert plan.entries["block.up"] == hpf.Colwise() and plan.entries["block.down"] == hpf.Rowwise()  # through act
     assert plan.entries["block.q"] == hpf.Colwise() and plan.entries["block.o"] == hpf.Rowwise()
+
+
+# ---------------------------------------------------------------- ViTDet/SAM-style blocks
+class RowsAttention(nn.Module):
+    """ViTDet's and SAM's attention: one packed qkv, batch and heads merged into one row dim for
+    the products, then split back."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.num_heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.reshape(3, b * self.num_heads, n, -1).unbind(0)
+        out = (q @ k.transpose(-2, -1) / 8).softmax(-1) @ v
+        return self.proj(out.view(b, self.num_heads, n, -1).permute(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class DropTwiceMLP(nn.Module):
+    """One dropout module after the activation and again after the output (ViTDet's MLP)."""
+
+    def __init__(self, dim=32, hidden=64):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.drop = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim), nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class RowsViT(nn.Module):
+    def __init__(self, dim=32, depth=2, classes=5):
+        super().__init__()
+        self.patch = nn.Linear(12, dim)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(dim), "attn": RowsAttention(dim),
+                                                   "norm2": nn.LayerNorm(dim), "mlp": DropTwiceMLP(dim)})
+                                    for _ in range(depth))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        h = self.patch(x)
+        for blk in self.blocks:
+            h = h + blk["attn"](blk["norm1"](h))
+            h = h + blk["mlp"](blk["norm2"](h))
+        return self.head(h.mean(1))
+
+
+def case_rows_vit():
+    torch.manual_seed(0)
+    model, m = RowsViT().eval(), mesh()
+    x = torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(5))
+    plan = hpf.auto_plan(model, m, example_inputs=x)
+    apply_fn, params, info = hpf.shard(model, plan, m, example_inputs=x)
+    ref = model(x).square().mean()
+    ref.backward()
+    loss = apply_fn(params, x).square().mean()
+    loss.backward()
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    diffs = {"loss": assert_close(loss, ref.detach(), "loss")}
+    diffs["grads"] = max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters())
+    return diffs, dict(plan.entries)
+
+
+def test_merged_batch_and_heads_and_a_dropout_run_twice_are_planned_and_exact(pool):
+    diffs, entries = pool.run(case_rows_vit)[0]
+    assert entries["blocks.*.attn.qkv"] == hpf.Colwise(packed=3) and entries["blocks.*.attn.proj"] == hpf.Rowwise()
+    assert entries["blocks.*.attn"] == hpf.Heads(attrs=("num_heads",))
+    assert entries["blocks.*.mlp.fc1"] == hpf.Colwise() and entries["blocks.*.mlp.fc2"] == hpf.Rowwise()
+
+
+class ConvBetween(nn.Module):
+    """SegFormer's MLP: a depthwise convolution between the two projections."""
+
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.fc1, self.dw, self.fc2 = nn.Linear(dim, hidden), nn.Conv1d(hidden, hidden, 3, padding=1, groups=hidden), \
+            nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = self.dw(self.fc1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.fc2(F.gelu(h))
+
+
+def test_a_module_between_the_pair_that_no_rule_splits_leaves_the_pair_replicated():
+    plan = hpf.simulate(look(ConvBetween(), example_inputs=torch.randn(2, 5, 16)), world_size=2)
+    assert plan.entries == {"fc1": hpf.NoParallel(), "fc2": hpf.NoParallel()}
+    assert any(n.startswith(": dw (Conv1d: between colwise and rowwise projections): no rule splits it") or
+               "dw (Conv1d: between colwise and rowwise projections): no rule splits it" in n for n in plan.notes)
+
+
+class ChainOfThree(nn.Module):
+    """VideoMT's mask head: fc1 → act → fc2 → act → fc3, one activation module run twice."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3, self.act = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim), nn.GELU()
+
+    def forward(self, x):
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+def test_the_last_of_a_chain_of_three_is_fed_by_no_colwise_and_stays_replicated():
+    plan = hpf.simulate(look(ChainOfThree(), example_inputs=torch.randn(2, 5, 16)), world_size=2)
+    assert plan.entries == {"fc1": hpf.Colwise(), "fc2": hpf.Rowwise(), "fc3": hpf.NoParallel()}, plan.entries

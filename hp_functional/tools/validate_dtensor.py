@@ -24,6 +24,7 @@ from ..core.placement import mesh_placements, slice_local, to_dtensor
 from ..core.program import Boundary
 from ..core.signature import arg_slots, map_arguments, map_output, output_index
 from ..parallel.local import Local
+from ..parallel.tensor.styles import NoParallel
 from ..plan.plan import ShardingPlan, as_plan
 from ..runtime.skeleton import build_skeleton
 from .validation_report import PlacementMismatchError
@@ -90,7 +91,8 @@ def check_placements(
     global shapes, so no head count is divided); ``VocabEmbedding`` through DTensor's own embedding rule
     (a broken ``local_forward`` is numeric mode's job).  Not checked: ``Local`` entries (skipped),
     ``param_dst`` (DTensor decides how a Rowwise bias meets the partial sums).  Rejected up front: packed
-    parameters, ``labels=`` under ``loss_parallel``.  A forward DTensor cannot dispatch is a ``PlanError``
+    parameters, channel-split convolutions and norms, ``labels=`` under ``loss_parallel``.  A forward
+    DTensor cannot dispatch is a ``PlanError``
     naming the innermost planned module.  DTensor may reduce a Partial earlier than the plan does (Gemma's
     scaled embedding): that reads as a mismatch (expected Partial, actual Replicate)."""
     plan = as_plan(plan)
@@ -98,6 +100,12 @@ def check_placements(
     packed = sorted(k for k, i in program.infos.items() if i.blocks)
     if packed:
         raise PlanError(f"validate_placements: packed parameters {packed[:3]} have no DTensor layout; use validate()")
+    convs = sorted(b.planned.fqn for b in program.boundaries if not isinstance(b.planned.style, NoParallel)
+                   and isinstance(model.get_submodule(b.planned.fqn), nn.modules.conv._ConvNd | nn.modules.batchnorm._NormBase
+                                  | nn.GroupNorm))
+    if convs:
+        raise PlanError(f"validate_placements: channel-split modules {convs[:3]} have no DTensor rule (DTensor's "
+                        "convolution takes no channel-sharded weight); use validate()")
     if plan.settings.get("loss_parallel") and kwargs.get("labels") is not None:
         raise PlanError("validate_placements: the loss_parallel labels= loss is not checked by DTensor; pass no labels")
     dmodel = build_skeleton(model, {k: i.global_shape for k, i in program.infos.items()}, program.leaf_of)

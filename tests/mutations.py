@@ -261,6 +261,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              "near = is_below(name, region)",
              ("tests/runtime/test_example_inputs.py::test_a_root_parameter_reaching_a_region_is_refused_or_traced",),
              "without a batch, a root-level parameter reaching a sharded region is refused, never a per-rank share"),
+    Mutation("feature-views-reorder-as-rows", "hp_functional/analysis/audit.py::_view",
+             "rows = len(g.ins[0]) - 1 not in group[0] and len(g.outs[0]) - 1 not in group[1]", "rows = True",
+             ("tests/analysis/test_audit_packed.py",),
+             "only a view of leading (row) dims may land its division on an inner dim; one that regroups the "
+             "features must cut whole heads"),
     Mutation("pairs-span-the-residual-stream", "hp_functional/planner/blocks.py::_residual",
              "return is_norm(module) and", "return False and",
              ("tests/planner/test_auto_plan_architectures.py::test_architectures_are_exact",),

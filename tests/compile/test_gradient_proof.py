@@ -26,10 +26,11 @@ import hp_functional as hpf
 from tests.conftest import get_pool
 from tests.support.helpers import assert_close, mesh, rank, world
 
+TINY_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # the defaults: 26M parameters
 FAMILIES = {
     "apertus": {},
-    "param2moe": {},
-    "sarvam_moe": {},
+    "param2moe": TINY_MOE,
+    "sarvam_moe": TINY_MOE,
 }
 
 
@@ -77,7 +78,7 @@ def _check(apply_fn, params, info, model, kwargs) -> dict[str, float]:
 
 
 def case_family_tp(family: str):
-    model = _model(family)
+    model = _model(family, **FAMILIES[family])
     m = mesh((world(),), ("tp",))
     apply_fn, params, info = hpf.shard(model, hpf.ShardingPlan.from_hf(model), m)
     checks = apply_fn.runtime.checks

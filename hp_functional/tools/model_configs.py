@@ -69,7 +69,8 @@ _PERIODS = {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period
 #: images, video and audio front ends: name -> the largest tiny value
 _MEDIA = {"image_size": IMAGE, "img_size": IMAGE, "patch_size": PATCH, "num_frames": 4, "num_mel_bins": 16,
           "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4, "embed_dim": 32, "groups_width": 8,
-          "projection_dim": HIDDEN, "projection_size": HIDDEN}
+          "projection_dim": HIDDEN, "projection_size": HIDDEN,
+          "subsampling_conv_channels": 32}  # a conformer's conv subsampling (Parakeet, Canary): a quarter of its width
 #: a wav2vec2-style convolutional feature extractor: two layers (downsampling 10x)
 _CONV_STACK = {"conv_dim": [32, 32], "conv_kernel": [10, 3], "conv_stride": [5, 2]}
 
@@ -96,6 +97,11 @@ FAMILY: dict[str, Any] = {  # a dict of fields, or a function of the KV head cou
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     "xlstm": {"mode": "train", "chunk_size": 8, "qk_dim_factor": 1.0, "use_cache": False},  # its cached step is in-place
     "rwkv": {"use_cache": False},
+    # an audio LM's speech encoder feeds its projector, which feeds the text model: widths the generic pass misses
+    "granite_speech": {"projector_config": {"encoder_hidden_size": HIDDEN}},
+    "granite_speech_plus": {"projector_config": {"encoder_hidden_size": HIDDEN}},
+    "qwen3_asr": {"audio_config": {"output_dim": HIDDEN, "downsample_hidden_size": 32}},  # its conv front end too
+    "qwen3_asr_encoder": {"output_dim": HIDDEN, "downsample_hidden_size": 32},
     "mimo_v2_flash": lambda kv: {"num_attention_heads": 2 * kv},  # its sliding layers have 2 * kv KV heads
     "dory": {"use_cache": False, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},

@@ -279,7 +279,9 @@ EXPECT = [
     "cross-attention planned like self-attention; T5's relative position bias sharded by head.",
     "- **Vision** (ViT, DeiT, BEiT, Swin, ConvNeXt) and **speech** (Whisper, wav2vec2, HuBERT): convolutions "
     "(patch embeddings, feature encoders) and classifiers stay replicated and `plan.coverage` says so; a tiny "
-    "model made mostly of them shards little.",
+    "model made mostly of them shards little. **ConvNets** (half their parameters or more in convolutions: "
+    "ResNet, RegNet, MobileNet, PoolFormer) are planned with `auto_plan(..., split_convolutions=True)`, as a user "
+    "who wants their channels split asks (the `plan` column says so).",
     "- **Dual encoders** (CLIP, SigLIP): both towers sharded, the projections and `logit_scale` replicated, their "
     "contrastive loss exact.",
     "- **Vision-language models**: the text model by HF's plan and the vision tower and projector by `auto_plan` "

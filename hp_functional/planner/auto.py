@@ -40,7 +40,8 @@ def _ancestors(path: str) -> list[str]:
 
 def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequence_parallel: bool = False,
               loss_parallel: bool = False, overrides: Mapping[str, object] | None = None,
-              allow_uncovered: bool = False, example_inputs=None, base: ShardingPlan | None = None) -> AutoPlan:
+              allow_uncovered: bool = False, example_inputs=None, base: ShardingPlan | None = None,
+              split_convolutions: bool = False) -> AutoPlan:
     """A ``ShardingPlan`` for ``model`` on ``mesh``'s ``tp_axis`` (docs/auto-plan.md).
 
     Args:
@@ -60,6 +61,9 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
         base: a plan whose entries, special handlers and settings are kept as they are (``ShardingPlan.from_hf``
             of a vision-language model, which plans its text model only); auto_plan plans the modules none of
             its entries reaches (the vision tower, the projector).
+        split_convolutions: pair convolutions (groups 1) by dataflow as projections are paired, their channels
+            split (``Colwise``/``Rowwise`` on them, ``Channels`` on the BatchNorm, GroupNorm or depthwise
+            convolution between); off: every convolution replicated, as the coverage table says.
     Returns:
         an ``AutoPlan``: the plan, with ``coverage`` / ``explain()`` listing every parameter's role."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -72,7 +76,7 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
         raise PlanError(f"auto_plan: one forward of {type(model).__name__} on meta tensors failed ({type(exc).__name__}: "
                         f"{exc}); pass example_inputs=(...) that its forward takes") from exc
     covered = _covered(model, base)
-    g = _Generator(model, trace, n, tp_axis, allow_uncovered, covered)
+    g = _Generator(model, trace, n, tp_axis, allow_uncovered, covered, split_convolutions)
     g.run(sequence_parallel)
     merge_overrides(g.entries, g.roles, overrides, model)
     paths = [p for p, _ in model.named_modules()]
@@ -117,9 +121,10 @@ class _Generator:
     """The per-module entries, their roles and the notes, decided rule by rule (``run``)."""
 
     def __init__(self, model: nn.Module, trace: ModelTrace, n: int, axis: str, allow_uncovered: bool,
-                 covered: set[str] = frozenset()):
+                 covered: set[str] = frozenset(), convolutions: bool = False):
         self.model, self.trace, self.n, self.axis, self.allow = model, trace, n, axis, allow_uncovered
         self.covered = covered  # planned by a base plan: left as it is
+        self.convolutions = convolutions  # split_convolutions: convolutions pair as projections do
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.entries: dict[str, Style] = {}
         self.roles: dict[str, str] = {}  # module path -> the rule that decided it
@@ -134,7 +139,7 @@ class _Generator:
         embed = self._embedding()
         head = self._head(embed)
         self._tie_groups(embed, head)
-        projections = [p for p, m in self.modules.items() if B.is_projection(m) and p != head
+        projections = [p for p, m in self.modules.items() if self._projection(m) and p != head
                        and not any(inside(p, s) or p == s for s in skip)]
         self._pair_by_dataflow([p for p in projections if p in self.trace.calls], {*projections, head} - {None})
         self._uncalled([p for p in projections if p not in self.trace.calls])
@@ -149,6 +154,9 @@ class _Generator:
                             "leave them replicated, or plan them with overrides={...})")
         if sequence_parallel:
             sequence_parallel_plan(self.entries, self.roles, self.blocks, self.modules, self.trace, head)
+
+    def _projection(self, module: nn.Module | None) -> bool:
+        return B.is_projection(module) or (self.convolutions and B.is_channel_conv(module))
 
     def _tie_groups(self, *planned: str | None) -> None:
         """Every module reading the token table or the head's weight takes the same placement of
@@ -218,7 +226,7 @@ class _Generator:
             if not blk.errors:
                 continue
             for p in blk.roles:
-                if B.is_projection(self.modules.get(p)):
+                if self._projection(self.modules.get(p)):
                     self.entries[p], self.roles[p] = NoParallel(), "replicated: the heads of its block do not split"
             self.notes.append(f"{path}: {blk.errors[0]}; left replicated (the model's other attention blocks shard)")
             blk.errors = []
@@ -226,7 +234,7 @@ class _Generator:
     def _add_block(self, blk: B.Block) -> None:
         if blk.uncovered:  # a module between the pair that no rule splits: the pair stays replicated (exact)
             why = ", ".join(blk.uncovered)
-            for p in (p for p in blk.roles if B.is_projection(self.modules.get(p))):
+            for p in (p for p in blk.roles if self._projection(self.modules.get(p))):
                 self.entries[p], self.roles[p] = NoParallel(), "replicated: a module between its pair has no rule"
             self.notes.append(f"{blk.path}: {why}: no rule splits it, so the pair around it is left replicated "
                               "(plan it with overrides={...} to shard it)")

@@ -7,7 +7,7 @@ docs/auto-plan.md#head-counts-found-by-the-shape-audit.
 
 from __future__ import annotations
 
-__all__ = ["Block", "is_norm", "is_projection", "out_features", "pair", "plan_block"]
+__all__ = ["Block", "is_channel_conv", "is_norm", "is_projection", "out_features", "pair", "plan_block"]
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,6 +18,7 @@ from torch.distributed.tensor import Replicate
 from ..analysis.trace import INPUT, ModelTrace, ModuleCall
 from ..core.errors import PlanError
 from ..core.style import Style
+from ..parallel.tensor.channels import CONVS, Channels
 from ..parallel.tensor.styles import Colwise, Heads, NoParallel, Rowwise, is_conv1d
 from .heads import inside, join, says_heads, search_heads, split_tail, splits_last
 
@@ -36,6 +37,22 @@ def is_projection(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
+def is_channel_conv(module: nn.Module) -> bool:
+    """A convolution ``Colwise``/``Rowwise`` split by channels (groups 1)."""
+    return isinstance(module, CONVS) and module.groups == 1
+
+
+def is_per_channel(module: nn.Module) -> bool:
+    """A module ``Channels`` splits between a channel-split pair: a grouped (depthwise)
+    convolution whose groups divide with its channels, an ``nn.BatchNorm1d/2d/3d`` of torch's own
+    forward, an ``nn.GroupNorm``."""
+    if isinstance(module, CONVS):
+        return module.groups > 1
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+        return type(module).forward is nn.modules.batchnorm._BatchNorm.forward
+    return isinstance(module, nn.GroupNorm)
+
+
 def is_norm(module: nn.Module) -> bool:
     """A norm-like module: only 1-D parameters of its own, and "norm" in its class name."""
     own = list(module.parameters(recurse=False))
@@ -43,7 +60,7 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def out_features(module: nn.Module) -> int:
-    return module.nf if is_conv1d(module) else module.out_features
+    return module.nf if is_conv1d(module) else module.out_channels if isinstance(module, CONVS) else module.out_features
 
 
 @dataclass
@@ -160,12 +177,14 @@ def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], candid
     cands = set(candidates)
     reach = {p: _reached(trace, p, block, cands, projections, modules) for p in candidates}
     fed = {q for hit, _ in reach.values() for q in hit}
-    roles, unpaired = {}, []
+    roles, unpaired, chained = {}, [], []
     for p in candidates:
         name = p.rpartition(".")[2]
         col, row = bool(reach[p][0]), p in fed
         said = "colwise" if name in COL_NAMES else "rowwise" if name in ROW_NAMES else None
-        if col and row:
+        if col and row and said is None and isinstance(modules[p], CONVS):
+            chained.append(p)  # a chain of convolutions: alternated below, in call order
+        elif col and row:
             if said is None:
                 raise PlanError(f"auto_plan: {p} both consumes and feeds projections of {block or 'the root'}, and its "
                                 "name says neither colwise nor rowwise; plan it with overrides={...}")
@@ -174,6 +193,8 @@ def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], candid
             roles[p] = "colwise" if col else "rowwise"  # the dataflow decides; a name only breaks a tie
         else:
             unpaired.append(p)
+    for p in sorted(chained, key=list(trace.calls).index):  # VGG's conv → conv → conv → conv: col, row, col, row
+        roles[p] = "rowwise" if any(roles.get(q) == "colwise" and p in reach[q][0] for q in candidates) else "colwise"
     while lone := [p for p, r in roles.items() if not _partners(p, r, roles, reach)]:  # a chain of three's last
         for p in lone:
             del roles[p]
@@ -216,7 +237,10 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
         packed = packing(trace, p, out_features(modules[p])) if r == "colwise" else None
         styles[p] = Colwise(packed=packed) if packed else Colwise() if r == "colwise" else Rowwise()
         out.roles[p] = f"{r} (packed {packed})" if packed else r
-    norms = {m: NoParallel(reduce_grads=True) for m in sorted(between) if is_norm(modules[m])}
+    if any(isinstance(modules[p], CONVS) for p in cols):  # channels: each module between computes per channel
+        norms = {m: Channels() for m in sorted(between) if is_per_channel(modules[m])}
+    else:
+        norms = {m: NoParallel(reduce_grads=True) for m in sorted(between) if is_norm(modules[m])}
     for m in sorted(between - set(norms)):
         if any(True for _ in modules[m].parameters(recurse=False)):
             out.uncovered.append(f"{m} ({type(modules[m]).__name__}: between colwise and rowwise projections)")
@@ -242,12 +266,17 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
                          "compiler's KV-head replication")
     else:
         found = _cached_search(trace, model, block, {**styles, **norms}, attrs, per_head, n, axis, cache, heads)
-    if found is None:
+    if found is None and any(isinstance(modules[p], CONVS) for p in roles):  # gathering whole feature maps: no
+        styles, norms, found = {p: NoParallel() for p in roles}, {}, ((), ())
+        out.roles.update(dict.fromkeys(roles, "replicated: its channel pair does not replay at local shapes"))
+        out.notes.append(f"{block}: its convolutions do not replay at local channel counts; left replicated")
+    elif found is None:
         styles, norms, found, out.gathered = _gathered(roles), {}, ((), ()), True
         out.roles.update({p: f"{r} (gathered: heads not localisable)" for p, r in roles.items()})
         out.notes.append(f"{block}: its heads could not be localised (no head count to divide replays it at local "
                          "shapes); colwise outputs gathered, rowwise inputs split")
-    out.roles.update(dict.fromkeys(norms, "per-head norm (replicated, grads all-reduced)"))
+    out.roles.update({m: "per-channel (channels split)" if isinstance(st, Channels) else
+                      "per-head norm (replicated, grads all-reduced)" for m, st in norms.items()})
     out.styles.update({**styles, **norms})
     for owner, attr in found[0]:
         out.heads[owner] = (*out.heads.get(owner, ()), attr)

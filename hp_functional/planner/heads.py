@@ -26,6 +26,7 @@ from ..analysis.arguments import per_head_arguments
 from ..analysis.audit import compare, handoff, record
 from ..analysis.trace import RESHAPES, ModelTrace, ShapeCall
 from ..core.style import Style
+from ..parallel.tensor.channels import Channels
 
 MAX_CANDIDATES = 6  # at most 2**6 replays per distinct block
 
@@ -81,6 +82,9 @@ def _local(model_block: nn.Module, block: str, styles: Mapping[str, Style], axis
                 shape = list(full.shape)
                 shape[pl.dim % len(shape)] //= n
                 shapes[join(rel, name)] = tuple(shape)
+        if isinstance(style, Channels):  # a BatchNorm reads its channels' slice of its whole running statistics
+            shapes.update({join(rel, b): (t.shape[0] // n,) for b, t in sub.named_buffers(recurse=False)
+                           if t.dim() == 1 and t.shape[0] == getattr(sub, "num_features", None)})
         for attr in spec.divide_attrs:
             attrs[join(rel, attr)] = getattr(sub, attr) // n
     return shapes, attrs, opaque

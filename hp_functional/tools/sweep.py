@@ -105,7 +105,8 @@ def build(model_type: str, tp: int, seed: int = 0, task=None):
 
 
 def plan_for(model, mesh, inputs: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """The plan a new user would reach for, and its source: where HF declares a TP plan,
+    """The plan a new user would reach for, and its source: a ConvNet (half its parameters or more in
+    convolutions) by ``auto_plan(split_convolutions=True)``; where HF declares a TP plan,
     ``auto_plan(base=ShardingPlan.from_hf(model))`` (HF's entries kept, what they leave out — a
     vision tower, a projector — planned by dataflow), else ``from_hf`` alone where ``auto_plan``
     refuses the rest; ``auto_plan`` where HF declares none.  ``auto_plan`` traces ``inputs``
@@ -115,15 +116,18 @@ def plan_for(model, mesh, inputs: dict[str, Any] | None = None) -> tuple[Any, st
     from ..plan.plan import ShardingPlan
     from ..planner.auto import auto_plan
 
-    def traced(base):
+    def traced(base, split_convolutions=False):
         try:
-            return auto_plan(model, mesh, example_inputs=inputs, base=base)
+            return auto_plan(model, mesh, example_inputs=inputs, base=base, split_convolutions=split_convolutions)
         except PlanError as exc:
             if not inputs or "labels" not in inputs or "on meta tensors failed" not in str(exc):
                 raise
-            return auto_plan(model, mesh, example_inputs={k: v for k, v in inputs.items() if k != "labels"}, base=base)
+            return auto_plan(model, mesh, example_inputs={k: v for k, v in inputs.items() if k != "labels"}, base=base,
+                             split_convolutions=split_convolutions)
 
     if not hf_declares_plan(model):
+        if conv_share(model) >= CONV_SHARE:  # a ConvNet: the user asks for its channels split
+            return traced(None, split_convolutions=True), "auto_plan(split_convolutions=True)"
         return traced(None), "auto_plan"
     try:
         hf = ShardingPlan.from_hf(model)
@@ -133,6 +137,20 @@ def plan_for(model, mesh, inputs: dict[str, Any] | None = None) -> tuple[Any, st
         return traced(hf), "from_hf+auto_plan"
     except PlanError:
         return hf, "from_hf"
+
+
+#: the share of a model's parameters in convolutions from which the sweep plans it with ``split_convolutions``
+CONV_SHARE = 0.5
+
+
+def conv_share(model) -> float:
+    """The share of ``model``'s parameters held by convolutions that ``Colwise``/``Rowwise`` can split (groups 1)."""
+    from torch import nn
+
+    total = sum(p.numel() for p in model.parameters())
+    convs = sum(p.numel() for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.groups == 1
+                for p in m.parameters(recurse=False))
+    return convs / total if total else 0.0
 
 
 def plan_source(model) -> str:

@@ -591,3 +591,66 @@ class ChainOfThree(nn.Module):
 def test_the_last_of_a_chain_of_three_is_fed_by_no_colwise_and_stays_replicated():
     plan = hpf.simulate(look(ChainOfThree(), example_inputs=torch.randn(2, 5, 16)), world_size=2)
     assert plan.entries == {"fc1": hpf.Colwise(), "fc2": hpf.Rowwise(), "fc3": hpf.NoParallel()}, plan.entries
+
+
+# ---------------------------------------------------------------- convolutions, on request
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: a 1×1 expansion, BatchNorm, a depthwise 3×3 and its BatchNorm, a 1×1
+    projection back onto the residual stream."""
+
+    def __init__(self, c=8, hidden=16):
+        super().__init__()
+        self.expand, self.bn1 = nn.Conv2d(c, hidden, 1), nn.BatchNorm2d(hidden)
+        self.dw, self.bn2 = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden), nn.BatchNorm2d(hidden)
+        self.project = nn.Conv2d(hidden, c, 1)
+
+    def forward(self, h):
+        return h + self.project(F.relu6(self.bn2(self.dw(F.relu6(self.bn1(self.expand(h)))))))
+
+
+class ConvNet(nn.Module):
+    def __init__(self, c=8, classes=3):
+        super().__init__()
+        self.stem, self.block, self.head = nn.Conv2d(3, c, 3, padding=1), InvertedResidual(c), nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)).mean((2, 3)))
+
+
+def test_convolutions_split_only_on_request():
+    x = torch.randn(2, 3, 8, 8)
+    default = hpf.simulate(look(ConvNet(), example_inputs=x), world_size=2)
+    assert not any(isinstance(s, (hpf.Colwise, hpf.Rowwise, hpf.Channels)) for s in default.entries.values())
+    assert default.coverage.replicated["block.expand.weight"].startswith("convolution (replicated: split its channels")
+    plan = hpf.simulate(look(ConvNet(), example_inputs=x, split_convolutions=True), world_size=2)
+    assert {k: v for k, v in plan.entries.items() if not isinstance(v, hpf.NoParallel)} == {
+        "block.expand": hpf.Colwise(), "block.bn1": hpf.Channels(), "block.dw": hpf.Channels(),
+        "block.bn2": hpf.Channels(), "block.project": hpf.Rowwise()}, plan.entries
+
+
+def case_resnet_split_convolutions():
+    from tests.parallel.test_conv_channels import _resnet
+
+    model, m = _resnet("bottleneck").eval(), mesh()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    plan = hpf.auto_plan(model, m, example_inputs=x, split_convolutions=True)
+    apply_fn, params, info = hpf.shard(model, plan, m, example_inputs=x)
+    labels = torch.tensor([0, 2])
+    ref = model(pixel_values=x, labels=labels).loss
+    ref.backward()
+    loss, grads = torch.func.grad_and_value(lambda p: apply_fn(p, pixel_values=x, labels=labels).loss, has_aux=False)(
+        params)[::-1]
+    full = hpf.unshard(grads, info)
+    diffs = {"loss": assert_close(loss, ref.detach(), "loss"),
+             "grads": max(assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters())}
+    return diffs, {k: str(v) for k, v in plan.entries.items()}
+
+
+@pytest.mark.slow
+def test_auto_plan_splits_a_resnets_channels_exactly(pool):
+    diffs, entries = pool.run(case_resnet_split_convolutions)[0]
+    for stage in (0, 1):  # each bottleneck: the 1×1 reduction and its BatchNorm split, the 3×3 reduces them
+        layer = f"resnet.encoder.stages.{stage}.layers.0.layer"
+        assert entries[f"{layer}.0.convolution"].startswith("Colwise(")
+        assert entries[f"{layer}.0.normalization"].startswith("Channels(")
+        assert entries[f"{layer}.1.convolution"].startswith("Rowwise(")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 __all__ = ["VOCAB", "special_ids", "tiny_config_for"]
 
+import functools
 import math
 from typing import Any
 
@@ -21,11 +22,13 @@ HIDDEN, FFN, MOE_FFN, HEADS, HEAD_DIM, VOCAB, POSITIONS, WINDOW = 64, 128, 64, 4
 EXPERTS, TOP_K, RANK, ROPE_DIM = 4, 2, 32, 8
 IMAGE, PATCH = 32, 8
 
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers",
+           "depth", "layers")  # depth: a Qwen-VL-style vision tower's blocks; layers: Kosmos-2's text decoder
 _ALSO_LAYERS = ("encoder_layers", "num_encoder_layers")
 _HIDDEN = ("hidden_size", "d_model", "n_embd", "n_embed", "model_dim", "emb_dim", "embedding_size",
            "word_embed_proj_dim", "input_embedding_size", "output_embedding_size", "lru_width",
-           "attention_hidden_size", "backbone_hidden_size", "hidden_dim", "dim")
+           "attention_hidden_size", "backbone_hidden_size", "hidden_dim", "dim",
+           "out_hidden_size", "vision_hidden_size", "projection_hidden_size")  # a vision tower's width, its merger's
 _FFN = ("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_ff", "dff", "dim_ff",
         "d_inner", "ffn_hidden_size", "feed_forward_size", "intermediate_size_mlp", "dense_intermediate_size",
         "first_dense_intermediate_size", "mlp_only_intermediate_size")
@@ -55,9 +58,11 @@ _FIXED = {  # name -> tiny value, where the default is larger
     "mamba_dt_rank": 8, "mamba_n_heads": 8, "n_mamba_heads": 8,
     "mamba_num_heads": 8, "mamba_d_ssm": 128, "rotary_dim": 8, "hidden_size_per_layer_input": 16,
     "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 0, "pretraining_tp": 1,
+    "latent_query_num": 16,  # Kosmos-2(.5): the image's placeholder tokens
 }
 _INDEX_LISTS = ("full_attn_idxs", "mlp_only_layers", "hybrid_layer_ids", "moe_layers", "attn_layers", "index_layers",
-                "ple_layer_ids", "no_rope_layers_idx", "attn_layer_indices")
+                "ple_layer_ids", "no_rope_layers_idx", "attn_layer_indices", "global_attn_indexes",
+                "fullatt_block_indexes", "deepstack_visual_indexes")
 _SOURCE_LISTS = ("kv_source_layers",)
 _ZERO = ("router_jitter_noise", "input_jitter_noise", "layerdrop", "decoder_layerdrop", "encoder_layerdrop")
 _PERIODS = {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
@@ -70,7 +75,11 @@ _PERIODS = {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period
 _MEDIA = {"image_size": IMAGE, "img_size": IMAGE, "patch_size": PATCH, "num_frames": 4, "num_mel_bins": 16,
           "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4, "embed_dim": 32, "groups_width": 8,
           "projection_dim": HIDDEN, "projection_size": HIDDEN,
-          "subsampling_conv_channels": 32}  # a conformer's conv subsampling (Parakeet, Canary): a quarter of its width
+          "subsampling_conv_channels": 32,  # a conformer's conv subsampling (Parakeet, Canary): a quarter of its width
+          "num_position_embeddings": 64,  # a Qwen3-VL tower's position grid (8 x 8, interpolated to the image's)
+          "max_num_patches": 64, "patch_embed_hidden_size": 3 * PATCH * PATCH,  # Kosmos-2.5's patches
+          "output_channels": HIDDEN, "post_conv_in_channels": HIDDEN,  # a SAM-style vision neck (GOT-OCR2, SLANeXt)
+          "pos_emb_height": 8, "pos_emb_width": 8}  # Kimi-K2.5's position grid
 #: a wav2vec2-style convolutional feature extractor: two layers (downsampling 10x)
 _CONV_STACK = {"conv_dim": [32, 32], "conv_kernel": [10, 3], "conv_stride": [5, 2]}
 
@@ -110,6 +119,9 @@ FAMILY: dict[str, Any] = {  # a dict of fields, or a function of the KV head cou
     "qwen4_exp_text": _QWEN4_INDEXER,
     "qwen4_exp": {"text_config": _QWEN4_INDEXER},
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    # their M-RoPE reads vision_start_token_id, which checkpoints carry but the classes do not declare
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": VOCAB - 30, "vision_end_token_id": VOCAB - 31},
+    "qwen2_5_omni_thinker": {"vision_start_token_id": VOCAB - 30, "vision_end_token_id": VOCAB - 31},
     "zamba": {"num_hidden_layers": 5, "layers_block_type": None,  # two hybrid layers share one transformer
               "attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS},
 }
@@ -220,6 +232,30 @@ def _rope(params: Any) -> Any:
     return out
 
 
+@functools.cache
+def _split_mrope(model_type: str | None) -> list[int] | None:
+    """The ``mrope_section`` a model type's modeling code falls back to when its rope parameters
+    name none (Qwen2-VL: ``[16, 24, 24]``, half a 128 head dim), where that code splits the rotary
+    frequencies by it (a tiny head dim then needs it scaled: ``_rope``), else None."""
+    import importlib.util
+    import re
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return None
+    module = CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
+    try:
+        spec = importlib.util.find_spec(module)
+        source = open(spec.origin).read() if spec and spec.origin else ""
+    except (ImportError, OSError, ValueError):
+        return None
+    found = re.search(r'get\("mrope_section",\s*\[([\d,\s]+)\]\)', source)
+    if not found or not re.search(r"split\((self\.)?mrope_section", source):
+        return None
+    return [int(x) for x in found.group(1).split(",") if x.strip()]
+
+
 def _sub_configs(fields: dict[str, Any]) -> tuple[str, ...]:
     """The sub-config keys of a nested config dict (by its ``model_type``)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -239,7 +275,7 @@ def shrink(fields: dict[str, Any], kv: int = 2, sub_configs: tuple[str, ...] = (
     for key, value in fields.items():
         if key in sub_configs and isinstance(value, dict):
             out[key] = {**value, **shrink(value, kv, _sub_configs(value), media)}
-        elif key in _LAYERS or key in _ALSO_LAYERS:
+        elif (key in _LAYERS or key in _ALSO_LAYERS) and (isinstance(value, int) or key not in ("depth", "layers")):
             out[key] = len(pick) if pick and key in _LAYERS else min(value, 2) if isinstance(value, int) else value
         elif key in _KV and (isinstance(value, int) or value is None):
             out[key] = HEADS if "kv_lora_rank" in fields else _kv_value(value, kv)  # MLA: one latent, K/V per head
@@ -273,11 +309,13 @@ def shrink(fields: dict[str, Any], kv: int = 2, sub_configs: tuple[str, ...] = (
         elif media and key in ("image_size", "img_size") and isinstance(value, (list, tuple)) and len(value) == 2:
             out[key] = [min(v, IMAGE) for v in value]
         elif key.startswith("rope_") and isinstance(value, dict) or key == "rope_scaling":
-            out[key] = _rope(value)
+            sections = _split_mrope(fields.get("model_type")) if isinstance(value, dict) and value and not any(
+                isinstance(v, dict) for v in value.values()) and "mrope_section" not in value else None
+            out[key] = _rope({**value, "mrope_section": sections} if sections else value)
         elif isinstance(value, float) and ("dropout" in key or key.endswith("pdrop") or key in _ZERO):
             out[key] = 0.0
         elif key.endswith(("token_id", "token_index")) and not key.startswith("decoder_start"):
-            out[key] = _token(key, value)
+            out[key] = _token(key, VOCAB if media and value is None and key in _MEDIA_TOKENS else value)
         elif key == "decoder_start_token_id" and isinstance(value, int) and value >= VOCAB:
             out[key] = 2
         else:
@@ -287,6 +325,8 @@ def shrink(fields: dict[str, Any], kv: int = 2, sub_configs: tuple[str, ...] = (
     return out
 
 
+#: placeholder ids a media config may leave unset (Nemotron-H Omni): given one in the tiny vocabulary
+_MEDIA_TOKENS = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
@@ -330,6 +370,8 @@ def tiny_config_for(model_type: str, tp: int = 2, *, media: bool = True, **overr
             if fields.get(key) is None and sub_type in CONFIG_MAPPING:
                 fields[key] = CONFIG_MAPPING[sub_type]().to_dict()
     kw = shrink(fields, kv=max(2, tp), sub_configs=tuple(subs), media=media)
+    if media:
+        kw.update(_vision_fixups(fields, kw))
     fix = FAMILY.get(model_type, {})
     for key, value in (fix(max(2, tp)) if callable(fix) else fix).items():
         kw[key] = {**kw[key], **value} if isinstance(value, dict) and isinstance(kw.get(key), dict) else value
@@ -343,6 +385,34 @@ def tiny_config_for(model_type: str, tp: int = 2, *, media: bool = True, **overr
         if child is not None and hasattr(child, "_attn_implementation"):
             child._attn_implementation = "eager"
     return config
+
+
+def _vision_fixups(fields: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's fields that follow its shrunk vision tower: LLaVA-NeXT's
+    any-resolution ``image_grid_pinpoints`` in tiles of the tiny image size, the vision layers
+    the projector reads (``vision_feature_layer``, VipLLaVA's list of five) within the tiny
+    tower's layers, and Gemma 3's ``mm_tokens_per_image`` a square that divides its patch grid."""
+    vision = kw.get("vision_config")
+    if not isinstance(vision, dict):
+        return {}
+    out: dict[str, Any] = {}
+    size, patch = vision.get("image_size"), vision.get("patch_size")
+    pins = fields.get("image_grid_pinpoints")
+    if isinstance(size, int) and isinstance(pins, list) and pins and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) and v > 0 for v in p) for p in pins):
+        base = min(min(p) for p in pins)
+        out["image_grid_pinpoints"] = [[max(1, round(a / base)) * size, max(1, round(b / base)) * size] for a, b in pins]
+    layers = next((vision[k] for k in _LAYERS if isinstance(vision.get(k), int)), None)
+    for key in ("vision_feature_layer", "vision_feature_layers"):
+        value = fields.get(key)
+        if layers and isinstance(value, (int, list)) and not isinstance(value, bool):
+            fit = [max(v, -(layers + 1)) if v < 0 else min(v, layers) for v in (value if isinstance(value, list) else [value])
+                   if isinstance(v, int)]
+            out[key] = fit if isinstance(value, list) else fit[0]
+    if isinstance(fields.get("mm_tokens_per_image"), int) and isinstance(size, int) and isinstance(patch, int):
+        side = size // patch
+        out["mm_tokens_per_image"] = max(1, side // 2) ** 2
+    return out
 
 
 def _declared_defaults(cls) -> dict[str, Any]:

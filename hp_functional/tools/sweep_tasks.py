@@ -14,7 +14,7 @@ from __future__ import annotations
 __all__ = ["Task", "category_of", "instantiate", "task_for"]
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from torch import nn
@@ -117,20 +117,32 @@ def _contrastive(model_type: str) -> bool:
 
 def task_for(model_type: str) -> Task:
     """The main head of ``model_type``: the first of ``TASKS`` that lists it (an encoder-decoder's
-    seq2seq head before its decoder-only causal LM: BART, Whisper), else the first other head
-    mapping that does (no labels: the loss is the mean square of its output)."""
+    seq2seq head before its decoder-only causal LM: BART, Whisper; a causal LM or base model whose
+    class takes pixels, Gemma 3's or ViLT's, with images), else the first other head mapping that
+    does (no labels: the loss is the mean square of its output)."""
     skip = {"causal-lm"} if _encoder_decoder(model_type) and _in(model_type, "SEQ_TO_SEQ_CAUSAL_LM",
                                                                      "SPEECH_SEQ_2_SEQ") else set()
     for task in TASKS:
         if task.name in skip:
             continue
         if model_type in _mapping(task.mapping) and (task.name != "contrastive" or _contrastive(model_type)):
+            if task.name in ("causal-lm", "base") and _takes_pixels(model_type, task.mapping):  # Gemma 3, ViLT
+                return replace(task, modalities=("text", "image"))
             return task
     for mapping in _head_mappings():
         if model_type in _mapping(mapping):
             short = mapping.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower().replace("_", "-")
             return Task(short, mapping, "none", ("text",))
     raise KeyError(f"{model_type!r} has no PyTorch model in the installed transformers (no auto mapping lists it)")
+
+
+def _takes_pixels(model_type: str, mapping: str) -> bool:
+    """Whether the class of ``mapping`` for ``model_type`` takes pixels (``pixel_values``) in its forward."""
+    try:
+        cls = _model_class(model_type, mapping)
+        return cls is not None and "pixel_values" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError, ImportError):  # ImportError: a placeholder class of a missing library
+        return False
 
 
 @cache

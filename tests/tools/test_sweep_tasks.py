@@ -50,11 +50,13 @@ def test_an_unknown_type_is_named():
 
 
 def test_the_causal_lm_rows_keep_their_configs():
-    """A causal LM feeds text only: its image/audio front ends keep their defaults (its row stays
-    what it was), while every other head gets them tiny."""
-    assert config_overrides(task_for("gemma3")) == {"media": False}
+    """A text-only causal LM keeps its image/audio front ends at their defaults (its row stays what
+    it was), while a causal LM whose class takes pixels (Gemma 3) and every other head get them tiny;
+    the text config is the same either way."""
+    assert config_overrides(task_for("llama4")) == {"media": False}
     assert config_overrides(task_for("vit")) == {"media": True, "num_labels": NUM_LABELS}
-    full, tiny = tiny_config_for("gemma3", media=False), tiny_config_for("gemma3")
+    assert task_for("gemma3").modalities == ("text", "image") and config_overrides(task_for("gemma3"))["media"]
+    full, tiny = tiny_config_for("llama4", media=False), tiny_config_for("llama4")
     assert full.vision_config.image_size > tiny.vision_config.image_size == 32
     assert full.text_config.to_dict() == tiny.text_config.to_dict()
 
@@ -80,6 +82,15 @@ INPUTS = {
     "clip": ({"input_ids", "pixel_values", "return_loss"}, ("text_model", "vision_model")),
     "llava": ({"input_ids", "attention_mask", "pixel_values", "labels"}, ("vision_tower", "multi_modal_projector",
                                                                            "language_model")),
+    # vision-language layouts (sweep_media): any-resolution tiles, a patch grid, images per sample
+    "llava_next": ({"input_ids", "attention_mask", "pixel_values", "image_sizes", "labels"},
+                   ("vision_tower", "image_newline", "language_model")),
+    "qwen2_vl": ({"input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw", "labels"},
+                 ("visual.patch_embed", "visual.merger", "language_model")),
+    "idefics3": ({"input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "labels"},
+                 ("vision_model", "connector", "text_model")),
+    "gemma3": ({"input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels"},  # a causal LM with images
+               ("vision_tower.encoder", "multi_modal_projector", "language_model")),
 }
 
 
@@ -89,8 +100,11 @@ def test_inputs_run_the_unsharded_model(model_type):
     keys, reached = INPUTS[model_type]
     assert set(inputs) == keys, inputs.keys()
     assert torch.isfinite(loss)
-    for v in inputs.values():
-        assert not isinstance(v, torch.Tensor) or v.shape[0] == BATCH
+    for k, v in inputs.items():  # per sample, but a patch grid's flattened patches (its grid says how many)
+        if k == "pixel_values" and "image_grid_thw" in inputs:
+            assert v.shape[0] == int(inputs["image_grid_thw"].prod(-1).sum())
+        else:
+            assert not isinstance(v, torch.Tensor) or v.shape[0] == BATCH, k
     for part in reached:  # every modality's parameters are on the loss's path
         assert any(part in k and g is not None and g.abs().sum() > 0 for k, g in grads.items()), part
     if "labels" in inputs and inputs["labels"].dim() == 1:  # a classifier: one of NUM_LABELS per sample
@@ -98,3 +112,23 @@ def test_inputs_run_the_unsharded_model(model_type):
     again = build(model_type, tp=2)  # the same seed: the same inputs and loss
     assert torch.equal(again[2], loss) and all(
         torch.equal(v, again[1][k]) for k, v in inputs.items() if isinstance(v, torch.Tensor))
+
+
+def test_tiny_vision_language_configs_follow_their_tower():
+    """Fields a vision-language model derives from its full-size tower are made tiny with it: the
+    M-RoPE sections a Qwen2-VL text model splits its rotary half by (its code's default when the
+    config names none), LLaVA-NeXT's any-resolution pinpoints in tiles of the tiny image, the
+    vision layers VipLLaVA's projector reads, Gemma 3's image tokens, a Qwen-VL tower's depth."""
+    qwen = tiny_config_for("qwen2_vl")
+    text = qwen.get_text_config()
+    assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
+    assert qwen.vision_config.depth == 2
+    next_ = tiny_config_for("llava_next")
+    size = next_.vision_config.image_size
+    assert all(h % size == 0 and w % size == 0 and max(h, w) <= 3 * size for h, w in next_.image_grid_pinpoints)
+    vip = tiny_config_for("vipllava")
+    layers = vip.vision_config.num_hidden_layers
+    assert len(vip.vision_feature_layers) == 5 and all(-(layers + 1) <= i <= layers for i in vip.vision_feature_layers)
+    gemma = tiny_config_for("gemma3")
+    side = gemma.vision_config.image_size // gemma.vision_config.patch_size
+    assert side % int(gemma.mm_tokens_per_image ** 0.5) == 0

@@ -89,6 +89,7 @@ def case_no_plan_work_per_call(state, plan_kind: str):
 
 
 @pytest.mark.parametrize("plan_kind", ["hf", "sp", "loss_parallel"])
+@pytest.mark.parametrize("pool", [2], indirect=True, ids=["ws2"])  # Python work per call: the same at any world size
 @pytest.mark.slow
 def test_apply_fn_does_no_plan_work_per_call(pool, plan_kind):
     assert all(n > 0 for n in pool.run(case_no_plan_work_per_call, make_llama_state(), plan_kind))
@@ -148,6 +149,7 @@ def case_skeleton_keeps_no_caller_tensors(state):
     return alive
 
 
+@pytest.mark.parametrize("pool", [2], indirect=True, ids=["ws2"])  # what the skeleton keeps: the same at any world size
 @pytest.mark.slow
 def test_skeleton_keeps_no_caller_tensors(pool):
     for alive in pool.run(case_skeleton_keeps_no_caller_tensors, make_llama_state()):

@@ -297,6 +297,7 @@ def case_repeated_use(state):
     assert_unchanged(before, snapshot(model))
 
 
+@pytest.mark.parametrize("pool", [2], indirect=True, ids=["ws2"])  # what is kept alive per call: the same at any world size
 @pytest.mark.slow
 def test_repeated_shard_and_side_by_side_apply_fns(pool):
     pool.run(case_repeated_use, make_llama_state())

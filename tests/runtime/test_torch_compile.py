@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hp_functional as hpf
+from tests.conftest import get_pool
 from tests.support.helpers import assert_close, mesh
 from tests.support.models import build_llama, make_llama_state
 
@@ -67,8 +68,11 @@ def case_compile(state, plan_kind: str):
     return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
 
 
-@pytest.mark.parametrize("plan_kind", ["sp", "loss_parallel"])  # between them every lowered collective kind
+# between them every lowered collective kind, at 2 ranks; sequence parallel (the collectives whose
+# chunks follow the world size) at 4 too: the loss-parallel head there is the eager tests' (a compile is ~10 s)
+@pytest.mark.parametrize("world,plan_kind", [(2, "sp"), (2, "loss_parallel"), (4, "sp")],
+                         ids=["ws2-sp", "ws2-loss_parallel", "ws4-sp"])
 @pytest.mark.slow
-def test_compiled_apply_fn_matches_eager_and_unsharded(pool, plan_kind):
-    for result in pool.run(case_compile, make_llama_state(), plan_kind):
+def test_compiled_apply_fn_matches_eager_and_unsharded(world, plan_kind):
+    for result in get_pool(world).run(case_compile, make_llama_state(), plan_kind):
         assert result == {"graphs": 1, "breaks": 0}, result

@@ -146,11 +146,10 @@ def test_llama_bidirectional(strategy):
     print(get_pool(2).run(case_bidirectional, make_hf_state("llama"), strategy)[0])
 
 
-def case_explain(strategy: str, shape: tuple, names: tuple):
+def case_explain(strategy: str, m):
     with torch.device("meta"):
         model = build_hf("llama", None)
-    e = hpf.explain(model, hpf.ShardingPlan.from_hf(model, cp_axis="cp", cp_strategy=strategy), mesh(shape, names),
-                    batch=2, seq=SEQ)
+    e = hpf.explain(model, hpf.ShardingPlan.from_hf(model, cp_axis="cp", cp_strategy=strategy), m, batch=2, seq=SEQ)
     s = e.schedule
     counts = {(op, d): s.count(op=op, direction=d) for op in ("ppermute", "all_gather", "reduce_scatter")
               for d in ("fwd", "bwd")}
@@ -161,10 +160,13 @@ def case_explain(strategy: str, shape: tuple, names: tuple):
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.slow
 def test_explain_shows_ring_steps(strategy):
+    """On the fake process group: a meta model, no numbers (the schedule is recorded by the same
+    code on real ranks; tests/tools/test_explain.py compares the two)."""
     layers = 2
     for shape, names in (((2,), ("cp",)), ((4,), ("cp",)), ((2, 2), ("cp", "tp"))):
         cp = shape[0]
-        text, counts, fwd_bytes, axes = get_pool(world_of(shape)).run(case_explain, strategy, shape, names)[0]
+        text, counts, fwd_bytes, axes = hpf.simulate(lambda m: case_explain(strategy, m), world_size=world_of(shape),
+                                                     mesh_shape=shape, mesh_dim_names=names)
         if strategy == "ring":
             assert counts[("ppermute", "fwd")] == layers * (cp - 1), counts
             assert counts[("ppermute", "bwd")] == layers * cp, counts

@@ -141,8 +141,8 @@ def test_schedule_error_is_reported_not_raised():
 
 @pytest.mark.slow
 def test_real_gloo_ranks_measure_the_same_schedule():
-    """On 2 freshly spawned gloo ranks (shard() agrees across them for real): the same totals."""
-    from hp_functional.cli.launch import run_ranks
+    """On 2 gloo ranks (the rank pool's; shard() agrees across them for real): the same totals."""
+    from tests.conftest import get_pool
 
-    results = run_ranks(case_explain, 2, True)
-    assert [r[0] for r in results.values()] == [closed_form(2, True)] * 2
+    results = get_pool(2).run(case_explain, True)
+    assert [r[0] for r in results] == [closed_form(2, True)] * 2

@@ -120,19 +120,19 @@ def test_attribute_heads_fewer_kv_heads_than_tp(pool):
     print(pool.run(case_attr_heads, AttrAttention(hidden=32, heads=8, kv_heads=kv).state_dict(), kv)[0])
 
 
-def case_explain(kv: int):
+def case_explain(kv: int, m):
     with torch.device("meta"):  # shapes only
         model = build_hf("llama", None, num_key_value_heads=kv)
-    e = hpf.explain(model, hpf.ShardingPlan.from_hf(model), mesh(), batch=2, seq=8)
+    e = hpf.explain(model, hpf.ShardingPlan.from_hf(model), m, batch=2, seq=8)
     assert tuple(e.program.infos[K].local_shape) == (8, 64)  # one head of 8, not the 2 x 8 rows of both
     return str(e), e.schedule.count(op="all_reduce", direction="bwd"), e.memory.per_rank
 
 
 @pytest.mark.slow
 def test_explain_shows_memory_and_extra_reduction():
-    pool = get_pool(4)
-    text, reduces, per_rank = pool.run(case_explain, 2)[0]
-    _, plain_reduces, plain_per_rank = pool.run(case_explain, 4)[0]
+    """At tp 4 on the fake process group (a meta model: shapes and the schedule, no numbers)."""
+    text, reduces, per_rank = hpf.simulate(lambda m: case_explain(2, m), world_size=4)
+    _, plain_reduces, plain_per_rank = hpf.simulate(lambda m: case_explain(4, m), world_size=4)
     assert "GroupedShard(dim=0, replicas=2)" in text and "all_reduce(replicas of 2)" in text, text
     assert reduces == plain_reduces + 2 * 2, (reduces, plain_reduces)  # k and v weight per layer, 2 layers
     assert per_rank == plain_per_rank  # one KV head per rank, as when 4 KV heads split over 4 ranks

@@ -47,6 +47,46 @@ def _run(*args: str, timeout: int = 180, cwd: Path | None = None, env: dict | No
                           env={**os.environ, **(env or {})})
 
 
+def _launches() -> dict[str, list[str]]:
+    """The console runs of the subprocess tests below (test name: command), each mostly process start-up."""
+    return {
+        "test_plan_subprocess_prints_placements_schedule_and_memory": [*_script(), "plan", "llama", "--tp", "2",
+                                                                       "--seq", "16"],
+        "test_check_subprocess_validates_on_gloo_ranks": [*_script(), "check", "llama", "--tp", "2"],
+        "test_demo_console_script_trains_and_prints_no_future_warning": [*_script(), "demo", "--steps", "3"],
+        "test_demo_under_torchrun_through_python_m": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc-per-node", "2", "-m", "hp_functional.cli", "demo",
+                                                      "--steps", "2"],
+    }
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Those of ``_launches()`` whose tests are selected, all started when the first of them runs,
+    so that their start-ups overlap each other and the in-process tests between (as separate
+    processes they are the same runs); each test then waits for its own (``_finished``)."""
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    logs = tmp_path_factory.mktemp("cli_runs")
+    procs = {}
+    for name, cmd in _launches().items():
+        if name in selected:
+            with open(logs / f"{name}.out", "w") as out, open(logs / f"{name}.err", "w") as err:
+                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT)
+    yield logs, procs
+    for proc in procs.values():
+        if proc.poll() is None:  # a test that failed before waiting, or timed out
+            proc.kill()
+            proc.wait()
+
+
+def _finished(launched, name: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The run of test ``name`` started by ``launched``, once it has exited (killed at the fixture's end if not)."""
+    logs, procs = launched
+    procs[name].wait(timeout=timeout)
+    return subprocess.CompletedProcess(procs[name].args, procs[name].returncode, (logs / f"{name}.out").read_text(),
+                                       (logs / f"{name}.err").read_text())
+
+
 # ---------------------------------------------------------------- start-up: lazy package, fast --help
 def test_help_is_fast_plain_text_and_explains_batch_and_seq():
     _run("--help")  # warm the file cache
@@ -173,9 +213,9 @@ def test_public_functions_document_args_and_returns():
 
 # ---------------------------------------------------------------- plan
 @pytest.mark.slow
-def test_plan_subprocess_prints_placements_schedule_and_memory():
-    seq = 16
-    res = _run("plan", "llama", "--tp", "2", "--seq", str(seq))
+def test_plan_subprocess_prints_placements_schedule_and_memory(launched):
+    seq = 16  # the run's --seq (_launches)
+    res = _finished(launched, "test_plan_subprocess_prints_placements_schedule_and_memory")
     assert res.returncode == 0, res.stderr
     assert "FutureWarning" not in res.stderr and "[rank" not in res.stderr, res.stderr
     out = res.stdout
@@ -350,8 +390,8 @@ def test_an_unexpected_error_after_simulate_has_no_rank_prefix(monkeypatch, caps
 
 # ---------------------------------------------------------------- multi-rank: check and demo
 @pytest.mark.slow
-def test_check_subprocess_validates_on_gloo_ranks():
-    res = _run("check", "llama", "--tp", "2", timeout=300)
+def test_check_subprocess_validates_on_gloo_ranks(launched):
+    res = _finished(launched, "test_check_subprocess_validates_on_gloo_ranks")
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "validate (numeric): ok" in res.stdout
     assert _row(res.stdout, "ok", "grad", "model.layers.1.self_attn.o_proj.weight")
@@ -396,18 +436,16 @@ def test_check_reports_a_plan_error_from_the_ranks_as_one_line(tmp_path, capsys,
 
 
 @pytest.mark.slow
-def test_demo_console_script_trains_and_prints_no_future_warning():
-    res = _run("demo", "--steps", "3", timeout=300)
+def test_demo_console_script_trains_and_prints_no_future_warning(launched):
+    res = _finished(launched, "test_demo_console_script_trains_and_prints_no_future_warning")
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "max |loss diff|" in res.stdout
     assert "FutureWarning" not in res.stderr and "DeprecationWarning" not in res.stderr, res.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_demo_under_torchrun_through_python_m():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "hp_functional.cli", "demo", "--steps", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_demo_under_torchrun_through_python_m(launched):
+    res = _finished(launched, "test_demo_under_torchrun_through_python_m")
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "max |loss diff|" in res.stdout and "FutureWarning" not in res.stderr
 

@@ -55,7 +55,9 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_readme_example_runs_under_torchrun(tmp_path):
+def test_readme_example_runs_under_torchrun(tmp_path, request):
+    if any(item.path == request.path and item.originalname == "test_runnable_block" for item in request.session.items):
+        request.getfixturevalue("blocks_run")  # the blocks' process starts first: its start-up overlaps this one's
     script = tmp_path / "example.py"
     script.write_text(readme_example())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
@@ -96,8 +98,9 @@ with open(sys.argv[1], "w") as f:
 
 
 @pytest.fixture(scope="module")
-def block_results(tmp_path_factory) -> dict[str, str | None]:
-    """Every runnable block run in one fresh process, each in its own empty folder."""
+def blocks_run(tmp_path_factory):
+    """Every runnable block run in one fresh process, each in its own empty folder: started here,
+    waited for by ``block_results``."""
     root = tmp_path_factory.mktemp("blocks")
     paths = []
     for i, (_, _, code) in enumerate(RUNNABLE):
@@ -106,10 +109,23 @@ def block_results(tmp_path_factory) -> dict[str, str | None]:
         paths[-1].write_text(code)
     (root / "run.py").write_text(_RUN_BLOCKS)
     cmd = [sys.executable, str(root / "run.py"), str(root / "results.json"), *map(str, paths)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=_env())
-    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    with open(root / "stdout.txt", "w") as out, open(root / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=root, env=_env())
+    yield proc, root
+    if proc.poll() is None:  # not waited for (a failure before block_results)
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def block_results(blocks_run) -> dict[str, str | None]:
+    """``blocks_run``'s results: {index: None or the traceback}."""
     import json
 
+    proc, root = blocks_run
+    proc.wait(timeout=600)
+    out, err = (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text()
+    assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
     return json.loads((root / "results.json").read_text())
 
 

@@ -34,7 +34,10 @@ _NO_CALL = ModuleCall()
 
 
 def is_projection(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    """An ``nn.Linear`` computed by its own forward, or HF's ``Conv1D``.  A Linear subclass with a
+    forward of its own may read its weight otherwise (Ovis2.5's visual table: ``F.embedding(ids,
+    self.weight.T)`` looks rows up across the whole table), so no split of it can be assumed."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or is_conv1d(module)
 
 
 def is_channel_conv(module: nn.Module) -> bool:

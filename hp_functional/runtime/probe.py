@@ -158,7 +158,12 @@ def shrink_vocab(twin: nn.Module, vocab: int) -> None:
     vocabulary's size are the copy's largest tensors and say nothing a small vocabulary does not, so
     the probe's memory stays a block's, not the model's.  Left alone where the vocabulary's size is
     also another dim of the model (which dims are the vocabulary's would be a guess).  Ties stay."""
-    emb = next((m for m in twin.modules() if isinstance(m, nn.Embedding)), None)
+    try:  # the model's own token table where it names one (Qwen3-VL's first table is the vision's positions)
+        emb = twin.get_input_embeddings() if hasattr(twin, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in twin.modules() if isinstance(m, nn.Embedding)), None)
     if emb is None or emb.num_embeddings <= vocab:
         return
     big = emb.num_embeddings

@@ -654,3 +654,26 @@ def test_auto_plan_splits_a_resnets_channels_exactly(pool):
         assert entries[f"{layer}.0.convolution"].startswith("Colwise(")
         assert entries[f"{layer}.0.normalization"].startswith("Channels(")
         assert entries[f"{layer}.1.convolution"].startswith("Rowwise(")
+
+
+class VisualTable(nn.Linear):
+    """Ovis2.5's visual embedding table: a Linear that also looks rows up by id through its weight."""
+
+    def forward(self, x, lookup: bool = False):
+        return F.embedding(x, self.weight.T) if lookup else super().forward(x)
+
+
+class WithVisualTable(nn.Module):
+    def __init__(self, dim=16, vocab=32):
+        super().__init__()
+        self.up, self.table, self.out = nn.Linear(dim, vocab), VisualTable(vocab, dim), nn.Linear(dim, dim)
+
+    def forward(self, x, ids):
+        return self.out(self.table(self.up(x).softmax(-1)) + self.table(ids, lookup=True))
+
+
+def test_a_linear_subclass_with_its_own_forward_is_not_split():
+    plan = hpf.simulate(look(WithVisualTable(), example_inputs=(torch.randn(2, 5, 16), torch.randint(0, 32, (2, 5)))),
+                        world_size=2)
+    assert "table" not in plan.entries or plan.entries["table"] == hpf.NoParallel(), plan.entries
+    assert not plan.coverage.planned.get("table.weight"), plan.coverage.planned

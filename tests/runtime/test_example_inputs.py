@@ -173,3 +173,22 @@ def test_a_root_parameter_reaching_a_region_is_refused_or_traced():
         assert isinstance(refused, hpf.PlanError) and "<root module> is not planned, is or encloses" in str(refused)
         assert "(scale)" in str(refused), refused
         _exact(given, ref, "example_inputs")
+
+
+def test_the_probe_shrinks_the_token_table_the_model_names():
+    """Qwen3-VL's first embedding is its vision tower's position table: the probe's copy shrinks
+    the table ``get_input_embeddings()`` names, and the positions keep their rows."""
+    from hp_functional.runtime.probe import shrink_vocab
+
+    class VL(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Embedding(300, 8)
+            self.tokens, self.head = nn.Embedding(200, 8), nn.Linear(8, 200)
+
+        def get_input_embeddings(self):
+            return self.tokens
+
+    twin = VL()
+    shrink_vocab(twin, 128)
+    assert (twin.pos.num_embeddings, twin.tokens.num_embeddings, twin.head.out_features) == (300, 128, 128)

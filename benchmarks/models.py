@@ -284,9 +284,10 @@ EXPECT = [
     "who wants their channels split asks (the `plan` column says so).",
     "- **Dual encoders** (CLIP, SigLIP): both towers sharded, the projections and `logit_scale` replicated, their "
     "contrastive loss exact.",
-    "- **Vision-language models**: the text model by HF's plan and the vision tower and projector by `auto_plan` "
-    "(`auto_plan(..., base=ShardingPlan.from_hf(model))`); types whose image inputs the sweep cannot build yet run "
-    "on text only (the `inputs` of their row say which).",
+    "- **Vision-language and audio-language models**: the text model by HF's plan and the vision or audio tower "
+    "and projector by `auto_plan` (`auto_plan(..., base=ShardingPlan.from_hf(model))`), traced on real images "
+    "(tiles, patch grids, packed patches, as each model takes them) or audio; the few types whose media inputs the "
+    "sweep cannot build run on text only (the `inputs` of their row say which).",
     "- **Diffusion transformers and timm** (optional extras): [diffusion and timm](diffusion-and-timm.md).",
     "- **Refused** rows name the module and the fix; **not buildable tiny** rows are the sweep's own limits "
     "(the tiny config or its inputs), not the library's.",

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .sweep_media import feature_rows
+
 BATCH, SAMPLES, FRAMES, CODE_FRAMES = 2, 400, 16, 4
 #: the masks over an audio argument's frames a forward may take, per argument
 _MASKS = {"input_features": ("feature_attention_mask", "input_features_mask"), "input_values": ("padding_mask",),
@@ -136,7 +138,7 @@ def _feature_rows(model, media: dict[str, Any]) -> int | None:
     feats = getattr(out, "pooler_output", None)
     if feats is None:
         feats = out[0] if isinstance(out, tuple) and out else out
-    return _rows(feats) or None
+    return feature_rows(feats) or None
 
 
 def _tower_rows(model, media: dict[str, Any]) -> int | None:
@@ -153,12 +155,3 @@ def _tower_rows(model, media: dict[str, Any]) -> int | None:
         return None
     lengths = lengths[-1] if isinstance(lengths, tuple) else lengths
     return int(lengths.sum()) if isinstance(lengths, torch.Tensor) else None
-
-
-def _rows(feats) -> int:
-    """Feature rows: a tensor's elements over its last dim, summed over a list of tensors."""
-    if isinstance(feats, torch.Tensor):
-        return feats.numel() // feats.shape[-1] if feats.dim() else 0
-    if isinstance(feats, (list, tuple)):
-        return sum(_rows(f) for f in feats)
-    return 0

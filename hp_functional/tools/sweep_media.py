@@ -31,7 +31,7 @@ builds the per-token arguments a processor returns with them.
 
 from __future__ import annotations
 
-__all__ = ["feature_count", "find", "image_inputs", "token_inputs"]
+__all__ = ["feature_count", "feature_rows", "find", "image_inputs", "token_inputs"]
 
 import inspect
 from collections.abc import Iterator
@@ -193,16 +193,16 @@ def feature_count(model, media: dict[str, Any]) -> int | None:
     feats = getattr(out, "pooler_output", None)
     if feats is None:
         feats = out[0] if isinstance(out, tuple) and out and not isinstance(out[0], torch.Tensor) else out
-    rows = _rows(feats)
+    rows = feature_rows(feats)
     return rows // BATCH if rows and rows % BATCH == 0 else None
 
 
-def _rows(feats) -> int:
+def feature_rows(feats) -> int:
     """Feature rows: a tensor's elements over its last dim, summed over a list of tensors."""
     if isinstance(feats, torch.Tensor):
         return feats.numel() // feats.shape[-1] if feats.dim() else 0
     if isinstance(feats, (list, tuple)):
-        return sum(_rows(f) for f in feats)
+        return sum(feature_rows(f) for f in feats)
     return 0
 
 

@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate
 
 from ..analysis.trace import INPUT, ModelTrace, ModuleCall
-from ..core.errors import PlanError
 from ..core.style import Style
 from ..parallel.tensor.channels import CONVS, Channels
 from ..parallel.tensor.styles import Colwise, Heads, NoParallel, Rowwise, is_conv1d
@@ -187,10 +186,9 @@ def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], candid
         said = "colwise" if name in COL_NAMES else "rowwise" if name in ROW_NAMES else None
         if col and row and said is None and isinstance(modules[p], CONVS):
             chained.append(p)  # a chain of convolutions: alternated below, in call order
+        elif col and row and said is None:  # neither end of a pair by its flow alone: left unpaired (replicated)
+            unpaired.append(p)
         elif col and row:
-            if said is None:
-                raise PlanError(f"auto_plan: {p} both consumes and feeds projections of {block or 'the root'}, and its "
-                                "name says neither colwise nor rowwise; plan it with overrides={...}")
             roles[p] = said
         elif col or row:
             roles[p] = "colwise" if col else "rowwise"  # the dataflow decides; a name only breaks a tie

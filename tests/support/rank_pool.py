@@ -1,4 +1,10 @@
-"""A pool of spawned gloo ranks that run many test cases each (a process start costs seconds).
+"""A pool of gloo ranks that run many test cases each (a process start costs seconds).
+
+The ranks are forked from one forkserver that imported torch, transformers and hp_functional
+once (``_PRELOAD``), not spawned: each rank then starts in a fraction of a second instead of
+importing them again (4 ranks on 2 cores: ~10 s less per pool).  The forkserver is a fresh
+interpreter, not a fork of the test process: nothing the tests did there (threads, modes,
+patches) reaches the ranks.
 
 ``pool.run(fn, *args)`` pickles ``fn`` by reference, runs it on every rank and returns the list
 of per-rank results.  An exception on any rank is re-raised here with every failing rank's
@@ -14,6 +20,16 @@ import socket
 import traceback
 
 import torch.multiprocessing as mp
+
+#: what the forkserver imports before it forks the ranks (a missing one is skipped)
+_PRELOAD = ["torch", "torch.distributed", "transformers", "hp_functional", "tests.support.helpers",
+            "transformers.models.llama.modeling_llama"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _free_port() -> int:
@@ -56,7 +72,7 @@ class RankPool:
     def __init__(self, world: int, pg_timeout: float = 120.0):
         self.world = world
         self.pg_timeout = pg_timeout
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _context()
         self._start()
 
     def _start(self) -> None:

@@ -57,7 +57,8 @@ def test_7b_real_heads_rejected_at_64_and_sharded_at_32():
 
     found = simulate(lambda mesh: lint(model, hpf.ShardingPlan.from_hf(model), mesh), world_size=64)
     assert {f.code for f in found} == {"heads"} and len(found) == 3 * 32  # q, k, v of every layer
-    mem = simulate(lambda mesh: explain(model, hpf.ShardingPlan.from_hf(model), mesh).memory,
+    two = on_meta(llama_7b(num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=32))  # per layer alike
+    mem = simulate(lambda mesh: explain(two, hpf.ShardingPlan.from_hf(two), mesh).memory,
                    world_size=64, mesh_shape=(2, 32))  # dp=2 x tp=32: whole heads again
     assert mem.world == 64 and mem.sharded * 32 == mem.unsharded - mem.replicated
 

@@ -34,7 +34,6 @@ EXCEPTIONS = {
 
 #: modules tested through the module that calls them: module -> the test file that covers them
 THROUGH = {
-    "hp_functional.analysis.trace": "tests/planner/test_auto_plan.py",
     "hp_functional.cli.demo": "tests/cli/test_cli.py",  # `hp-functional demo`
     "hp_functional.compile.kv_heads": "tests/compile/test_kv_heads.py",
     "hp_functional.compile.lint_heads": "tests/compile/test_lint_heads.py",

@@ -513,3 +513,11 @@ def test_ci_runs_exactly_make_demo_make_test_and_make_test_newest():
     script = (ROOT / ".ci" / "run").read_text().splitlines()
     commands = [ln.strip() for ln in script if ln.strip() and not ln.lstrip().startswith("#")]
     assert commands == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "make demo", "make test", "make test-newest"]
+
+
+def test_under_torchrun_reads_torchruns_environment(monkeypatch):
+    from hp_functional.cli.launch import under_torchrun
+
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not under_torchrun()

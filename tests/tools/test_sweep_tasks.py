@@ -132,3 +132,12 @@ def test_tiny_vision_language_configs_follow_their_tower():
     gemma = tiny_config_for("gemma3")
     side = gemma.vision_config.image_size // gemma.vision_config.patch_size
     assert side % int(gemma.mm_tokens_per_image ** 0.5) == 0
+
+
+def test_feature_rows_count_rows_over_the_last_dim():
+    """The placeholder count of an image comes from the rows its tower returns, tensors or lists of them."""
+    from hp_functional.tools.sweep_media import feature_rows
+
+    assert feature_rows(torch.zeros(2, 3, 8)) == 6
+    assert feature_rows([torch.zeros(4, 8), torch.zeros(5, 8)]) == 9
+    assert feature_rows(None) == 0

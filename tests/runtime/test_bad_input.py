@@ -38,7 +38,7 @@ PLAN_ROWS = {
     "unknown_axis": ({"proj": hpf.Colwise(axis="ep")}, hpf.PlanError, "mesh axis 'ep' is not in the mesh", "proj"),
     "unknown_tp_axis": (hpf.ShardingPlan({"emb": "embedding_rowwise"}, axes={"tp": "model"}), hpf.PlanError,
                         "mesh axis 'model' is not in the mesh", "emb"),
-    "wrong_module": ({"emb": hpf.Colwise()}, hpf.PlanError, "Colwise needs a Linear, got Embedding", "emb"),
+    "wrong_module": ({"emb": hpf.Colwise()}, hpf.PlanError, "Colwise needs a Linear or Conv1d or Conv2d or Conv3d, got Embedding", "emb"),
     "hf_unsupported": ({"proj": "grouped_gemm"}, hpf.PlanError, "style 'grouped_gemm' is not supported", "proj"),
     "conflicting_styles": ({"model.layers.*.mlp.up_proj": "colwise", "model.layers.0.mlp.*": "rowwise"},
                            hpf.PlanError, "conflicting plan entries", "model.layers.0.mlp.up_proj"),

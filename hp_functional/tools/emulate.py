@@ -113,10 +113,22 @@ class _NoForwardMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if forward_ad._current_level >= 0 or any(
                 i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
-            raise PlanError("emulate: forward-mode differentiation (torch.func.jvp, jacfwd, hessian, "
-                            "torch.autograd.forward_ad) cannot run on emulate's threads: torch keeps its state per "
-                            "process, so the ranks would corrupt each other's; run it on real ranks (torchrun, gloo)")
+            raise _forward_mode_refused()
         return func(*args, **(kwargs or {}))
+
+
+def _forward_mode_refused() -> PlanError:
+    return PlanError("emulate: forward-mode differentiation (torch.func.jvp, jacfwd, hessian, "
+                     "torch.autograd.forward_ad) cannot run on emulate's threads: torch keeps its state per "
+                     "process, so the ranks would corrupt each other's; run it on real ranks (torchrun, gloo)")
+
+
+def _is_forward_mode(exc: BaseException) -> bool:
+    """The refusal, or torch's own forward-AD error when another rank's thread moved the shared dual
+    level first (a rank can fail that way before any of its ops reaches the refusing mode)."""
+    if isinstance(exc, PlanError):
+        return str(exc).startswith("emulate: forward-mode differentiation")
+    return isinstance(exc, RuntimeError) and "forward AD" in str(exc)
 
 
 def _run(fn, shape, names, world: int, device: str, timeout: float) -> list:
@@ -160,6 +172,8 @@ def _run(fn, shape, names, world: int, device: str, timeout: float) -> list:
     real = {r: e for r, e in errors.items() if not isinstance(e, SystemExit)}  # peers stopped by the failure
     if real:
         rank = min(real)
+        if any(_is_forward_mode(e) for e in real.values()):
+            raise _forward_mode_refused() from real[rank]
         if _lacks_point_to_point(real[rank]):
             raise PlanError(
                 "emulate: the pipeline (hpf.gpipe, and stage_module under torch's schedules) cannot run here: it "

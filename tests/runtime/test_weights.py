@@ -69,9 +69,12 @@ def _matches_full(folder: str, family: str, state, old_order: bool = False) -> f
     return worst
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("pool,family", [(2, f) for f in FAMILIES] + [(4, "llama")], indirect=["pool"],
+                         ids=[f"ws2-{f}" for f in FAMILIES] + ["ws4-llama"])
 @pytest.mark.slow
 def test_from_pretrained_matches_the_full_model(pool, saved, family):
+    """Every family at world size 2 (the families differ in their files, not in how ranks slice them),
+    Llama at 4 too."""
     state, folders = saved[family]
     for layout, folder in folders.items():
         worst = max(pool.run(_matches_full, folder, family, state, family == "llama" and layout == "one"))

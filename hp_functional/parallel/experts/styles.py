@@ -44,6 +44,23 @@ def expert_weights(module: nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] == n]
 
 
+def expert_params(module: nn.Module) -> list[str]:
+    """Every parameter under fused experts that holds one slice per expert (leading dim
+    ``num_experts``): the stacked weights, their biases (GPT-OSS's ``gate_up_proj_bias [E, 2I]``), a
+    per-expert norm's scale in a child (Ergo's ``post_expert_norm.weight [E, H]``).  A rank's copy
+    indexes them by its local expert ids, so each is sharded with the weights, never left whole."""
+    n = getattr(module, "num_experts", None)
+    return [name for name, p in module.named_parameters() if p.dim() >= 1 and p.shape[0] == n]
+
+
+def _not_per_expert(module: nn.Module) -> list[str]:
+    """The parameters under fused experts that are not per expert, and the per-expert buffers
+    (``Experts`` shards neither: a rank's tokens reach them through its own experts only)."""
+    n, per_expert = getattr(module, "num_experts", None), set(expert_params(module))
+    return ([f"{name} {tuple(p.shape)}" for name, p in module.named_parameters() if name not in per_expert]
+            + [f"buffer {name} {tuple(b.shape)}" for name, b in module.named_buffers() if b.dim() >= 1 and b.shape[0] == n])
+
+
 def expert_members(module: nn.Module) -> list[str]:
     """The child names of a container of expert modules (``nn.ModuleList``, or an
     ``nn.ModuleDict`` keyed ``expert_<i>`` as HF's Switch and NLLB-MoE), in expert order: the
@@ -208,8 +225,8 @@ class Experts(Style):
         if members:
             params = {n: {axis: p} for n, p in _stacked_params(module, members).items()}
         else:
-            layouts = call.tp_layouts(expert_weights(module), fqn) if tp else {}
-            params = {n: {axis: Shard(0), **({tp: layouts[n][0]} if tp else {})} for n in expert_weights(module)}
+            layouts = call.tp_layouts(expert_params(module), fqn) if tp else {}
+            params = {n: {axis: Shard(0), **({tp: layouts[n][0]} if tp else {})} for n in expert_params(module)}
         out = {**whole, tp: Partial()} if tp and self.tp_partial else whole
         return Local(fn, in_src=dict.fromkeys(range(call.n_args), whole),
                      in_dst={i: tokens if i in call.token_args else whole for i in range(call.n_args)},
@@ -228,6 +245,13 @@ class Experts(Style):
             raise PlanError(f"{fqn}: Experts needs stacked expert weights ([num_experts, ...] parameters and a "
                             f"num_experts attribute, as HF's fused experts) or a ModuleList/ModuleDict of expert "
                             f"modules numbered 0 … num_experts − 1; {kind} has {own}")
+        others = _not_per_expert(module) if expert_weights(module) else []
+        if others:
+            raise PlanError(f"{fqn}: Experts shards every parameter of fused experts by its leading num_experts "
+                            f"({getattr(module, 'num_experts', None)}) dim, each rank its experts' slices; {others} "
+                            "are not per-expert parameters (a rank's tokens reach them through its own experts only, "
+                            "so their gradients would be per-rank shares): leave this module unplanned or give it an "
+                            "hpf.Local of its own")
         if self.tp_axis is not None and not expert_weights(module):
             raise PlanError(f"{fqn}: TP inside experts needs the fused [num_experts, ...] weights; "
                             f"{type(module).__name__} holds one module per expert: plan Experts(tp_axis=None)")
@@ -240,7 +264,7 @@ class Experts(Style):
             spec = replace(spec, varying=False, region=None, summed_axes=(axis,))
         if self.tp_axis is None:
             return spec
-        layouts = experts_call(module, self.call, fqn).tp_layouts(expert_weights(module), fqn)
+        layouts = experts_call(module, self.call, fqn).tp_layouts(expert_params(module), fqn)
         return replace(spec, param_blocks={n: b for n, (_, b) in layouts.items() if b > 1})
 
     def local_forward(self, module, forward, *, fqn, axis, axes):

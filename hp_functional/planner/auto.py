@@ -20,6 +20,7 @@ from ..analysis.trace import INPUT, ModelTrace, example_call, trace_model
 from ..core.errors import PlanError
 from ..core.paths import path_matches
 from ..core.style import Style
+from ..parallel.experts.styles import Experts, expert_members, expert_weights, is_experts
 from ..parallel.tensor.styles import Colwise, NoParallel
 from ..parallel.tensor.vocab import VocabEmbedding
 from ..plan.plan import ShardingPlan
@@ -291,16 +292,46 @@ class _Generator:
                     if not any(scope == f or inside(scope, f) for f in found):
                         found = [f for f in found if not inside(f, scope)] + [scope]
                     break
-        if found and not self.allow:
-            raise PlanError(f"auto_plan: {found[0] or '<root>'} ({type(self.modules[found[0]]).__name__}) is a mixture of "
-                            "experts (its forward routes tokens with a top-k and dispatches them to experts), which "
-                            "auto_plan does not plan: shard its experts with ShardingPlan.from_hf(model, ep_axis=...) or "
-                            "an hpf.Experts entry (docs/experts.md); allow_uncovered=True leaves it replicated")
+        skip, unplanned = [], []
         for path in found:
+            experts, why = self._experts_in(path)
+            if why is None:
+                for e in experts:
+                    self.entries[e] = Experts(axis=self.axis)
+                    self.roles[e] = f"MoE experts (expert parallel: Experts over {self.axis!r}, each rank its share of them)"
+                skip += experts
+            else:
+                unplanned.append((path, why))
+        if unplanned and not self.allow:
+            path, why = unplanned[0]
+            raise PlanError(f"auto_plan: {path or '<root>'} ({type(self.modules[path]).__name__}) is a mixture of "
+                            f"experts (its forward routes tokens with a top-k and dispatches them to experts) whose "
+                            f"experts auto_plan cannot shard ({why}): plan them with an hpf.Experts entry or "
+                            "ShardingPlan.from_hf(model, ep_axis=...) (docs/experts.md); allow_uncovered=True leaves "
+                            "it replicated")
+        for path, _ in unplanned:
             self.entries[path] = NoParallel()
-            self.roles[path] = "MoE (replicated: auto_plan does not plan experts; see hpf.Experts)"
+            self.roles[path] = "MoE (replicated: its experts are not in a form hpf.Experts takes)"
             self.notes.append(f"{path or '<root>'}: MoE left replicated")
-        return found
+        return skip + [p for p, _ in unplanned]
+
+    def _experts_in(self, block: str) -> tuple[list[str], str | None]:
+        """The experts modules of MoE ``block`` that ``Experts`` shards over the axis (fused
+        ``[num_experts, ...]`` weights, or a container of expert modules whose forward takes the
+        routing), and None; or why it cannot (experts in another form, a count that does not divide)."""
+        inner = [e for e in self.modules if (e == block or inside(e, block)) and e not in self.covered]
+        experts = [e for e in inner if is_experts(self.modules[e]) and self._dispatches(e)]
+        experts = [e for e in experts if not any(inside(e, o) for o in experts)]
+        if not experts:
+            kinds = sorted({type(self.modules[e]).__name__ for e in inner if self._dispatches(e)})
+            return [], (f"{', '.join(kinds) or 'its experts'}: neither stacked [num_experts, ...] weights nor a "
+                        "container of expert modules whose forward takes the routing")
+        for e in experts:
+            m = self.modules[e]
+            count = getattr(m, "num_experts", None) if expert_weights(m) else len(expert_members(m))
+            if not count or count % self.n:
+                return [], f"{e}: {count} experts do not split over {self.n} ranks of axis {self.axis!r}"
+        return experts, None
 
     def _dispatches(self, path: str) -> bool:
         """Whether ``path`` holds experts that routed tokens are dispatched to."""

@@ -20,7 +20,7 @@ from ..analysis.trace import INPUT, ModelTrace, example_call, trace_model
 from ..core.errors import PlanError
 from ..core.paths import path_matches
 from ..core.style import Style
-from ..parallel.experts.styles import Experts, expert_members, expert_weights, is_experts
+from ..parallel.experts.styles import Experts, expert_members, expert_weights, is_experts, not_per_expert
 from ..parallel.tensor.styles import Colwise, NoParallel
 from ..parallel.tensor.vocab import VocabEmbedding
 from ..plan.plan import ShardingPlan
@@ -331,6 +331,9 @@ class _Generator:
             count = getattr(m, "num_experts", None) if expert_weights(m) else len(expert_members(m))
             if not count or count % self.n:
                 return [], f"{e}: {count} experts do not split over {self.n} ranks of axis {self.axis!r}"
+            shared = not_per_expert(m) if expert_weights(m) else []
+            if shared:
+                return [], f"{e}: {shared} under the experts are not per-expert parameters"
         return experts, None
 
     def _dispatches(self, path: str) -> bool:

@@ -148,3 +148,11 @@ def test_auto_plan_refuses_experts_that_do_not_split_and_names_why():
         hpf.simulate(lambda m: hpf.auto_plan(model, m, example_inputs=(ids,)), world_size=2)
     plan = hpf.simulate(lambda m: hpf.auto_plan(model, m, example_inputs=(ids,), allow_uncovered=True), world_size=2)
     assert plan.entries["moe"] == hpf.NoParallel() and "moe: MoE left replicated" in plan.notes
+
+
+def test_auto_plan_leaves_experts_with_a_shared_parameter_to_the_user():
+    """What ``Experts`` would refuse, ``auto_plan`` does not plan (MuseSpark's shared post-expert norm)."""
+    model, ids = TinyMoELM(shared_scale=True), torch.randint(0, 32, (2, 8))
+    with pytest.raises(hpf.PlanError, match=r"cannot shard \(moe\.experts: \['scale \(16,\)'\] under the experts are not "
+                                              r"per-expert parameters\)"):
+        hpf.simulate(lambda m: hpf.auto_plan(model, m, example_inputs=(ids,)), world_size=2)

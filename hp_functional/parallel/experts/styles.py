@@ -53,7 +53,7 @@ def expert_params(module: nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters() if p.dim() >= 1 and p.shape[0] == n]
 
 
-def _not_per_expert(module: nn.Module) -> list[str]:
+def not_per_expert(module: nn.Module) -> list[str]:
     """The parameters under fused experts that are not per expert, and the per-expert buffers
     (``Experts`` shards neither: a rank's tokens reach them through its own experts only)."""
     n, per_expert = getattr(module, "num_experts", None), set(expert_params(module))
@@ -245,7 +245,7 @@ class Experts(Style):
             raise PlanError(f"{fqn}: Experts needs stacked expert weights ([num_experts, ...] parameters and a "
                             f"num_experts attribute, as HF's fused experts) or a ModuleList/ModuleDict of expert "
                             f"modules numbered 0 … num_experts − 1; {kind} has {own}")
-        others = _not_per_expert(module) if expert_weights(module) else []
+        others = not_per_expert(module) if expert_weights(module) else []
         if others:
             raise PlanError(f"{fqn}: Experts shards every parameter of fused experts by its leading num_experts "
                             f"({getattr(module, 'num_experts', None)}) dim, each rank its experts' slices; {others} "

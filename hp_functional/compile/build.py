@@ -101,7 +101,10 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
     uses = dict(flow.varying_uses)
     for key, axes in (varying_uses or {}).items():
         uses[key] = uses.get(key, frozenset()) | axes
-    param_steps = lower_parameter_conversions(placed, specs, analysis, groups, uses)
+    # a replicated parameter of a rank-varying module that the trace saw used only with data that
+    # does not vary (never inside the module's own compute) takes no reduction there
+    unvarying = {k: axes & {s.axis for s in tree_steps[k] if s.collective is CopyTo} for k, axes in flow.unvarying.items()}
+    param_steps = lower_parameter_conversions(placed, specs, analysis, groups, uses, unvarying)
     dtypes = {leaf: model.get_parameter(leaf).dtype for leaf in placed.infos}
     infos = {k: i.with_facet(ReducedOver, ReducedOver(owed) if owed else None)
              for k, i in placed.infos.items()

@@ -13,7 +13,7 @@ __all__ = ["Unchecked", "synthesize_inputs", "trace_dataflow", "unchecked_in_reg
 
 import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +40,10 @@ class Dataflow:
 
     varying_uses: dict[str, frozenset[str]]
     skipped: str | None = None  # None: traced
+    #: leaf → axes of ``covered`` on which every traced use of it met data that does not vary there
+    #: (GPT-NeoX-Japanese's ``dense_bias``: a parameter of the attention that the attention only
+    #: returns, added to the residual stream after the rowwise reduce)
+    unvarying: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def synthesize_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
@@ -180,7 +184,8 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
                             f"on mesh axis {sorted(both)[0]!r}: no single conversion gives both uses their gradient; "
                             "plan its module (e.g. NoParallel or a style that shards it) or keep it out of the "
                             "sharded region")
-    return Dataflow({k: frozenset(v) for k, v in varying.items() if v})
+    unvarying = {k: frozenset((covered[k] & invariant[k]) - varying.get(k, set())) for k in covered if k in invariant}
+    return Dataflow({k: frozenset(v) for k, v in varying.items() if v}, unvarying={k: v for k, v in unvarying.items() if v})
 
 
 def _reduced_path(fqn: str, reduced: Reduced) -> str | None:

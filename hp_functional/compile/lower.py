@@ -94,18 +94,21 @@ def lower_boundaries(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec]
 
 
 def lower_parameter_conversions(placed: Placed, specs: Mapping[str, ModuleSpec], analysis: Mapping[str, Varying],
-                                groups: Mapping[str, AxisGroup], varying_uses: Mapping[str, frozenset[str]] | None = None
-                                ) -> dict[str, list[Step]]:
+                                groups: Mapping[str, AxisGroup], varying_uses: Mapping[str, frozenset[str]] | None = None,
+                                unvarying: Mapping[str, frozenset[str]] | None = None) -> dict[str, list[Step]]:
     """Leaf key → the steps from its storage placement to its use in the forward (only leaves with
     steps).  ``varying_uses``: leaf key → axes on which ``compile.dataflow`` saw rank-varying data
-    reach it, wherever its module sits (added to what the module tree decides)."""
+    reach it, wherever its module sits (added to what the module tree decides); ``unvarying``: leaf
+    key → axes on which the module's own varying compute decides a reduction that the trace saw no
+    use needing (taken from it; a region's never is: ``consumer_axes``)."""
     param_steps: dict[str, list[Step]] = {}
     for name, leaf in placed.leaf_of.items():
         owner = placed.owners[name]
         stored = placed.infos[leaf].axes
         found = declared(name, owner, specs)
         used = {**stored, **(found[0].param_dst.get(found[1], {}) if found else {})}
-        consumer = consumer_axes(owner.module, analysis) | set((varying_uses or {}).get(leaf, ()))
+        consumer = (consumer_axes(owner.module, analysis, (unvarying or {}).get(leaf, frozenset()))
+                    | set((varying_uses or {}).get(leaf, ())))
         steps = tensor_steps(stored, used, groups, consumer=consumer, src_varying=set(), where=f"parameter {name}")
         if leaf in param_steps and _signature(param_steps[leaf]) != _signature(steps):
             raise PlanError(f"tied parameter {name} is used with different conversions by its modules")

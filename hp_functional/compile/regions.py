@@ -66,9 +66,11 @@ def analyse_regions(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec],
     return out
 
 
-def consumer_axes(module: str, analysis: Mapping[str, Varying]) -> set[str]:
+def consumer_axes(module: str, analysis: Mapping[str, Varying], unvarying: frozenset[str] = frozenset()) -> set[str]:
     """The axes on which the compute that uses ``module``'s parameters differs per rank: the
-    module's own varying axes and those of every region, or data-splitting module (context
-    parallelism's root: ``ModuleSpec.data_axes``), enclosing (or being) it."""
-    own = set(analysis[module].varying) if module in analysis else set()
+    module's own varying axes (less ``unvarying``: those on which a trace saw the parameter used
+    only with data that does not vary) and those of every region, or data-splitting module
+    (context parallelism's root: ``ModuleSpec.data_axes``), enclosing (or being) it — inside a
+    region every value's gradient is a per-rank share, whatever data it meets."""
+    own = set(analysis[module].varying) - unvarying if module in analysis else set()
     return own.union(*(v.region | v.data for m, v in analysis.items() if module == m or is_below(module, m)))

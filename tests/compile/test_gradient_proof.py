@@ -306,3 +306,27 @@ def test_a_pair_on_parameter_derived_data_leaves_the_stream_replicated():
         return [k for k, g in ref.items() if not torch.allclose(full[k], g, atol=1e-6)]
 
     assert hpf.emulate(rank, (2,), ("tp",)) == [[], []]
+
+
+def case_returned_parameter() -> dict[str, float]:
+    from hp_functional.tools.sweep import build
+
+    m = mesh()
+    model, inputs, _, _ = build("gpt_neox_japanese", world())
+    plan = hpf.auto_plan(model, m, example_inputs=inputs)
+    assert isinstance(plan.entries["gpt_neox_japanese.layers.*.attention"], hpf.Heads)
+    apply_fn, params, info = hpf.shard(model, plan, m, verify=False, example_inputs=inputs)
+    assert apply_fn.runtime.checks["dataflow"].startswith("traced"), apply_fn.runtime.checks
+    steps = apply_fn.runtime.program.param_steps
+    assert not any("dense_bias" in k for k in steps), [k for k in steps if "dense_bias" in k]
+    return _check(apply_fn, params, info, model, inputs)
+
+
+@pytest.mark.slow
+def test_a_parameter_the_attention_only_returns_takes_no_reduction():
+    """GPT-NeoX-Japanese's attention (rank-varying: its heads split) returns its
+    ``dense_bias`` beside its output, and the layer adds it to the residual stream after the
+    rowwise reduce: every rank already has its whole gradient.  The module tree alone reduced it
+    (twice the gradient, refused only by the probe); the dataflow pass sees it used with
+    replicated data only, and the plan is exact with the probe off."""
+    print(get_pool(2).run(case_returned_parameter)[0])

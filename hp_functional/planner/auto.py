@@ -409,7 +409,7 @@ class _Generator:
     def _rest(self, skip: list[str]) -> None:
         total = sum(p.numel() for p in self.model.parameters())
         for path, m in self.modules.items():
-            if path in self.entries or path in self.roles or any(inside(path, s) for s in skip):
+            if path in self.entries or path in self.roles or any(path == s or inside(path, s) for s in skip):
                 continue
             own = list(m.named_parameters(recurse=False))
             if not own or path in self.blocks:

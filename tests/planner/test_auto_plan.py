@@ -685,3 +685,14 @@ def test_a_linear_subclass_with_its_own_forward_is_not_split():
                         world_size=2)
     assert "table" not in plan.entries or plan.entries["table"] == hpf.NoParallel(), plan.entries
     assert not plan.coverage.planned.get("table.weight"), plan.coverage.planned
+
+
+def test_a_base_plans_parameters_are_listed_as_the_bases():
+    """``auto_plan(base=from_hf(model))`` keeps HF's entries and says so for each of their
+    parameters in the coverage table (it called q_proj's sharded weight "replicated" before)."""
+    model = build_hf("llama")
+    plan = hpf.simulate(look(model, base=hpf.ShardingPlan.from_hf(model)), world_size=2)
+    rows = {r.param: r for r in plan.coverage.rows}
+    for fqn in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert rows[fqn].role == "planned by the base plan" and rows[fqn].sharded, rows[fqn]
+    assert rows["model.norm.weight"].role == "norm (replicated)"

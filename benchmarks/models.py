@@ -271,8 +271,9 @@ EXPECT = [
     "",
     "- **Decoder LMs** with an HF `tp_plan`: HF's plan, entry for entry; `auto_plan` plans what it leaves out "
     "(nothing, for most). Without one: `auto_plan` by dataflow (GPT-2's `Conv1D`, OPT, BLOOM). Mixtures of experts "
-    "are found from their routing and left to `from_hf(ep_axis=...)` / `hpf.Experts`: HF's plans that leave experts "
-    "whole make the rows \"sharded little\".",
+    "are found from their routing; experts HF's plan leaves whole are planned expert parallel over the axis "
+    "(`hpf.Experts`) where they are fused or take the routing. Where `shard()` refuses what `auto_plan` added to "
+    "HF's plan, the row runs HF's plan alone (the `plan` column says `from_hf`), as a user would.",
     "- **Encoders** (BERT, RoBERTa, DeBERTa-v2, ELECTRA, ModernBERT): attention and MLP pairs are found across sibling "
     "modules (`attention.self` → `attention.output`); masked-LM heads are vocab-sharded with their tied bias.",
     "- **Encoder-decoders** (T5, BART, mBART, Marian, Whisper): one embedding table for encoder, decoder and head; "

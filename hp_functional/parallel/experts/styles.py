@@ -9,7 +9,8 @@ the experts, ``tokens="local"`` (``expert_mesh``) and capacity: see docs/experts
 
 from __future__ import annotations
 
-__all__ = ["Experts", "check_experts_entries", "expert_mesh", "expert_weights", "hf_ep_entries", "is_experts"]
+__all__ = ["Experts", "check_experts_entries", "expert_members", "expert_mesh", "expert_weights", "hf_ep_entries", "is_experts",
+           "not_per_expert"]
 
 import math
 import re

@@ -266,6 +266,16 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/analysis/test_audit_packed.py",),
              "only a view of leading (row) dims may land its division on an inner dim; one that regroups the "
              "features must cut whole heads"),
+    Mutation("per-expert-bias-left-whole", "hp_functional/parallel/experts/styles.py::expert_params",
+             "p.dim() >= 1 and p.shape[0] == n]", "p.dim() == 3 and p.shape[0] == n and '.' not in name]",
+             ("tests/parallel/test_experts_params.py",),
+             "every per-expert parameter of fused experts (stacked biases, a per-expert norm in a child) is sharded "
+             "with its experts, never indexed whole by local expert ids"),
+    Mutation("returned-parameter-reduced", "hp_functional/compile/regions.py::consumer_axes",
+             "own = set(analysis[module].varying) - unvarying if module in analysis else set()",
+             "own = set(analysis[module].varying) if module in analysis else set()",
+             ("tests/compile/test_gradient_proof.py::test_a_parameter_the_attention_only_returns_takes_no_reduction",),
+             "a parameter of a head-split module that is used only with replicated data gets no gradient reduction"),
     Mutation("pairs-span-the-residual-stream", "hp_functional/planner/blocks.py::_residual",
              "return is_norm(module) and", "return False and",
              ("tests/planner/test_auto_plan_architectures.py::test_architectures_are_exact",),

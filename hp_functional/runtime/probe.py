@@ -332,11 +332,30 @@ def _compare(loss: Tensor, ref: Tensor, grads: Mapping[str, Tensor], ref_grads: 
 def probe_copy_or_reason(model: nn.Module, seed: int, device: torch.device, marks: Mapping[str, str],
                          inputs: tuple[tuple, dict] | None = None) -> tuple[Reduced | None, str]:
     """``probe_copy``, or why the model cannot be copied and initialised for the probe; ``inputs``:
-    the batch it will be fed (its vocabulary is kept where an integer input indexes beyond ``PROBE_VOCAB``)."""
+    the batch it will be fed (its vocabulary is kept where an integer input indexes beyond
+    ``PROBE_VOCAB``, or where the shrunk copy does not take the batch: CPM-Ant offsets its ids by
+    the vocabulary size it was built with)."""
     try:
-        return probe_copy(model, seed, device, marks, PROBE_VOCAB if _fits_vocab(inputs, PROBE_VOCAB) else None), ""
+        if not _fits_vocab(inputs, PROBE_VOCAB):
+            return probe_copy(model, seed, device, marks, None), ""
+        copy = probe_copy(model, seed, device, marks, PROBE_VOCAB)
+        return (copy if inputs is None or _takes(copy.model, inputs, device)
+                else probe_copy(model, seed, device, marks, None)), ""
     except PlanError as exc:
         return None, f"no probe copy: {exc}"
     except Exception as exc:  # noqa: BLE001 - a model whose init cannot run privately: reported, not probed
         return None, f"no probe copy: {type(exc).__name__}: {str(exc)[:160]}"
 
+
+
+def _takes(model: nn.Module, inputs: tuple[tuple, dict], device: torch.device) -> bool:
+    """Whether ``model`` runs one forward on ``inputs`` (no gradients; meta inputs: assumed)."""
+    fed, _ = probe_inputs(inputs, device)
+    if fed is None:
+        return True
+    try:
+        with torch.no_grad():
+            model(*fed[0], **fed[1])
+    except Exception:  # noqa: BLE001 - any failure: the copy does not take this batch at its shrunk size
+        return False
+    return True

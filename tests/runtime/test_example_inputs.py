@@ -192,3 +192,30 @@ def test_the_probe_shrinks_the_token_table_the_model_names():
     twin = VL()
     shrink_vocab(twin, 128)
     assert (twin.pos.num_embeddings, twin.tokens.num_embeddings, twin.head.out_features) == (300, 128, 128)
+
+
+class OffsetIds(nn.Module):
+    """CPM-Ant's ids: offset by the vocabulary size the model was built with, so a copy whose table
+    the probe shrinks to 128 rows cannot take a batch whose ids are all below 128."""
+
+    def __init__(self, vocab: int = 300):
+        super().__init__()
+        self.offset = vocab - 64
+        self.tokens, self.up, self.down = nn.Embedding(vocab, 16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def get_input_embeddings(self):
+        return self.tokens
+
+    def forward(self, ids):
+        h = self.tokens(ids + self.offset)
+        return h + self.down(F.gelu(self.up(h)))
+
+
+def test_the_probe_keeps_the_vocabulary_where_the_shrunk_copy_does_not_take_the_batch():
+    torch.manual_seed(0)
+    model, ids = OffsetIds(), torch.randint(0, 64, (2, 5))
+    ref = _reference(model, ids)
+    plan = {"up": hpf.Colwise(), "down": hpf.Rowwise()}
+    for result in hpf.emulate(lambda mesh: _sharded(model, plan, ids, mesh, example_inputs=(ids,)), (2,), ("tp",)):
+        checks = _exact(result, ref, "offset ids")
+        assert checks["probe"] == "exact on the probe copy", checks  # not skipped for an index out of range

@@ -7,6 +7,8 @@ docs/auto-plan.md#head-counts-found-by-the-shape-audit.
 
 from __future__ import annotations
 
+import inspect
+
 __all__ = ["Block", "is_channel_conv", "is_norm", "is_projection", "out_features", "pair", "plan_block"]
 
 from collections.abc import Mapping
@@ -33,10 +35,22 @@ _NO_CALL = ModuleCall()
 
 
 def is_projection(module: nn.Module) -> bool:
-    """An ``nn.Linear`` computed by its own forward, or HF's ``Conv1D``.  A Linear subclass with a
-    forward of its own may read its weight otherwise (Ovis2.5's visual table: ``F.embedding(ids,
-    self.weight.T)`` looks rows up across the whole table), so no split of it can be assumed."""
-    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or is_conv1d(module)
+    """An ``nn.Linear`` (or a subclass whose forward takes its input alone: Falcon's ``input @
+    weight.T + bias``), or HF's ``Conv1D``.  A subclass whose forward takes more may read its
+    weight otherwise (Ovis2.5's visual table: ``forward(x, *, lookup)`` looks rows up across the
+    whole table with ``F.embedding(ids, self.weight.T)``), so no split of it can be assumed."""
+    if is_conv1d(module):
+        return True
+    if not isinstance(module, nn.Linear):
+        return False
+    forward = type(module).forward
+    if forward is nn.Linear.forward:
+        return True
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
 
 
 def is_channel_conv(module: nn.Module) -> bool:

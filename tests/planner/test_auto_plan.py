@@ -680,11 +680,31 @@ class WithVisualTable(nn.Module):
         return self.out(self.table(self.up(x).softmax(-1)) + self.table(ids, lookup=True))
 
 
+class PlainLinear(nn.Linear):
+    """Falcon's ``FalconLinear``: its own forward, of its input alone, computing the same map."""
+
+    def forward(self, input):
+        return input @ self.weight.T + self.bias
+
+
+class WithPlainLinears(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.embed, self.up, self.down = nn.Embedding(32, dim), PlainLinear(dim, 4 * dim), PlainLinear(4 * dim, dim)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return h + self.down(F.gelu(self.up(h)))
+
+
 def test_a_linear_subclass_with_its_own_forward_is_not_split():
+    """Unless that forward takes its input alone (Falcon's linears pair as any MLP's do)."""
     plan = hpf.simulate(look(WithVisualTable(), example_inputs=(torch.randn(2, 5, 16), torch.randint(0, 32, (2, 5)))),
                         world_size=2)
     assert "table" not in plan.entries or plan.entries["table"] == hpf.NoParallel(), plan.entries
     assert not plan.coverage.planned.get("table.weight"), plan.coverage.planned
+    plain = hpf.simulate(look(WithPlainLinears()), world_size=2)
+    assert plain.entries["up"] == hpf.Colwise() and plain.entries["down"] == hpf.Rowwise(), plain.entries
 
 
 def test_a_base_plans_parameters_are_listed_as_the_bases():

@@ -353,6 +353,7 @@ def _takes(model: nn.Module, inputs: tuple[tuple, dict], device: torch.device) -
     fed, _ = probe_inputs(inputs, device)
     if fed is None:
         return True
+    fed = tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, fed)  # a forward may write its inputs
     try:
         with torch.no_grad():
             model(*fed[0], **fed[1])

@@ -20,8 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from ..core.placement import splits
+from .copies import meta_copy, snapshot, to_meta
 from .packing import CONCATS, Packed, concatenated, permutation, slice_of, view_packing
-from .trace import TracedInt, _leaves, _plain, _snapshot, _to_meta, fake_mode, meta_copy
+from .trace import TracedInt, _leaves, _plain, fake_mode
 
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 CONTRACTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "mm", "linear", "scaled_dot_product_attention"}
@@ -209,7 +210,7 @@ def _record(module, args, kwargs, shapes, attrs, opaque, outputs, device: str) -
     ok = True
     try:
         with torch.no_grad(), rec:
-            twin(*_to_meta(_snapshot(tuple(args)), device), **_to_meta(_snapshot(dict(kwargs)), device))
+            twin(*to_meta(snapshot(tuple(args)), device), **to_meta(snapshot(dict(kwargs)), device))
     except Exception:  # noqa: BLE001 - the record says where it stopped
         ok = False
     finally:

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Partial, Shard
 from torch.overrides import TorchFunctionMode
 
-from ..analysis.trace import _leaves, _to_meta
+from ..analysis.copies import to_meta
+from ..analysis.trace import _leaves
 from ..core.errors import PlanError
 from ..core.lowering import Step
 from ..core.placement import ShardInfo, splits
@@ -157,7 +158,7 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
         stored = frozenset(a for a, p in zip(names, info.placements, strict=True) if splits(p))
         params.setdefault(id(prm), (name, stored))
     mode = _Taint(params, names)
-    args, kwargs = (inputs if real else (_to_meta(inputs[0]), _to_meta(inputs[1])))
+    args, kwargs = (inputs if real else (to_meta(inputs[0]), to_meta(inputs[1])))
     mode.set((args, kwargs), frozenset())
     modules = dict(twin.named_modules())
     hooked: dict[str, Boundary] = {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..analysis.trace import meta_copy
+from ..analysis.copies import meta_copy
 from ..core.paths import most_specific, path_matches
 from ..core.placement import ShardInfo
 from ..core.program import Boundary

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..analysis.audit import boundaries, divided, handoff, record_or_resize
-from ..analysis.trace import _snapshot, _to_meta, meta_copy
+from ..analysis.copies import meta_copy, snapshot, to_meta
 from ..core.collectives import AxisGroup
 from ..core.cp_layout import cp_positions
 from ..core.signature import arg_slots, map_arguments
@@ -152,7 +152,7 @@ def _doubled(obj):
 
 def _plain(args: tuple, kwargs: dict) -> Forward:
     """The twin called on meta copies of ``args`` and ``kwargs``."""
-    return lambda twin: twin(*_snapshot(_to_meta(args)), **_snapshot(_to_meta(kwargs)))
+    return lambda twin: twin(*snapshot(to_meta(args)), **snapshot(to_meta(kwargs)))
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class _SequenceRoot:
         labels, sequence = self.keys()
         kwargs = {k: v for k, v in kwargs.items() if k not in labels}
         sharded = bool(kwargs.pop("cp_sharded", False))
-        named = {k: v for k, v in _to_meta(_named(template, args, kwargs)).items() if k not in labels}
+        named = {k: v for k, v in to_meta(_named(template, args, kwargs)).items() if k not in labels}
         whole = dict(named)
         for k, d in sequence.items():
             if sharded and isinstance(t := named.get(k), Tensor) and t.dim():
@@ -196,7 +196,7 @@ class _SequenceRoot:
     def forward(self, named: dict, size: int, rank: int, sharded: bool) -> Forward:
         """The root's forward of the twin on ``named`` as rank ``rank`` of ``size`` on the axis."""
         axes = {self.axis: AxisGroup(self.axis, "", size, rank)}
-        return lambda twin: self.fn(twin, axes, cp_sharded=sharded, **_snapshot(named))
+        return lambda twin: self.fn(twin, axes, cp_sharded=sharded, **snapshot(named))
 
 
 def _sequence_root(program, sizes: Mapping[str, int]) -> _SequenceRoot | None:

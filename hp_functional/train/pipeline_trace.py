@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from ..analysis.trace import meta_copy
+from ..analysis.copies import meta_copy
 from ..core.errors import PlanError
 
 IDS = "input_ids"

@@ -213,25 +213,25 @@ class Experts(Style):
         return self if self.tp_axis is None or self.tp_axis in names else replace(self, tp_axis=None)
 
     def local(self, module: nn.Module, fqn: str, axis: str) -> Local:
-        """The ``Local`` this style is on ``module``."""
+        """The ``Local`` this style is on ``module``.  The tokens enter and leave it whole: with
+        ``tokens="replicated"`` its function splits them over ``ep`` itself (``split_to``/``gather_from``
+        with the last rank's chunk padded, so any token count works: one token per decoding step)."""
         members = [] if expert_weights(module) else expert_members(module)
         call = experts_call(module, self.call, fqn)
         fn = partial(_dispatch_call, axis=axis, fqn=fqn, stacked=len(members), capacity_factor=self.capacity_factor,
                      on_drop=self.on_drop, call=call, split=self.tokens != "local")
         tp = self.tp_axis
         whole = {axis: Replicate()}
-        tokens = whole if self.tokens == "local" else {axis: Shard(0)}
         if tp is not None:
-            tokens, whole = {**tokens, tp: Replicate()}, {**whole, tp: Replicate()}
+            whole = {**whole, tp: Replicate()}
         if members:
             params = {n: {axis: p} for n, p in _stacked_params(module, members).items()}
         else:
             layouts = call.tp_layouts(expert_params(module), fqn) if tp else {}
             params = {n: {axis: Shard(0), **({tp: layouts[n][0]} if tp else {})} for n in expert_params(module)}
         out = {**whole, tp: Partial()} if tp and self.tp_partial else whole
-        return Local(fn, in_src=dict.fromkeys(range(call.n_args), whole),
-                     in_dst={i: tokens if i in call.token_args else whole for i in range(call.n_args)},
-                     out_src={"output": {**tokens, **({tp: Partial()} if tp else {})}}, out_dst={"output": out},
+        return Local(fn, in_src=dict.fromkeys(range(call.n_args), whole), in_dst=dict.fromkeys(range(call.n_args), whole),
+                     out_src={"output": {**whole, **({tp: Partial()} if tp else {})}}, out_dst={"output": out},
                      params=params, setup=None if members else partial(_localise, axis=axis), axis=axis)
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
@@ -261,8 +261,10 @@ class Experts(Style):
         if self.tokens not in TOKENS:
             raise PlanError(f"{fqn}: Experts tokens must be one of {list(TOKENS)}, got {self.tokens!r}")
         spec = self.local(module, fqn, axis).spec(module, fqn, axis)
+        # invariant on ep: the tokens come back whole (split_to's backward gathers their gradient), or each rank's own
+        spec = replace(spec, varying=False)
         if self.tokens == "local":  # ep is a data axis here: per-rank compute, no reduction at the entry
-            spec = replace(spec, varying=False, region=None, summed_axes=(axis,))
+            spec = replace(spec, region=None, summed_axes=(axis,))
         if self.tp_axis is None:
             return spec
         layouts = experts_call(module, self.call, fqn).tp_layouts(expert_params(module), fqn)
@@ -277,13 +279,25 @@ class Experts(Style):
 
 def _dispatch_call(module: nn.Module, axes: Mapping[str, AxisGroup], *args: Tensor, axis: str, call: ExpertsCall,
                    split: bool, **kwargs) -> Tensor:
-    """``dispatch_combine`` on the routing ``call`` reads from the forward's arguments (this
-    rank's slice of the tokens when ``split``: the ep ranks hold the same tokens)."""
+    """``dispatch_combine`` on the routing ``call`` reads from the forward's arguments.  With
+    ``split`` (the ep ranks hold the same tokens) rank ``r`` routes tokens ``[r·c, (r+1)·c)`` of
+    the ``T`` (``c = ⌈T/ep⌉``, the last chunks shorter or empty), and the results are gathered back."""
     g = axes[axis]
-    n = args[call.token_args[0]].shape[0]
-    offset, total = (g.rank * n, n * g.size) if split else (0, n)
-    hidden, index, weights = call.routing(args, offset, total)
-    return dispatch_combine(module, axes, hidden, index, weights, axis=axis, call=call, **kwargs)
+    total = args[call.token_args[0]].shape[0]
+    if not split:
+        return dispatch_combine(module, axes, *call.routing(args, 0, total), axis=axis, call=call, **kwargs)
+    chunk = -(-total // g.size)
+    start, rows = min(g.rank * chunk, total), max(0, min(chunk, total - g.rank * chunk))
+    mine = list(args)
+    for i in call.token_args:  # this rank's chunk; split_to's backward gathers every chunk's gradient back
+        mine[i] = C.split_to(_padded(args[i], chunk * g.size), 0, g)[:rows]
+    out = dispatch_combine(module, axes, *call.routing(tuple(mine), start, total), axis=axis, call=call, **kwargs)
+    return C.gather_from(_padded(out, chunk), 0, g)[:total]
+
+
+def _padded(x: Tensor, rows: int) -> Tensor:
+    """``x`` with zero rows appended up to ``rows`` along dim 0."""
+    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
 #: Hugging Face ``ep_plan`` strings: the experts module's style, or a parameter the style shards.

@@ -96,6 +96,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .train.dcp import Loaded as Loaded, SaveHandle as SaveHandle, latest as latest, load as load, save as save
     from .train.export import export_hf as export_hf
     from .train.fsdp import fsdp as fsdp
+    from .train.generate import generate as generate
     from .train.module import as_module as as_module
     from .train.pipeline import (
         Stage as Stage,
@@ -173,6 +174,7 @@ _LAZY: dict[str, str] = {
     "clip_per_example": ".train.clip_per_example",
     "reduce_gradients": ".train.data_parallel",
     "fsdp": ".train.fsdp",
+    "generate": ".train.generate",
     "as_module": ".train.module",
     "gpipe": ".train.pipeline_fn",
     "explain_stage": ".tools.explain_stage",

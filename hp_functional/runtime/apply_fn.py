@@ -12,9 +12,10 @@ from __future__ import annotations
 
 __all__ = ["ApplyFn", "ThreadGuard", "make_apply_fn"]
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -40,7 +41,8 @@ class ApplyFn:
     recompute, ``shard(remat=...)``; ``checkpointed`` is its earlier name, a FutureWarning),
     ``runtime`` (what a transform rebuilds from: ``runtime.shard.Runtime``), ``fsdp``
     (``hpf.fsdp``'s layout) and ``transforms``: what made it, in the order applied — ``"shard"``,
-    then at most one ``"fsdp"`` (the one composition order; ``then`` refuses another)."""
+    then at most one ``"fsdp"`` (the one composition order; ``then`` refuses another).
+    ``binder``: what ``bound`` runs (None where a transform's leaves cannot be bound once)."""
 
     call: Callable
     program: Program
@@ -50,13 +52,15 @@ class ApplyFn:
     runtime: object | None = None
     fsdp: object | None = None
     transforms: tuple[str, ...] = ("shard",)
+    binder: Callable[[Mapping[str, Tensor]], contextlib.AbstractContextManager[nn.Module]] | None = None
 
     def __init__(self, call: Callable, program: Program, buffer_slots: BufferSlots,
                  input_check: InputAgreement | None = None, remat_blocks: Mapping[str, object] | None = None,
-                 runtime: object | None = None, fsdp: object | None = None, transforms: tuple[str, ...] = ("shard",)):
+                 runtime: object | None = None, fsdp: object | None = None, transforms: tuple[str, ...] = ("shard",),
+                 binder: Callable | None = None):
         for name, value in (("call", call), ("program", program), ("buffer_slots", buffer_slots),
                             ("input_check", input_check), ("remat_blocks", {} if remat_blocks is None else remat_blocks),
-                            ("runtime", runtime), ("fsdp", fsdp), ("transforms", transforms)):
+                            ("runtime", runtime), ("fsdp", fsdp), ("transforms", transforms), ("binder", binder)):
             object.__setattr__(self, name, value)
 
     @property
@@ -72,6 +76,18 @@ class ApplyFn:
             return rng.call(self, params, *args, **kwargs)
         return self.call(params, *args, **kwargs)
 
+    def bound(self, params: Mapping[str, Tensor]) -> contextlib.AbstractContextManager[nn.Module]:
+        """``with apply_fn.bound(params) as module:`` the private skeleton with ``params`` converted and
+        bound once, for many forwards of ``module`` (or of its methods: ``module.generate``) until the
+        block ends; each forward's boundaries still communicate, and the per-call conversion cache is
+        emptied after each root forward.  No input agreement runs: the caller agrees once
+        (``hpf.generate``).  Not for a transform's apply_fn whose leaves are gathered per call
+        (``hpf.fsdp``): a ``PlanError`` says so."""
+        if self.binder is None:
+            raise PlanError(f"apply_fn.bound: this apply_fn ({' + '.join(self.transforms)}) binds its leaves per call; "
+                            "bind the apply_fn that hpf.shard() returned")
+        return self.binder(params)
+
     def then(self, transform: str, call: Callable, **fields) -> ApplyFn:
         """A new ``ApplyFn`` over ``call`` with ``transform`` recorded after this one's (and
         ``fields`` replaced); ``PlanError`` for a transform applied twice."""
@@ -79,6 +95,62 @@ class ApplyFn:
             raise PlanError(f"{transform}: apply_fn is already {' + '.join(self.transforms)}; apply {transform} once, "
                             "to the apply_fn that hpf.shard() returned")
         return replace(self, call=call, transforms=(*self.transforms, transform), **fields)
+
+
+class _Leaves:
+    """How one params pytree goes into a skeleton, laid out once by ``make_apply_fn``: the keys and
+    local shapes it must have, each leaf's conversions (one by one, or bucketed ``copy_to``), and
+    the (submodule ``_parameters`` dict, name, placeholder) slots it is bound to."""
+
+    def __init__(self, skeleton: nn.Module, program: Program, local_shapes: Mapping[str, torch.Size] | None):
+        self.keys = tuple(program.infos)
+        self.key_set = frozenset(self.keys)
+        self.shapes = tuple(torch.Size((local_shapes or {}).get(k, program.infos[k].local_shape)) for k in self.keys)
+        self.steps = tuple(tuple(program.param_steps.get(k, ())) for k in self.keys)
+        index = {k: i for i, k in enumerate(self.keys)}
+        slots = []  # (leaf index, the owning skeleton module's _parameters, attribute name, placeholder)
+        for fqn, key in program.leaf_of.items():
+            mod, _, name = fqn.rpartition(".")
+            store = skeleton.get_submodule(mod)._parameters
+            slots.append((index[key], store, name, store[name]))
+        self.slots = tuple(slots)
+        self.bucketed = tuple((tuple(index[k] for k in b.keys), b.buckets, tuple(program.groups[a] for a in b.axes))
+                              for b in program.param_buckets)
+        in_bucket = {i for idx, _, _ in self.bucketed for i in idx}
+        self.converted = tuple(i for i, s in enumerate(self.steps) if s and i not in in_bucket)
+        self.devices = frozenset({program.mesh.device_type, "meta"})  # meta: shapes only (explain, simulate)
+
+    def values(self, params: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        """``params``' leaves in key order, or a PlanError naming the key, shape or device that is off."""
+        keys, shapes = self.keys, self.shapes
+        values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, self.key_set)
+        if tuple(v.shape for v in values) != shapes:
+            _raise_shape(values, keys, shapes)
+        if not {v.device.type for v in values} <= self.devices:
+            _raise_device(values, keys, self.devices)
+        return values
+
+    def convert(self, values: tuple[Tensor, ...]) -> Sequence[Tensor]:
+        """Every leaf through its conversions (the ``copy_to``-only ones: one all-reduce per bucket backward)."""
+        if not (self.converted or self.bucketed):
+            return values
+        values = list(values)
+        for i in self.converted:
+            for step in self.steps[i]:
+                values[i] = step(values[i])
+        for idx, buckets, groups in self.bucketed:
+            for i, v in zip(idx, copy_to_many([values[i] for i in idx], buckets, groups), strict=True):
+                values[i] = v
+        return values
+
+    def bind(self, values: Sequence[Tensor]) -> None:
+        for i, store, name, _ in self.slots:
+            store[name] = values[i]
+
+    def unbind(self) -> None:
+        """The placeholders back: the skeleton never keeps the caller's tensors alive."""
+        for _, store, name, placeholder in self.slots:
+            store[name] = placeholder
 
 
 def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache | None = None,
@@ -98,23 +170,9 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     (or without ``rebuild``) only the building thread may call (``ThreadGuard``).  The inputs are agreed (``runtime.inputs``)
     just before the call's first collective, so every local check of the call raises before it: the
     check is handed to the collectives in the groups they communicate over (``PendingCheck.arm``
-    on the program's axes and ``axes``), and taken back when the call ends."""
-    keys = tuple(program.infos)
-    key_set = frozenset(keys)
-    shapes = tuple(torch.Size((local_shapes or {}).get(k, program.infos[k].local_shape)) for k in keys)
-    steps = tuple(tuple(program.param_steps.get(k, ())) for k in keys)
-    index = {k: i for i, k in enumerate(keys)}
-    slots = []  # (leaf index, the owning skeleton module's _parameters, attribute name, placeholder)
-    for fqn, key in program.leaf_of.items():
-        mod, _, name = fqn.rpartition(".")
-        store = skeleton.get_submodule(mod)._parameters
-        slots.append((index[key], store, name, store[name]))
-    slots = tuple(slots)
-    bucketed = tuple((tuple(index[k] for k in b.keys), b.buckets, tuple(program.groups[a] for a in b.axes))
-                     for b in program.param_buckets)
-    in_bucket = {i for idx, _, _ in bucketed for i in idx}
-    converted = tuple(i for i, s in enumerate(steps) if s and i not in in_bucket)
-    devices = frozenset({program.mesh.device_type, "meta"})  # meta: shapes only (explain, simulate)
+    on the program's axes and ``axes``), and taken back when the call ends.  ``bound(params)``
+    (``ApplyFn.bound``) binds once for many forwards of the skeleton itself (``hpf.generate``)."""
+    leaves = _Leaves(skeleton, program, local_shapes)
     owner = threading.get_ident()
     guard = ThreadGuard(program.mesh.size(), "apply_fn") if program.mesh.size() > 1 or rebuild is None else None
     mine = threading.local()  # another thread's own apply_fn (one-rank meshes)
@@ -122,35 +180,29 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     armed = (*program.groups.values(), *axes)  # where the input agreement waits for the call's first collective
     buffer_slots = BufferSlots(skeleton, program.mesh)
 
+    def elsewhere() -> ApplyFn | None:
+        """This thread's own apply_fn where the call comes from another thread than the owner's."""
+        if torch.compiler.is_compiling() or threading.get_ident() == owner:
+            return None
+        if guard is not None:
+            guard.refuse()
+        private = getattr(mine, "apply_fn", None)
+        if private is None:
+            private = mine.apply_fn = rebuild()
+        return private
+
     def apply_fn(params: Mapping[str, Tensor], *args, buffers: Mapping[str, Tensor] | None = None, **kwargs):
-        if not torch.compiler.is_compiling() and threading.get_ident() != owner:
-            if guard is not None:
-                guard.refuse()
-            private = getattr(mine, "apply_fn", None)
-            if private is None:
-                private = mine.apply_fn = rebuild()
+        private = elsewhere()
+        if private is not None:
             return private(params, *args, buffers=buffers, **kwargs)
-        values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, key_set)
-        if tuple(v.shape for v in values) != shapes:
-            _raise_shape(values, keys, shapes)
-        if not {v.device.type for v in values} <= devices:
-            _raise_device(values, keys, devices)
-        state = None if buffers is None else buffer_slots.check(buffers, devices)
+        values = leaves.values(params)
+        state = None if buffers is None else buffer_slots.check(buffers, leaves.devices)
         pending = saved = None
         if agreement is not None and not torch.compiler.is_compiling():
             check = agreement.pending(args, kwargs)
             pending = None if check is None else PendingCheck(check).arm(armed)  # runs before the first collective
         try:
-            if converted or bucketed:
-                values = list(values)
-                for i in converted:
-                    for step in steps[i]:
-                        values[i] = step(values[i])
-                for idx, buckets, groups in bucketed:  # copy_to-only conversions: one all-reduce per bucket
-                    for i, v in zip(idx, copy_to_many([values[i] for i in idx], buckets, groups), strict=True):
-                        values[i] = v
-            for i, store, name, _ in slots:
-                store[name] = values[i]
+            leaves.bind(leaves.convert(values))
             if state is not None:
                 saved = buffer_slots.bind(state)
             out = skeleton(*args, **kwargs)
@@ -166,15 +218,33 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
         finally:  # the skeleton never keeps the caller's tensors alive
             if pending is not None:
                 pending.disarm(armed)
-            for _, store, name, placeholder in slots:
-                store[name] = placeholder
+            leaves.unbind()
             if saved:
                 buffer_slots.restore(saved)
             if cache:
                 cache.clear()
         return out
 
-    return ApplyFn(apply_fn, program, buffer_slots, agreement)
+    @contextlib.contextmanager
+    def bound(params: Mapping[str, Tensor]) -> Iterator[nn.Module]:
+        private = elsewhere()
+        if private is not None:
+            with private.bound(params) as module:
+                yield module
+            return
+        values = leaves.values(params)
+        clear = skeleton.register_forward_hook(lambda *_: cache.clear(), always_call=True) if cache is not None else None
+        try:
+            leaves.bind(leaves.convert(values))
+            yield skeleton
+        finally:
+            if clear is not None:
+                clear.remove()
+            leaves.unbind()
+            if cache:
+                cache.clear()
+
+    return ApplyFn(apply_fn, program, buffer_slots, agreement, binder=bound)
 
 
 class ThreadGuard:

@@ -114,16 +114,18 @@ class InputAgreement:
                 return None
         return lambda: self.check(args, kwargs, key)
 
-    def check(self, args: tuple, kwargs: dict, key=None) -> None:
+    def check(self, args: tuple, kwargs: dict, key=None, *, values: bool | None = None) -> None:
         """Raise ``InputMismatchError`` on every rank of an axis whose ranks were given different
         inputs (every tensor argument's shape and dtype, every plain scalar's value, by argument;
-        with ``values`` a checksum of every tensor too); ``key``: the signature to remember once agreed."""
+        with ``values`` — default ``self.values`` — a checksum of every tensor too); ``key``: the
+        signature to remember once agreed."""
+        values = self.values if values is None else values
         described: list[tuple[str, str]] = []
         for i, a in enumerate(args):
             _describe(a, f"argument {self.names[i]!r}" if i < len(self.names) else f"positional argument {i}",
-                      self.values, described)
+                      values, described)
         for k, v in kwargs.items():
-            _describe(v, f"argument {k!r}", self.values, described)
+            _describe(v, f"argument {k!r}", values, described)
         payload = json.dumps(sorted(described)).encode()  # keyword order is not part of the input
         for axis, group in self.axes:
             everyone = _exchange(group, payload, axis)

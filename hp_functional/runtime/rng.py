@@ -202,7 +202,7 @@ class Rng(TorchFunctionMode):
 
     @staticmethod
     def _recomputed(apply_fn) -> tuple[str, ...]:
-        blocks = tuple(getattr(apply_fn, "checkpointed", None) or ())
+        blocks = tuple(getattr(apply_fn, "remat_blocks", None) or ())
         layout = getattr(apply_fn, "fsdp", None)
         if layout is not None and layout.reshard_after_forward and (
                 torch._C._functorch.maybe_current_level() is not None or torch.compiler.is_compiling()):

@@ -198,6 +198,32 @@ def _normal(args, kwargs):
     return Draw("normal", shape, refused), run
 
 
+def _multinomial_stub(input, num_samples, replacement=False, *, generator=None, out=None):
+    """``torch.multinomial``'s signature."""
+
+
+def _multinomial(args, kwargs):
+    """``multinomial`` (what sampling in ``generate()`` draws with): one uniform per sample by inverse
+    CDF where the samples are independent (``num_samples == 1`` or ``replacement``), else the
+    Gumbel top-k over one uniform per category (sampling without replacement).  Categories of zero
+    probability are never drawn."""
+    probs, n, replacement, *_ = _bind(_multinomial_stub, args, kwargs)
+    refused = _no_generator("multinomial", kwargs)
+    by_cdf = n == 1 or bool(replacement)
+    shape = (*probs.shape[:-1], n) if by_cdf else tuple(probs.shape)
+
+    def run(src: Source):
+        weights = probs.detach().double()
+        u = src.uniform(torch.float64, probs.device)
+        if not by_cdf:  # Gumbel top-k: argsort of log p - log(-log u), the first n
+            return (weights.log() - (-u.clamp_min(1e-300).log()).log()).topk(n, dim=-1).indices
+        cdf = weights.cumsum(-1)
+        drawn = torch.searchsorted(cdf, (u * cdf[..., -1:]).contiguous(), right=True)
+        last = (weights > 0).long().cumsum(-1).argmax(-1, keepdim=True)  # the last category that can be drawn
+        return torch.minimum(drawn, last)
+    return Draw("multinomial", shape, refused), run
+
+
 def _refuse(name: str, when: Callable[[tuple, dict], bool] | None = None) -> Handler:
     def handler(args, kwargs):
         if when is not None and not when(args, kwargs):
@@ -230,13 +256,15 @@ _HANDLERS: dict[object, Handler] = {
     torch.bernoulli: _bernoulli,
     Tensor.bernoulli: _bernoulli,
     torch.normal: _normal,
+    torch.multinomial: _multinomial,
+    Tensor.multinomial: _multinomial,
     **{f: _refuse(n, _training(d)) for f, n, d in (
         (F.dropout1d, "dropout1d", True), (F.dropout2d, "dropout2d", True), (F.dropout3d, "dropout3d", True),
         (F.alpha_dropout, "alpha_dropout", False), (F.feature_alpha_dropout, "feature_alpha_dropout", False))},
     F.rrelu: _refuse("rrelu", lambda a, k: bool(a[3] if len(a) > 3 else k.get("training", False))),
     **{f: _refuse(n) for f, n in (
         (torch.randint, "randint"), (torch.randint_like, "randint_like"), (torch.randperm, "randperm"),
-        (torch.multinomial, "multinomial"), (Tensor.multinomial, "multinomial"), (torch.poisson, "poisson"),
+        (torch.poisson, "poisson"),
         (Tensor.random_, "random_"), (Tensor.exponential_, "exponential_"), (Tensor.cauchy_, "cauchy_"),
         (Tensor.log_normal_, "log_normal_"), (Tensor.geometric_, "geometric_"), (torch.rrelu, "rrelu"),
         (torch.alpha_dropout, "alpha_dropout"), (torch.feature_dropout, "feature_dropout"),

@@ -262,7 +262,7 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
     new_params = {k: _rows(params[k], infos[k]) for k in keys}
     call = _fsdp_apply(inner, layout, infos)
     out = apply_fn.then("fsdp", call, fsdp=layout, program=inner.program, buffer_slots=inner.buffer_slots,
-                        input_check=inner.input_check, remat_blocks=inner.remat_blocks)
+                        input_check=inner.input_check, remat_blocks=inner.remat_blocks, binder=None)
     return out, new_params, infos
 
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ..core.errors import PlanError
+from .generate import generate
 
 
 class _Node(nn.Module):
@@ -81,6 +82,11 @@ class FunctionalModule(nn.Module):
                     "not hpf.to_dtensor(...)"
                 )
         return self._apply_fn(values, *args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """Hugging Face's ``generate()`` on the sharded model: ``hpf.generate(apply_fn, self.params(), ...)``
+        (train/generate.py; the same tokens as the unsharded model's ``eval()`` then ``generate()``)."""
+        return generate(self._apply_fn, self.params(), *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"{len(self._slots)} parameters"

@@ -83,6 +83,29 @@ def test_rng_unsharded_module_is_deterministic_and_seeded():
     assert set(y.unique().tolist()) == {0.0, 2.0}
 
 
+def test_multinomial_draws_each_category_at_its_probability():
+    """``multinomial`` under ``hpf.rng``: the frequencies follow the probabilities (inverse CDF, and
+    the Gumbel top-k without replacement), a zero-probability category is never drawn, the draws
+    are the seed's (the same again, others for another seed), and rows draw apart."""
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.0, 0.7], dtype=torch.float64)
+    rows = probs.expand(40000, 5)
+    with hpf.rng(1):
+        once = torch.multinomial(rows, 1)[:, 0]
+        pairs = rows[:4000].multinomial(2)
+    with hpf.rng(1):
+        again = torch.multinomial(rows.float(), 1)[:, 0]
+    with hpf.rng(2):
+        other = torch.multinomial(rows, 1)[:, 0]
+    freq = torch.bincount(once, minlength=5).double() / len(once)
+    assert (freq - probs).abs().max() < 0.01, freq
+    assert torch.equal(once, again) and not torch.equal(once, other)
+    assert (pairs[:, 0] != pairs[:, 1]).all() and not torch.isin(pairs, torch.tensor([1, 3])).any()
+    first = torch.bincount(pairs[:, 0], minlength=5).double() / len(pairs)  # the first draw is a plain draw
+    assert (first - probs).abs().max() < 0.03, first
+    with hpf.rng(1):
+        assert "generator=" in raised(torch.multinomial, probs, 1, generator=torch.Generator())[1]
+
+
 # ---------------------------------------------------------------- gaussian_like at every layout
 def case_gaussian_layouts(state, world: int):
     """Noise drawn on the shards and gathered equals the noise of the whole tensors: TP (vocab-parallel

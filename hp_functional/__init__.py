@@ -106,6 +106,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
         sum_tied as sum_tied,
     )
     from .train.pipeline_fn import gpipe as gpipe
+    from .train.reshard import reshard as reshard
 
 #: public name -> the submodule (relative to this package) that defines it.
 _LAZY: dict[str, str] = {
@@ -177,6 +178,7 @@ _LAZY: dict[str, str] = {
     "generate": ".train.generate",
     "as_module": ".train.module",
     "gpipe": ".train.pipeline_fn",
+    "reshard": ".train.reshard",
     "explain_stage": ".tools.explain_stage",
     "StageExplanation": ".tools.explain_stage",
     "Stage": ".train.pipeline",

@@ -70,3 +70,21 @@ def test_jvp_objective_and_hvp_through_fsdp_times_tp():
 
     for d in get_pool(4).run(case_jvp_example):
         assert d["value"] < 1e-5 and d["grad"] < 1e-4 and d["hvp"] < 1e-4, d
+
+
+def case_grpo_example():
+    """examples/grpo.py's loop in the rank pool: sampling at TP (dp replicas), training at FSDP x TP, resharded in memory."""
+    from tests.support.helpers import mesh
+
+    return _example("grpo").train(mesh((2, 2), ("dp", "tp")))
+
+
+@pytest.mark.slow
+def test_grpo_example_equals_the_loop_on_one_device():
+    """3 GRPO iterations at dp 2 x tp 2: every sampled token and the parameters after them equal the same
+    loop on the unsharded model (model.generate under the same hpf.rng streams, torch.optim.AdamW)."""
+    from tests.conftest import get_pool
+
+    for out in get_pool(4).run(case_grpo_example):
+        assert out["tokens_equal"] and out["param_diff"] < 1e-3, out
+        assert len(out["mean_reward"]) == 3

@@ -64,6 +64,27 @@ def test_gaussian_like_whole_tensors_and_bad_input():
     assert "no ShardInfo" in raised(hpf.gaussian_like, params, {}, 1.0, 0)[1]
 
 
+def _independent(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The correlation of two draws (about N(0, 1/n) for independent ones); asserts it is near 0."""
+    a, b = a.double().flatten(), b.double().flatten()
+    r = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+    assert abs(r) < 6 / a.numel() ** 0.5, r  # six standard errors
+    return r
+
+
+def test_gaussian_like_same_shaped_leaves_draw_their_own_noise():
+    """Each leaf's noise is its own stream (DP-SGD's independence across parameters): leaves of one
+    shape, dtype and std (a layer's q/k/v, two layers' norms) get uncorrelated noise, and a leaf's
+    noise depends on its own name only (the same drawn alone or among others)."""
+    shapes = {"q.weight": (64, 64), "k.weight": (64, 64), "v.weight": (64, 64), "a.norm": (4096,), "b.norm": (4096,)}
+    out = hpf.gaussian_like({k: torch.zeros(s) for k, s in shapes.items()}, None, 1.0, seed=7)
+    for x, y in (("q.weight", "k.weight"), ("q.weight", "v.weight"), ("k.weight", "v.weight"), ("a.norm", "b.norm"),
+                 ("q.weight", "a.norm")):
+        _independent(out[x], out[y])
+    for k, s in shapes.items():
+        assert torch.equal(hpf.gaussian_like({k: torch.zeros(s)}, None, 1.0, seed=7)[k], out[k]), k
+
+
 def test_rng_unsharded_module_is_deterministic_and_seeded():
     state = make_hf_state("phi3", **PHI3)
     model = build_hf("phi3", state, **PHI3).train()
@@ -81,6 +102,28 @@ def test_rng_unsharded_module_is_deterministic_and_seeded():
         assert "randperm is not covered" in raised(torch.randperm, 4)[1]
         assert "generator=" in raised(torch.rand, 3, generator=torch.Generator())[1]
     assert set(y.unique().tolist()) == {0.0, 2.0}
+
+
+def test_rng_random_ops_of_one_forward_draw_apart():
+    """The k-th random op of a block reads its own stream: two dropouts of one shape in one forward
+    (two ``nn.Dropout`` of a block, attention and residual) draw independent masks, so do two
+    ``randn`` of one shape; the block drawn again draws the same values."""
+    x = torch.ones(64, 64)
+
+    def draws():
+        return (torch.nn.functional.dropout(x, 0.5), torch.nn.Dropout(0.5)(x), torch.randn(64, 64),
+                torch.randn(64, 64))
+
+    with hpf.rng(3):
+        first, second, z1, z2 = draws()
+    assert set(first.unique().tolist()) == set(second.unique().tolist()) == {0.0, 2.0}
+    agree = (first == second).double().mean().item()  # 1/2 for independent masks of p = 1/2
+    assert abs(agree - 0.5) < 6 * 0.5 / 64, agree
+    _independent(first, second)
+    _independent(z1, z2)
+    with hpf.rng(3):
+        again = draws()
+    assert all(torch.equal(a, b) for a, b in zip(again, (first, second, z1, z2), strict=True))
 
 
 def test_multinomial_draws_each_category_at_its_probability():

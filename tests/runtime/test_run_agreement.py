@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import hp_functional as hpf
 from hp_functional.runtime import inputs
 from tests.conftest import get_pool
-from tests.support.helpers import mesh, rank
+from tests.support.helpers import assert_close, mesh, rank
 from tests.support.models import build_llama, make_llama_state
 
 
@@ -96,6 +96,49 @@ def test_inputs_that_differ_across_tp_ranks_raise_on_every_rank():
         assert out["values_on"].startswith("InputMismatchError") and "values crc" in out["values_on"], out["values_on"]
         assert out["values_same"] is None and out["env"].startswith("InputMismatchError"), out
         assert out["after"] == 0
+
+
+class ScaledMLP(torch.nn.Module):
+    """A colwise/rowwise pair whose forward takes a plain float."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x, scale: float = 1.0):
+        return self.down(torch.relu(self.up(x)) * scale)
+
+
+def test_scalar_arguments_that_differ_across_tp_ranks_raise_on_every_rank():
+    """A plain float is compared by value, not by type: after a call with the same ``scale`` everywhere
+    (its signature agreed and remembered), ranks passing different floats, each new to its rank
+    (positionally, by keyword, an int against a float), raise ``InputMismatchError`` on every rank
+    naming the argument and each rank's value; equal scalars still give the unsharded output.
+    (A rank repeating an agreed signature while another's is new: ``case_cached_versus_new``.)"""
+    torch.manual_seed(0)
+    model, x = ScaledMLP(), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    ref = model(x, 0.5)
+
+    def rank(m):
+        apply_fn, params, _ = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, verify=False)
+        r = m.get_local_rank("tp")
+        out = {"agreed": apply_fn(params, x, 0.5)}
+        out["positional"] = _error(apply_fn, params, x, [0.25, 0.75][r])
+        out["keyword"] = _error(apply_fn, params, x, scale=[0.25, 0.75][r])
+        out["int"] = _error(apply_fn, params, x, scale=[1, 2.0][r])
+        out["after"] = apply_fn(params, x, scale=0.5)
+        return out
+
+    for out in hpf.emulate(rank, (2,), ("tp",), timeout=120):
+        for case in ("positional", "keyword", "int"):
+            error = out[case]
+            assert error is not None and error.startswith("InputMismatchError"), (case, error)
+            assert "argument 'scale'" in error and "mesh axis 'tp'" in error, (case, error)
+        for case in ("positional", "keyword"):
+            assert "value 0.25 on ranks [0]" in out[case] and "value 0.75 on ranks [1]" in out[case], out[case]
+        assert "value 1 on ranks [0]" in out["int"] and "value 2.0 on ranks [1]" in out["int"], out["int"]
+        assert_close(out["agreed"], ref, "output")
+        assert_close(out["after"], ref, "output after the refusals")
 
 
 # ------------------------------------------------------------------ gradients' structure

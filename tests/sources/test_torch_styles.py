@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+from torch.func import grad_and_value
 
 import hp_functional as hpf
 from tests.support.helpers import assert_close, mesh, world
@@ -309,3 +310,59 @@ def case_loss_parallel(state):
 
 def test_loss_parallel_head_from_torch(pool):
     print(pool.run(case_loss_parallel, make_llama_state())[0])
+
+
+# ---------------------------------------------------------------- head counts under PrepareModuleInput
+class HeadCountAttention(nn.Module):
+    """Attention that reshapes by its head-count attribute, as DeepSeek MLA's
+    ``k_pe.expand(-1, -1, self.n_heads, -1)``: a shared per-position key part broadcast to every head."""
+
+    def __init__(self, dim: int = 16, n_heads: int = 4):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim) for _ in range(4))
+        self.wk_pe = nn.Linear(dim, self.head_dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        k = k + self.wk_pe(x)[:, None].expand(-1, self.n_heads, -1, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class HeadCountNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.attn, self.head = nn.Embedding(32, 16), HeadCountAttention(), nn.Linear(16, 32)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.head(x + self.attn(x)).square().mean()
+
+
+def test_prepare_module_input_localises_the_head_counts():
+    """torch's ``PrepareModuleInput`` over an attention that reshapes by ``self.n_heads``: under torch
+    the module sees global DTensors, here local shards, so ``from_torch`` divides the head counts
+    (``n_heads``, not ``head_dim``) in the skeleton; loss and every gradient at tp 2 equal the
+    unsharded model's, and the user's module keeps its own count."""
+    torch.manual_seed(0)
+    model = HeadCountNet()
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = model(ids)
+    ref.backward()
+    ref_grads = {k: p.grad for k, p in model.named_parameters()}
+    plan = hpf.ShardingPlan.from_torch({
+        "attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+        **{f"attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}, "attn.wo": RowwiseParallel()})
+
+    def rank(m):
+        apply_fn, params, info = hpf.shard(model, plan, m, verify=False)
+        grads, loss = grad_and_value(lambda p: apply_fn(p, ids))(params)
+        return loss, hpf.unshard(grads, info)
+
+    for loss, grads in hpf.emulate(rank, (2,), ("tp",)):
+        assert_close(loss, ref.detach(), "loss")
+        for k, g in ref_grads.items():
+            assert_close(grads[k], g, f"grad {k}")
+    assert model.attn.n_heads == 4

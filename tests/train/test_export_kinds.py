@@ -118,3 +118,32 @@ def test_export_hf_round_trips_packed_tied_and_expert_parameters(kind, tmp_path)
     kinds = results[0]["kinds"]
     assert kinds["packed" if kind == "packed" else "tied" if kind.startswith("tied") else "experts"], kinds
     assert all(r["layouts differ"] > 0 for r in results), "layout B must differ from layout A"
+
+
+def test_export_hf_dtype_casts_every_floating_tensor_and_nothing_else(tmp_path):
+    """``export_hf(dtype=torch.bfloat16)`` writes what ``model.to(torch.bfloat16).state_dict()`` holds:
+    every floating tensor cast (matrices, biases, norm weights, floating buffers such as BatchNorm's
+    running statistics), integer buffers (``num_batches_tracked``) as they are; TP-sharded at tp 2."""
+    import copy
+
+    import hp_functional as hpf
+    from tests.support.models import BufferNet
+
+    torch.manual_seed(0)
+    model = BufferNet()
+    with torch.no_grad():
+        model.norm.running_mean.uniform_(-1, 1)
+        model.norm.num_batches_tracked.fill_(7)
+    expected = copy.deepcopy(model).to(torch.bfloat16).state_dict()
+    assert {t.dtype for t in expected.values()} == {torch.bfloat16, torch.int64}
+    out = tmp_path / "export"
+
+    def rank(m):
+        _, params, info = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, verify=False)
+        hpf.export_hf(params, info, model, out, dtype=torch.bfloat16)
+
+    hpf.emulate(rank, (2,), ("tp",))
+    files = _files(str(out))
+    assert set(files) == set(expected), sorted(set(files) ^ set(expected))
+    for k, t in expected.items():
+        assert files[k].dtype == t.dtype and torch.equal(files[k], t), (k, files[k].dtype, t.dtype)

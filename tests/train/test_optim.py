@@ -125,6 +125,25 @@ def test_sgd_equals_torch(kw):
         assert state.momentum == {}
 
 
+def test_sgd_mask_equals_param_groups_on_llama_names():
+    """sgd's weight-decay mask against torch.optim.SGD with a decay and a no-decay param group
+    (momentum, Nesterov): decay_mask(), a list of names and a callable say the same, and the
+    unmasked sgd differs (every leaf decays)."""
+    params = make_params(LLAMA_SHAPES)
+    no_decay = [k for k in params if "norm" in k or k.endswith("bias")]
+    decay = [k for k in params if k not in no_decay]
+    grads = make_grads(params, steps=5)
+    kw = {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}
+    theirs, _, _ = run_torch(params, grads, [(decay, {}), (no_decay, {"weight_decay": 0.0})], torch.optim.SGD,
+                             lr=1e-1, **kw)
+    for mask in (hpf.optim.decay_mask(), decay, lambda fqn: fqn in decay):
+        ours, _ = run_ours(hpf.optim.sgd(1e-1, mask=mask, **kw), params, grads)
+        assert_histories(ours, theirs, f"sgd mask {mask!r}")
+    ours, _ = run_ours(hpf.optim.sgd(1e-1, **kw), params, grads)
+    with pytest.raises(AssertionError):
+        assert_same(ours[-1], theirs[-1], "unmasked")
+
+
 def test_schedules_equal_torch():
     """A schedule is evaluated at the index of the update being taken (0 first): the same as setting
     the group's lr before each torch step, and as LambdaLR before each scheduler.step()."""

@@ -95,6 +95,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .train.data_parallel import reduce_gradients as reduce_gradients
     from .train.dcp import Loaded as Loaded, SaveHandle as SaveHandle, latest as latest, load as load, save as save
     from .train.export import export_hf as export_hf
+    from .train.export_peft import export_peft as export_peft
     from .train.fsdp import fsdp as fsdp
     from .train.generate import generate as generate
     from .train.module import as_module as as_module
@@ -166,6 +167,7 @@ _LAZY: dict[str, str] = {
     "rng": ".runtime.rng",
     "Rng": ".runtime.rng",
     "export_hf": ".train.export",
+    "export_peft": ".train.export_peft",
     "save": ".train.dcp",
     "load": ".train.dcp",
     "latest": ".train.dcp",

@@ -19,6 +19,7 @@ from ..core.errors import PlanError
 from ..core.placement import GroupedShard
 from ..core.program import Planned
 from ..core.style import ModuleSpec
+from ..sources.peft import projection_of
 
 KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
 QUERY_COUNTS = ("num_heads", "n_heads", "num_attention_heads", "n_head")
@@ -103,7 +104,7 @@ def replicate_kv_heads(
         spec, n = specs[p.fqn], groups[p.axis].size
         if not p.fqn or not _is_colwise(p.module, spec, p.axis):
             continue
-        parent_fqn = p.fqn.rpartition(".")[0]
+        parent_fqn = projection_of(p.fqn, modules).rpartition(".")[0]  # a LoRA layer's pieces: its attention
         parent = modules[parent_fqn]
         _, heads = _count(parent, QUERY_COUNTS)
         kv_attr, kv = _kv_count(parent, heads)

@@ -29,6 +29,7 @@ from ..core.style import ModuleSpec
 from ..parallel.tensor.plugin import loss_head
 from ..parallel.tensor.styles import SequenceParallel
 from ..plan.plan import ShardingPlan
+from ..sources.peft import lora_view
 from .lint_heads import audit_regions
 
 
@@ -84,9 +85,10 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
     entries = {p.fqn for p in planned}  # with an entry, even one whose style failed
     head = loss_head(plan, model) if plan.settings.get("loss_parallel") else None
     modules = dict(model.named_modules(remove_duplicate=False))
-    parents = {fqn.rpartition(".")[0] for fqn, m in modules.items() if isinstance(m, nn.Linear) and fqn in by_fqn}
+    view, seen, seen_specs, seen_entries = lora_view(modules, by_fqn, specs, dict.fromkeys(entries))  # LoRA: its base
+    parents = {fqn.rpartition(".")[0] for fqn, m in view.items() if isinstance(m, nn.Linear) and fqn in seen}
     for parent in sorted(parents):
-        findings += _siblings(_Family(parent, modules, by_fqn, specs, head, mesh, entries))
+        findings += _siblings(_Family(parent, view, seen, seen_specs, head, mesh, set(seen_entries)))
     findings += _sequence_parallel(by_fqn, specs)
     out_head = getattr(model, "get_output_embeddings", lambda: None)()
     skip = {head, *(f for f, m in modules.items() if out_head is not None and m is out_head)} - {None}

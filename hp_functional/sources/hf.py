@@ -5,6 +5,8 @@ naming the style and the module.
 (``transformers/distributed/tensor_parallel.py``): parameter entries, ``unit_colwise``,
 ``mla_kv_a_proj``, entries that match nothing; ``tp_experts`` plans the routed experts HF leaves
 whole on a mesh without ``ep``.  See docs/whole-transformers.md#hf-plans-as-transformers-applies-them.
+A peft model is planned through ``sources.peft``: the HF model's plan under peft's prefix, the
+entries on LoRA layers moved onto their base layers and adapters (docs/adapters.md).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..parallel.context.styles import attention_patterns
 from ..parallel.experts.styles import expert_weights, hf_ep_entries, is_experts
 from ..parallel.tensor.styles import Colwise, NoParallel, Rowwise, SequenceParallel
 from ..parallel.tensor.vocab import VocabEmbedding
+from .peft import lora_entries, peft_model_prefix
 
 #: HF styles of a parameter entry (``LocalParams``).
 PARAM_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate")
@@ -188,7 +191,26 @@ def hf_plan(model: nn.Module, *, tp_axis: str, loss_parallel: bool, cp_axis: str
     """``ShardingPlan.from_hf``'s keyword arguments for ``ShardingPlan``: the entries a Hugging Face
     model declares, read as transformers applies them (``hf_entries``), the experts' entries
     (``parallel.experts``) and, with ``cp_axis``, the style of the parallelism in ``parallelisms``
-    that offers ``cp_strategy`` on every attention module."""
+    that offers ``cp_strategy`` on every attention module.  A peft ``PeftModel``: those of the HF
+    model inside it, under its prefix; entries on LoRA layers go to their base layers and adapters
+    (``sources.peft``)."""
+    prefix = peft_model_prefix(model)
+    inner = model.get_submodule(prefix[:-1]) if prefix else model
+    kwargs = _model_plan(inner, tp_axis=tp_axis, loss_parallel=loss_parallel, cp_axis=cp_axis, cp_strategy=cp_strategy,
+                         cp_layout=cp_layout, ep_axis=ep_axis, ep_tokens=ep_tokens, parallelisms=parallelisms)
+    entries = {prefix + k: v for k, v in kwargs["entries"].items()}
+    return dict(kwargs, entries=lora_entries(model, entries, _as_style),
+                unplanned={prefix + k: why for k, why in kwargs["unplanned"].items()})
+
+
+def _as_style(value: object) -> object:
+    """An entry's value as the plan reads it: HF's style strings looked up, anything else as it is."""
+    return HF_STYLES.get(value, value) if isinstance(value, str) else value
+
+
+def _model_plan(model: nn.Module, *, tp_axis: str, loss_parallel: bool, cp_axis: str | None, cp_strategy: str,
+                cp_layout: str, ep_axis: str | None, ep_tokens: str, parallelisms: tuple) -> dict[str, object]:
+    """``hf_plan`` of a Hugging Face model itself (paths relative to it)."""
     raw = dict(getattr(model, "_tp_plan", None) or {})
     prefix = getattr(model, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""

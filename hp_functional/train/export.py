@@ -14,7 +14,7 @@ writer (a full disk) raises on every rank instead of leaving them waiting.  An e
 
 from __future__ import annotations
 
-__all__ = ["export_hf"]
+__all__ = ["agree_writer", "export_hf", "parse_size"]
 
 import copy
 import json
@@ -105,21 +105,21 @@ def export_hf(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
     writer = _Writer(out, len(buckets) + bool(buffers), dtype) if dist.get_rank() == int(mesh.mesh.min()) else None
     if writer is not None:
         writer.run(writer.prepare)
-    _agree_writer(writer.error if writer else None, mesh)
+    agree_writer(writer.error if writer else None, mesh)
     for i, full in enumerate(iter_full(params, shard_info, buckets)):  # the others gather with it, even after a failure
         if writer is not None and writer.error is None:
             writer.run(writer.write, i, {_stored_name(k, shard_info[k], model): t for k, t in full.items()})
         del full
     if writer is not None and writer.error is None:
         writer.run(writer.finish, buffers, model)
-    _agree_writer(writer.error if writer else None, mesh)
+    agree_writer(writer.error if writer else None, mesh)
     return out
 
 
 class _Writer:
     """The mesh's first rank's side of an export: the parts into ``<out>.hpf-partial``, then the
     index, configs and manifest, then the rename onto ``out``.  A failure is kept (``error``), not
-    raised, until every rank has heard of it (``_agree_writer``)."""
+    raised, until every rank has heard of it (``agree_writer``)."""
 
     def __init__(self, out: Path, parts: int, dtype: torch.dtype | None):
         self.out, self.parts, self.dtype = out, parts, dtype
@@ -160,15 +160,16 @@ class _Writer:
         replace_dir(self.tmp, self.out, MANIFEST, "export", "export_hf")
 
 
-def _agree_writer(error: Exception | None, mesh) -> None:
+def agree_writer(error: Exception | None, mesh, where: str = "export_hf") -> None:
     """Every rank of ``mesh`` learns whether the writer failed (one object gather, also the
-    barrier): the writer raises its own error, every other rank a ``CheckpointError`` naming it."""
+    barrier): the writer raises its own error, every other rank a ``CheckpointError`` naming it
+    (``where``: the exporting function, for the message)."""
     reports = gather_objects(None if error is None else f"{type(error).__name__}: {error}", mesh)
     failed = next((r for r in reports if r is not None), None)
     if error is not None:
         raise error
     if failed is not None:
-        raise CheckpointError(f"export_hf: the writing rank failed, nothing was exported: {failed}")
+        raise CheckpointError(f"{where}: the writing rank failed, nothing was exported: {failed}")
 
 
 def _write_configs(model: nn.Module, folder: Path, dtype: torch.dtype | None) -> None:

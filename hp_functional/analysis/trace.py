@@ -17,6 +17,7 @@ __all__ = [
 import contextlib
 import inspect
 import logging
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -248,26 +249,29 @@ class ModelTrace:
 REAL_TRACE_BYTES = 1 << 30
 
 
-def trace_model(model: nn.Module, inputs: tuple[tuple, dict]) -> ModelTrace:
+def trace_model(model: nn.Module, inputs: tuple[tuple, dict], entry: str = "") -> ModelTrace:
     """One forward of a meta copy of ``model`` on ``inputs`` (``(args, kwargs)``, moved to meta)
-    with the recording described in docs/auto-plan.md#the-trace.  Code that refuses meta tensors (flex
+    with the recording described in docs/auto-plan.md#the-trace; ``entry``: what of the copy to
+    call instead of its forward, by attribute path (a submodule, ``"model.visual"``, or a method,
+    ``"get_image_features"``: a tower the example batch did not reach, ``analysis.towers``), its
+    modules recorded under their paths in ``model``.  Code that refuses meta tensors (flex
     attention checks the device) is traced again on fake CPU tensors (``FakeTensorMode``: shapes
     and devices, no storage, nothing computed).  Code whose control flow reads values
     (``lengths.max().item()``, ``mask.nonzero()``) is traced last on a CPU copy with values (the
     model's own, zeros for meta ones), when its parameters and buffers take at most
     ``REAL_TRACE_BYTES``; the meta error is raised if every trace fails."""
     try:
-        return _trace(model, inputs, "meta")
+        return _trace(model, inputs, "meta", entry=entry)
     except Exception as meta_error:
         if "meta" in str(meta_error):  # a refusal of the meta device: fake tensors may run
             try:
                 with fake_mode(True) as device:
-                    return _trace(model, inputs, device)
+                    return _trace(model, inputs, device, entry=entry)
             except Exception:  # noqa: BLE001 - the meta failure is the one to report
                 pass
         if _nbytes(model) <= REAL_TRACE_BYTES:
             try:
-                return _trace(model, inputs, "cpu", values=True)
+                return _trace(model, inputs, "cpu", values=True, entry=entry)
             except Exception:  # noqa: BLE001 - the meta failure is the one to report
                 pass
         raise meta_error from None
@@ -300,7 +304,8 @@ def fake_mode(fake: bool):
         log.setLevel(level)
 
 
-def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str, values: bool = False) -> ModelTrace:
+def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str, values: bool = False,
+           entry: str = "") -> ModelTrace:
     twin = meta_copy(model, device=device, values=values)
     for path, m in twin.named_modules():
         for attr, value in list(vars(m).items()):
@@ -350,8 +355,9 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str, values: bo
             m.forward = _stand_in_on_routed_failure(m.forward, path, tracer, calls)
     args, kwargs = to_meta(inputs[0], device, values), to_meta(inputs[1], device, values)
     tracer.tag((args, kwargs), frozenset({INPUT}))
+    run = operator.attrgetter(entry)(twin) if entry else twin
     with torch.no_grad(), tracer:
-        output = twin(*args, **kwargs)
+        output = run(*args, **kwargs)
     for h in handles:
         h.remove()
     return ModelTrace(calls, tracer.shape_calls, output, tracer.assumed, tracer.routes, tracer.dispatch)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..analysis.towers import trace_towers
 from ..analysis.trace import INPUT, ModelTrace, example_call, trace_model
 from ..core.errors import PlanError
 from ..core.paths import path_matches
@@ -77,7 +78,11 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
         raise PlanError(f"auto_plan: one forward of {type(model).__name__} on meta tensors failed ({type(exc).__name__}: "
                         f"{exc}); pass example_inputs=(...) that its forward takes") from exc
     covered = _covered(model, base)
+    towers: list[str] = []
+    if not sequence_parallel:  # SP shards one stack of layers: a tower's blocks would be a second one
+        trace, towers = trace_towers(model, trace, covered)
     g = _Generator(model, trace, n, tp_axis, allow_uncovered, covered, split_convolutions)
+    g.notes += towers
     g.run(sequence_parallel)
     merge_overrides(g.entries, g.roles, overrides, model)
     paths = [p for p, _ in model.named_modules()]
@@ -85,11 +90,13 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, tp_axis: str = "tp", sequen
     if base is None:
         cov = coverage(model, g.entries, g.roles, g.special, g.param_roles, tp_axis)
         return AutoPlan(collapse(g.entries, paths), {"tp": tp_axis}, coverage=cov, notes=tuple(g.notes),
-                        settings={"loss_parallel": loss_parallel}, special_handlers=collapse(g.special, params))
+                        settings={"loss_parallel": loss_parallel}, special_handlers=collapse(g.special, params),
+                        example_inputs=example_inputs)
     kept = _base_entries(model, base, tp_axis)
     g.roles.update(dict.fromkeys(covered, "planned by the base plan"))
     cov = coverage(model, {**g.entries, **kept}, g.roles, g.special, g.param_roles, tp_axis)
     return AutoPlan({**base.entries, **collapse(g.entries, paths)}, base.axes, coverage=cov, notes=tuple(g.notes),
+                    example_inputs=example_inputs,
                     settings={**base.settings, "loss_parallel": loss_parallel or base.settings.get("loss_parallel", False)},
                     special_handlers={**base.special_handlers, **collapse(g.special, params)}, handlers=base.handlers,
                     optional_roles=base.optional_roles, unplanned=base.unplanned, parallelisms=base.parallelisms)

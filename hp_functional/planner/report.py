@@ -132,17 +132,20 @@ def _role(roles: Mapping[str, str], path: str) -> str:
 @dataclass(frozen=True, eq=False, init=False)
 class AutoPlan(ShardingPlan):
     """The ``ShardingPlan`` ``auto_plan`` returns: a plan like any other, plus ``coverage`` (every
-    parameter, planned or replicated, and why) and ``notes`` (decisions worth reading: gathered
-    blocks, uncovered modules)."""
+    parameter, planned or replicated, and why), ``notes`` (decisions worth reading: gathered
+    blocks, uncovered modules) and ``example_inputs`` (the batch it was given, which ``shard()``
+    traces and probes when it is given none)."""
 
     coverage: Coverage
     notes: tuple[str, ...] = ()
+    example_inputs: object = None
 
     def __init__(self, entries: Mapping[str, Style], axes: Mapping[str, str] | None = None, *, coverage: Coverage,
-                 notes: tuple[str, ...] = (), **rest: object) -> None:
+                 notes: tuple[str, ...] = (), example_inputs: object = None, **rest: object) -> None:
         super().__init__(entries, axes, **rest)
         object.__setattr__(self, "coverage", coverage)
         object.__setattr__(self, "notes", tuple(notes))
+        object.__setattr__(self, "example_inputs", example_inputs)
 
     def explain(self) -> str:
         """The plan's entries, the notes and the coverage table, as text."""

@@ -31,7 +31,7 @@ from ..core.style import ModuleSpec
 from ..parallel.tensor.channels import CONVS
 from ..parallel.tensor.styles import is_conv1d
 from .reduced_copy import Reduced, plan_marks, reduced_copy
-from .regions import Varying, is_below
+from .regions import Varying, consumer_axes, is_below
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,35 @@ class Dataflow:
     unvarying: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
-def synthesize_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
-    """A tiny batch for a model that starts with an embedding (``input_ids`` [1, 8], or the first
-    positional argument), else None."""
-    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
-    if not isinstance(first, nn.Embedding):
-        return None
-    ids = torch.zeros(1, 8, dtype=torch.long)
+#: the first layers whose input ``synthesize_inputs`` can make: features of this width on the last dim
+_FEATURES = (nn.Linear, nn.LayerNorm, nn.RMSNorm)
+
+
+def synthesize_inputs(model: nn.Module, rows: int = 1, length: int = 8,
+                      generator: torch.Generator | None = None) -> tuple[tuple, dict] | None:
+    """A tiny batch the model's first layer takes — the first module with parameters, past the
+    root's own (CLIP's ``logit_scale``) — else None: token ids ``[rows, length]`` for an
+    ``nn.Embedding`` (``input_ids``, or the first positional argument; an encoder-decoder's
+    ``decoder_input_ids`` the same ids, and ``labels`` with ``generator``), features
+    ``[rows, length, width]`` for a ``Linear``/``LayerNorm``/``RMSNorm`` (``inputs_embeds`` where the
+    forward takes it: a pipeline stage after the first; else the first positional argument).  Zeros
+    without ``generator`` (a meta trace needs shapes), else random values."""
+    first = next((m for name, m in model.named_modules() if name and any(True for _ in m.parameters(recurse=False))),
+                 None)
     params = inspect.signature(model.forward).parameters
-    return ((), {"input_ids": ids}) if "input_ids" in params else ((ids,), {})
+    if isinstance(first, nn.Embedding):
+        ids = torch.zeros(rows, length, dtype=torch.long) if generator is None else \
+            torch.randint(0, first.num_embeddings, (rows, length), generator=generator)
+        if "input_ids" not in params:
+            return (ids,), {}
+        batch = {"input_ids": ids, **({"decoder_input_ids": ids} if "decoder_input_ids" in params else {})}
+        return (), {**batch, **({"labels": ids} if generator is not None and "labels" in params else {})}
+    if isinstance(first, _FEATURES) and params:
+        width = first.in_features if isinstance(first, nn.Linear) else first.normalized_shape[-1]
+        x = torch.zeros(rows, length, width) if generator is None else torch.randn(rows, length, width, generator=generator)
+        x = x.to(next(first.parameters()).dtype)
+        return ((), {"inputs_embeds": x}) if "inputs_embeds" in params else ((x,), {})
+    return None
 
 
 class _Taint(TorchFunctionMode):
@@ -147,7 +167,7 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     probe copy) instead of a meta copy."""
     inputs = inputs or synthesize_inputs(model)
     if inputs is None:
-        return Dataflow({}, f"{type(model).__name__} does not start with an embedding: no batch to trace")
+        return Dataflow({}, f"{type(model).__name__} does not start with an embedding or a linear layer: no batch to trace")
     reduced = Reduced(model, {}) if real else reduced_copy(model, plan_marks(boundaries, infos, leaf_of))
     twin = reduced.model
     names = list(axes)
@@ -178,7 +198,7 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
             h.remove()
     varying = {leaf_of[o]: v for k, v in mode.varying.items() for o in reduced.names.get(k, [k])}
     invariant = {leaf_of[o]: v for k, v in mode.invariant.items() for o in reduced.names.get(k, [k])}
-    mixed = {k: (v & invariant.get(k, set())) - covered.get(k, set()) for k, v in varying.items()}
+    mixed = _mixed_uses(varying, invariant, covered, leaf_of, analysis)
     for key, both in mixed.items():
         if both:
             raise PlanError(f"parameter {key} is used both with data that differs per rank and with data that does not "
@@ -187,6 +207,26 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
                             "sharded region")
     unvarying = {k: frozenset((covered[k] & invariant[k]) - varying.get(k, set())) for k in covered if k in invariant}
     return Dataflow({k: frozenset(v) for k, v in varying.items() if v}, unvarying={k: v for k, v in unvarying.items() if v})
+
+
+def _mixed_uses(varying: Mapping[str, set[str]], invariant: Mapping[str, set[str]], covered: Mapping[str, set[str]],
+                leaf_of: Mapping[str, str], analysis: Mapping[str, Varying]) -> dict[str, set[str]]:
+    """Leaf → the axes on which it is used both with data that varies and with data that does not,
+    where no conversion can give both uses their gradient: those the module tree does not decide
+    (``covered``), and those it decides only from the module's own rank-varying compute outside any
+    region (a head-split module's parameter: the trace's verdict, ``Dataflow.unvarying``, decides
+    there, and a use on each side needs the reduction for one and not for the other).  Inside a
+    region every value's gradient is a per-rank share, whatever data it meets."""
+    out = {}
+    for key, v in varying.items():
+        both = v & invariant.get(key, set())
+        decided = both & covered.get(key, set())
+        if decided:  # rare: only then look for the leaf's modules
+            owners = {n.rpartition(".")[0] for n, leaf in leaf_of.items() if leaf == key}
+            decided -= set().union(*(consumer_axes(o, analysis) - consumer_axes(o, analysis, frozenset(decided))
+                                     for o in owners))
+        out[key] = both - decided
+    return out
 
 
 def _reduced_path(fqn: str, reduced: Reduced) -> str | None:
@@ -222,7 +262,11 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
     (invariant on an axis it is gathered or reduced over, varying on one it is split over);
     everything inside varies on the module's ``data_axes``; each output leaves invariant on an
     axis where the boundary reduces or gathers it, varying where it splits it, else as computed."""
-    ins = {k: (_invariant_after(st), _split_after(st)) for k, st in b.in_steps.items()}
+    # each argument: the axes it arrives split on (``in_src``: each rank was handed its share), then the
+    # axes its steps make it invariant on, and those they split it over
+    ins = {k: (frozenset(a for a, p in b.spec.in_src.get(k, {}).items() if splits(p)),
+               _invariant_after(b.in_steps.get(k, ())), _split_after(b.in_steps.get(k, ())))
+           for k in {*b.in_steps, *b.spec.in_src}}
     out_steps = [s for steps in b.out_steps.values() for s in steps]
     reduced, split_out = _invariant_after(out_steps), _split_after(out_steps)
 
@@ -235,12 +279,14 @@ def _hooks(module: nn.Module, b: Boundary, v: Varying, mode: _Taint) -> tuple:
             kind = mode._kind(t)
             if kind is None:
                 return t
+            arrived, invariant, split = ins[slot.key]
             alias = t.view_as(t)  # parameter-derived: converted at the boundary all the same
             mode.keep.append(alias)
-            mode.derived[id(alias)] = (kind[0], (kind[1] - ins[slot.key][0]) | ins[slot.key][1])
+            mode.derived[id(alias)] = (kind[0], (kind[1] - invariant) | split)
             return alias
+        arrived, invariant, split = ins[slot.key]
         alias = t.view_as(t)
-        mode.set(alias, (mode.data[id(t)] - ins[slot.key][0]) | ins[slot.key][1])
+        mode.set(alias, ((mode.data[id(t)] | arrived) - invariant) | split)
         return alias
 
     def pre(_module, args, kwargs):

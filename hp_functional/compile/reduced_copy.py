@@ -40,12 +40,13 @@ class Reduced:
 
 def block_kind(block: nn.Module, marks: Mapping[str, str] = {}) -> tuple:  # read only
     """What makes two blocks of a stack compute differently: their module structure (classes,
-    parameter shapes), the layer-type attributes hybrid models branch on, and how the plan treats
-    them (``marks``: path relative to the block → the style or placement the plan gives it)."""
+    parameter shapes), the layer-type attributes hybrid models branch on (on the block or any module
+    in it), and how the plan treats them (``marks``: path relative to the block → the style or placement the plan gives it)."""
     layout = tuple((n, type(m).__name__, tuple((k, tuple(p.shape)) for k, p in m._parameters.items() if p is not None))
                    for n, m in block.named_modules())
     planned = tuple(sorted(marks.items()))
-    return (layout, planned, *(str(getattr(block, a, None)) for a in ("attention_type", "layer_type", "is_sliding")))
+    kinds = ("attention_type", "layer_type", "is_sliding", "sliding_window")  # on the block or in it (Gemma 3's attention)
+    return (layout, planned, *(str(getattr(m, a, None)) for m in block.modules() for a in kinds))
 
 
 def plan_marks(boundaries: Sequence[Boundary], infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str]) -> dict[str, str]:
@@ -95,11 +96,57 @@ def reduced_copy(model: nn.Module, marks: Mapping[str, str] | None = None) -> Re
             renames.append((f"{path}.{i}" if path else str(i), tuple(f"{path}.{k}" if path else k for k in keys)))
         owner, _, attr = path.rpartition(".")
         setattr(twin.get_submodule(owner), attr, new)
+        if isinstance(container, nn.ModuleList):
+            _renumber(twin, path, [int(keys[0]) for keys in kept], len(container))
     names = {}
     for name, _ in twin.named_parameters(remove_duplicate=False):
         match = next(((prefix, originals) for prefix, originals in renames if name.startswith(prefix + ".")), None)
         names[name] = [o + name[len(match[0]):] for o in match[1]] if match else [name]
     return Reduced(twin, names, tuple(renames))
+
+
+#: config fields that count a stack's blocks
+_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "encoder_layers",
+           "decoder_layers", "depth")
+#: a block's attributes that hold its index in the stack
+_INDEX = ("layer_idx", "layer_id", "layer_index", "layer_number")
+
+
+def _renumber(twin: nn.Module, path: str, kept: list[int], total: int) -> None:
+    """Keep the config of the stack at ``path`` in step with the blocks kept (``kept``: their original
+    indices, of ``total``): its block count, every per-layer list (``layer_types``, ``mlp_layer_types``,
+    ...: a list or string of ``total`` entries whose name says layer, block or pattern) cut to the
+    kept entries, every list of layer indices mapped to the kept ones, and each kept block's own
+    index attributes renumbered — the model's forward zips them with its layers and resolves
+    ``hidden_states`` indices by its config's count.  The copy's config is its own (``meta_copy``)."""
+    config = next((c for c in _configs_above(twin, path) if any(getattr(c, n, None) == total for n in _COUNTS)), None)
+    if config is not None:
+        for name, value in list(vars(config).items()):
+            if name in _COUNTS and value == total:
+                setattr(config, name, len(kept))
+            elif isinstance(value, (list, tuple, str)) and len(value) == total and \
+                    any(w in name for w in ("layer", "block", "pattern")):
+                cut = [value[k] for k in kept]
+                setattr(config, name, "".join(cut) if isinstance(value, str) else type(value)(cut))
+            elif isinstance(value, (list, tuple)) and value and "layer" in name and \
+                    all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < total for v in value):
+                setattr(config, name, type(value)(i for i, k in enumerate(kept) if k in value))
+    container = twin.get_submodule(path)
+    for i, (k, block) in enumerate(zip(kept, container, strict=True)):
+        for module in block.modules():
+            for attr in _INDEX:
+                if getattr(module, attr, None) == k and not isinstance(getattr(module, attr), bool):
+                    setattr(module, attr, i)
+
+
+def _configs_above(twin: nn.Module, path: str) -> list:
+    """The configs of the modules enclosing ``path``, nearest first (each module's ``config``)."""
+    parts, found = path.split("."), []
+    for n in range(len(parts), -1, -1):
+        config = getattr(twin.get_submodule(".".join(parts[:n])), "config", None)
+        if config is not None and hasattr(config, "to_dict") and all(config is not c for c in found):
+            found.append(config)
+    return found
 
 
 def reduced_plan(plan: ShardingPlan, model: nn.Module, reduced: Reduced, axes: Sequence[str]) -> ShardingPlan:

@@ -15,13 +15,12 @@ from __future__ import annotations
 __all__ = ["PROBE_CACHE", "ProbeCache", "probe_copy_or_reason", "probe_inputs", "probe_key", "probe_varying_uses",
            "run_probe"]
 
-import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..compile.agree import checksum
 from ..compile.build import varying_uses
@@ -31,6 +30,8 @@ from ..compile.reduced_copy import Reduced, reduced_copy
 from ..core.errors import PlanError
 from ..core.facets import SummedOver
 from ..core.gather import unshard
+from ..core.placement import splits
+from ..core.signature import arg_slots
 from .loss import scalar_loss
 from .weights import recompute_buffers
 
@@ -203,23 +204,13 @@ def probe_varying_uses(probe: Reduced, plan, mesh, inputs: tuple[tuple, dict] | 
 
 
 def _batch(model: nn.Module, mesh) -> tuple[tuple, dict] | None:
-    """A tiny batch the model's forward takes (ids long enough for every context-parallel layout)."""
-    inputs = synthesize_inputs(model)
+    """A tiny random batch the model's first layer takes (``compile.dataflow.synthesize_inputs``),
+    its sequence long enough for every context-parallel layout, on the copy's device."""
+    inputs = synthesize_inputs(model, rows=2, length=8 * mesh.size(), generator=torch.Generator().manual_seed(0))
     if inputs is None:
         return None
-    seq = 8 * mesh.size()
-    ids = torch.randint(0, _vocab(model), (2, seq), generator=torch.Generator().manual_seed(0))
-    params = inspect.signature(model.forward).parameters
-    batch = {"input_ids": ids} if "input_ids" in params else {next(iter(params)): ids}
-    if "labels" in params:
-        batch["labels"] = ids
     device = next(model.parameters()).device
-    return (), {k: v.to(device) for k, v in batch.items()}
-
-
-def _vocab(model: nn.Module) -> int:
-    emb = next(m for m in model.modules() if isinstance(m, nn.Embedding))
-    return emb.num_embeddings
+    return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, inputs)
 
 
 def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[str, frozenset[str]] | None,
@@ -236,31 +227,54 @@ def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[s
 
 def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) -> str:
     model = probe.model
-    given = inputs is not None
-    batch = inputs if given else _batch(model, mesh)
+    batch = inputs if inputs is not None else _batch(model, mesh)
+    which = "example_inputs" if inputs is not None else "synthesized batch"
     if batch is None:
-        return (f"{type(model).__name__} does not start with an embedding: no batch to probe with "
+        return (f"{type(model).__name__} does not start with an embedding or a linear layer: no batch to probe with "
                 "(shard(..., example_inputs=...) gives one)")
-    args, kwargs = batch
-    which = "example_inputs" if given else "synthesized batch"
-    no_backward = None  # why the unsharded model cannot be differentiated here, if it cannot
-    try:
-        ref_out = model(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the model itself does not take this batch (a pipeline stage's view)
-        try:  # or only not with gradients (flex attention on the CPU)
-            with torch.no_grad():
-                ref_out = model(*args, **kwargs)
-            no_backward = exc
-        except Exception:  # noqa: BLE001
-            return f"skipped: the model does not take the {which} ({type(exc).__name__}: {str(exc)[:120]})"
+    reference = _reference(model, batch, which)
+    if isinstance(reference, str):
+        return reference
+    ref_out, no_backward, calls = reference
     # a non-HF model's CP root computes the loss from the labels argument it declares
     declared = plan.settings.get("cp_inputs") if plan.axes.get("cp") is not None else None
-    first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
+    first = next((x for x in tree_flatten(batch)[0] if isinstance(x, Tensor)), None)
     labels = {declared.labels: first} if declared is not None else {}
     apply_fn, params, info = shard_fn(model, plan, mesh, varying)
+    args, kwargs = _laid_out(batch, apply_fn.program, calls, mesh)
+    out = _sharded_run(apply_fn, params, args, {**kwargs, **labels}, no_backward is None, which)
+    if isinstance(out, str):
+        return out
+    if declared is not None:
+        loss, ref = out[1], declared.reference_loss(ref_out, *labels.values())
+    elif getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
+        return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
+    else:
+        loss, ref = scalar_loss(out), scalar_loss(ref_out)
+    return _compare_all(model, probe, mesh, (loss, ref), params, info, no_backward)
+
+
+def _reference(model: nn.Module, batch: tuple[tuple, dict], which: str):
+    """The unsharded copy's output on ``batch``, why it has no backward here (None: it has one) and
+    where each planned-to-be module met a tensor of the batch (``_Calls``); or why it does not run."""
+    args, kwargs = batch
+    calls = _Calls(model, batch)
     try:
-        with torch.set_grad_enabled(no_backward is None):
-            out = apply_fn(params, *args, **kwargs, **labels)
+        with calls:
+            return model(*args, **kwargs), None, calls
+    except Exception as exc:  # noqa: BLE001 - the model itself does not take this batch (a pipeline stage's view)
+        try:  # or only not with gradients (flex attention on the CPU)
+            with torch.no_grad(), calls:
+                return model(*args, **kwargs), exc, calls
+        except Exception:  # noqa: BLE001
+            return f"skipped: the model does not take the {which} ({type(exc).__name__}: {str(exc)[:120]})"
+
+
+def _sharded_run(apply_fn, params, args: tuple, kwargs: dict, grad: bool, which: str):
+    """``apply_fn``'s output on this rank's part of the batch, or why the plan refuses it."""
+    try:
+        with torch.set_grad_enabled(grad):
+            return apply_fn(params, *args, **kwargs)
     except PlanError as exc:  # a refusal of this batch (raised alike on every rank, before any collective)
         return f"skipped: the plan refuses the probe's {which} ({str(exc).splitlines()[0][:160]})"
     except Exception as exc:  # the unsharded copy ran this batch: the plan is what cannot run
@@ -268,12 +282,12 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) 
                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); a shape the "
                         "plan gives some module is not one its forward accepts (shard(..., verify=False) skips this "
                         "check; docs/guarantees.md#exact-or-refused)") from exc
-    if declared is not None:
-        loss, ref = out[1], declared.reference_loss(ref_out, *labels.values())
-    elif getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
-        return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
-    else:
-        loss, ref = scalar_loss(out), scalar_loss(ref_out)
+
+
+def _compare_all(model: nn.Module, probe: Reduced, mesh, losses: tuple[Tensor, Tensor], params, info,
+                 no_backward: Exception | None) -> str:
+    """The losses and every gradient compared (``_compare``); "" when they were, else what was not."""
+    loss, ref = losses
     keys = [k for k, v in params.items() if v.requires_grad]
     ref_grads = {}
     if no_backward is None:
@@ -295,6 +309,57 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) 
             full[k] = full[k] / mesh.size(mesh.mesh_dim_names.index(axis))
     _compare(loss.detach(), ref.detach(), full, ref_grads, probe.names)
     return ""
+
+
+class _Calls:
+    """Which of the batch's tensors each module of ``model`` was handed, by argument (position or
+    name), recorded by forward pre-hooks while the context is open (the first call of each module)."""
+
+    def __init__(self, model: nn.Module, batch: tuple[tuple, dict]):
+        self.model = model
+        self.leaves = {id(x): i for i, x in enumerate(tree_flatten(batch)[0]) if isinstance(x, Tensor)}
+        self.seen: dict[str, dict[object, int]] = {}
+        self.handles: list = []
+
+    def __enter__(self):
+        for path, module in self.model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(
+                lambda _m, args, kwargs, path=path: self._record(path, args, kwargs), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _record(self, path: str, args: tuple, kwargs: dict) -> None:
+        if path not in self.seen:
+            found = {**{i: a for i, a in enumerate(args)}, **kwargs}
+            self.seen[path] = {k: self.leaves[id(v)] for k, v in found.items() if id(v) in self.leaves}
+
+
+def _laid_out(batch: tuple[tuple, dict], program, calls: _Calls, mesh) -> tuple[tuple, dict]:
+    """``batch`` as the plan takes it on this rank: a tensor of the batch that a planned module
+    receives as an argument it declares arriving sharded (``in_src``: sequence parallelism's first
+    norm takes each rank's chunk of the sequence) is cut to this rank's chunk, in mesh-axis order."""
+    leaves, spec = tree_flatten(batch)
+    names = tuple(mesh.mesh_dim_names or ())
+    coord = mesh.get_coordinate() or [0] * len(names)
+    cut: dict[int, Mapping] = {}
+    for b in program.boundaries:
+        handed = calls.seen.get(b.planned.fqn, {})
+        for slot in arg_slots(calls.model.get_submodule(b.planned.fqn).forward, list(b.spec.in_src), b.planned.fqn):
+            leaf = handed.get(slot.position, handed.get(slot.name)) if slot.position is not None else handed.get(slot.name)
+            if leaf is not None and any(splits(p) for p in b.spec.in_src[slot.key].values()):
+                cut.setdefault(leaf, b.spec.in_src[slot.key])
+    for leaf, placements in cut.items():
+        x = leaves[leaf]
+        for axis, c in zip(names, coord, strict=True):
+            p = placements.get(axis)
+            if splits(p):
+                x = x.chunk(mesh.size(names.index(axis)), p.dim % x.dim())[c]
+        leaves[leaf] = x
+    return tree_unflatten(leaves, spec)
 
 
 def first_shape(out: object) -> tuple | None:

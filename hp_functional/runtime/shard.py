@@ -42,6 +42,7 @@ from ..core.placement import ShardInfo
 from ..core.program import Program
 from ..core.raw_collectives import mesh_device
 from ..plan.plan import ShardingPlan, as_plan
+from ..planner.report import AutoPlan
 from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .initial_values import InitialValues
@@ -128,7 +129,7 @@ def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
     seed: int | None = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
     remat: bool | Sequence[str] | Remat | None = None, verify: bool = True,
-    probe_cache: ProbeCache | None = PROBE_CACHE, example_inputs=None,
+    probe_cache: ProbeCache | None = PROBE_CACHE, example_inputs=None, allow_unproved: bool = False,
 ) -> Sharded:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
@@ -167,15 +168,25 @@ def shard(
         example_inputs: what one forward of ``model`` takes — a tensor, a tuple of positional
             arguments or a dict of keyword arguments (as ``auto_plan``'s) — for the dataflow pass
             (traced on meta) and the probe (fed to its copy) instead of the token ids they synthesize
-            only for a model that starts with an ``nn.Embedding``.  Without it, such a model's plan is
-            refused where an unplanned module with parameters sits inside a planned region
-            (docs/guarantees.md#exact-or-refused).
+            only for a model whose first layer is an embedding or a linear layer; None with an
+            ``auto_plan`` plan: the batch it was given.  Without any, such a model's plan is refused
+            unless ``allow_unproved`` (docs/guarantees.md#exact-or-refused).
+        allow_unproved: accept a plan that nothing of the proof could check (the dataflow pass could not
+            trace the forward, or cannot see inside a style that runs its own function, and the probe did
+            not compare the gradients), knowingly: ``apply_fn.runtime.checks["proof"]`` then says
+            ``unproved``.  False (the default): such a plan is refused with ``PlanError``, saying what
+            could not be seen (``example_inputs`` usually lets both run).
     Returns:
         ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns what
         ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups once)
         to this rank's local shard; ``shard_info`` says where each shard sits (a ``ShardInfo`` per key).
     """
+    if example_inputs is None and isinstance(plan, AutoPlan):  # the batch auto_plan traced
+        example_inputs = plan.example_inputs
     program, checks, proof = compile_sharding(model, plan, mesh, seed=seed, verify=verify, example_inputs=example_inputs)
+    if proof is None:  # local: refused before any collective
+        checks["proof"] = _require_proof(model, program, checks, asked=not _why_not_proved(verify=verify, seed=seed),
+                                        allowed=allow_unproved)
     proved = None if proof is None or probe_cache is None else probe_cache.lookup(proof.key)
     agreed = agree_on(model, program, weights=weights, seed=seed, agree_timeout=agree_timeout,
                       verify_values=verify_values, remat=remat, proved_before=proved is not None)
@@ -185,6 +196,7 @@ def shard(
         if proof.unchecked and not checks["probe"].startswith(EXACT):  # the same verdict on every rank
             raise _unchecked_error(proof.unchecked, f"the probe did not compare the gradients ({checks['probe']})")
         del proof
+        checks["proof"] = _require_proof(model, program, checks, asked=True, allowed=allow_unproved)
     return materialise(model, program, agreed, checks=checks)
 
 
@@ -249,6 +261,32 @@ def compile_sharding(model: nn.Module, plan: ShardingPlan | Mapping, mesh: Devic
                                                program.param_steps))
     key = probe_key(copy, copy_plan, mesh, uses, program, fed)
     return program, checks, Proof(copy, copy_plan, uses, key, fed, unchecked, example_inputs if fed else None)
+
+
+def _require_proof(model: nn.Module, program: Program, checks: Mapping[str, str], *, asked: bool, allowed: bool) -> str:
+    """What proves ``program`` (``checks["proof"]``): the probe (loss and every gradient compared on
+    a copy), the dataflow pass (traced, with no planned module running a function of its own that
+    it cannot see into), both, or nothing to prove; else a ``PlanError`` naming what could not be
+    seen, unless ``allowed`` (then "unproved ...").  ``asked``: the proof was to run (not
+    ``verify=False``, a shapes-only or simulated ``shard()``), else it says why not."""
+    if not asked:
+        return f"not asked ({checks.get('probe', 'no probe')})"
+    if not program.boundaries and not any(i.is_sharded for i in program.infos.values()):
+        return "nothing to prove: no module is planned"
+    traced, compared = program.dataflow_skipped is None, checks.get("probe", "").startswith(EXACT)
+    opaque = [b.planned.fqn or "<root module>" for b in program.boundaries if not b.planned.style.own_forward]
+    if compared:
+        return "the probe and the dataflow pass" if traced else "the probe"
+    if traced and not opaque:
+        return "the dataflow pass"
+    unseen = (f"the dataflow pass cannot see inside {', '.join(opaque[:3])}{' ...' if len(opaque) > 3 else ''} (a style that "
+              "runs a function of its own)" if traced else f"the dataflow pass did not run ({checks['dataflow']})")
+    unseen += f" and the probe did not compare the gradients ({checks.get('probe', 'no probe')})"
+    if allowed:
+        return f"unproved (allow_unproved=True): {unseen}"
+    raise PlanError(f"shard: nothing proves that this plan computes {type(model).__name__}'s function: {unseen}. Pass "
+                    "shard(..., example_inputs=...) with a batch its forward takes so that both can run, or accept the plan "
+                    "unproved knowingly with shard(..., allow_unproved=True) (docs/guarantees.md#exact-or-refused)")
 
 
 def _refuse_unchecked(model: nn.Module, program: Program, dataflow: str, probe: str) -> None:

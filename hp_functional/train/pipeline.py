@@ -299,6 +299,11 @@ def shard_stage(model: nn.Module, stage: Stage, plan: ShardingPlan | Mapping, me
     """
     sub = stage_mesh(mesh, stage, pp_axis)
     view = stage_view(model, stage)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if stage.index and hidden and "example_inputs" not in shard_kwargs:  # what the proof feeds a later stage
+        dtype = next(model.parameters()).dtype
+        embeds = torch.randn(2, 8, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
+        shard_kwargs = {**shard_kwargs, "example_inputs": {"inputs_embeds": embeds}}
     return shard(view, stage_plan(plan, view), sub, **shard_kwargs)
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 from torch.func import grad_and_value
 
 import hp_functional as hpf
 from tests.conftest import get_pool
-from tests.support.helpers import assert_close, mesh, rank, world
+from tests.support.helpers import assert_close, mesh, raised, rank, world
 
 TINY_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # the defaults: 26M parameters
 FAMILIES = {
@@ -154,21 +155,49 @@ def test_probe_refuses_a_wrong_gradient():
         assert probe == "skipped: verify=False"
 
 
+class _Scaled(torch.nn.Module):
+    """An MLP whose forward takes a second argument: no batch can be synthesized for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x, scale):
+        return self.down(torch.relu(self.up(x))) * scale
+
+
 def case_no_batch():
-    """A model that does not start with an embedding: the dataflow and the probe say why they
-    did not run (what the proof cannot see), and sharding still works."""
+    """What the proof could not see is said, and a plan nothing proves is refused by name unless
+    accepted knowingly (``allow_unproved``); a batch (``example_inputs``) lets both run; a model
+    that starts with a linear layer gets a synthesized one."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-    apply_fn, params, info = hpf.shard(model, {"0": hpf.Colwise(), "2": hpf.Rowwise()}, mesh((world(),), ("tp",)))
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank() * 0))
-    assert_close(apply_fn(params, x), model(x), "output")
-    return apply_fn.runtime.checks
+    plan, m = {"up": hpf.Colwise(), "down": hpf.Rowwise()}, mesh((world(),), ("tp",))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model = _Scaled()
+    refused = raised(hpf.shard, model, plan, m)
+    apply_fn, params, _ = hpf.shard(model, plan, m, allow_unproved=True)
+    assert_close(apply_fn(params, x, 2.0), model(x, 2.0), "output")
+    unproved = apply_fn.runtime.checks
+    proved = hpf.shard(model, plan, m, example_inputs=(x, 2.0))[0].runtime.checks
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    synthesized = hpf.shard(mlp, {"0": hpf.Colwise(), "2": hpf.Rowwise()}, m)[0].runtime.checks
+    # traced, but a style that runs a function of its own (a Local) where the probe has no values (meta inputs)
+    local = hpf.Local(lambda module, axes, h: axes["tp"].all_reduce(torch.nn.functional.linear(h, module.weight)),
+                      in_dst={0: Shard(-1)}, params={"weight": Shard(1)})
+    opaque = raised(hpf.shard, mlp, {"0": hpf.Colwise(), "2": local}, m, example_inputs=(x.to("meta"),))
+    return refused, unproved, proved, synthesized, opaque
 
 
 def test_proof_reports_what_it_cannot_see():
-    checks = get_pool(2).run(case_no_batch)[0]
-    assert "does not start with an embedding" in checks["dataflow"], checks
-    assert "does not start with an embedding" in checks["probe"], checks
+    refused, unproved, proved, synthesized, opaque = get_pool(2).run(case_no_batch)[0]
+    assert opaque[0] == "PlanError" and "cannot see inside 2 (a style that runs a function of its own)" in opaque[1], opaque
+    assert "example_inputs are meta tensors" in opaque[1], opaque
+    assert refused[0] == "PlanError" and "nothing proves" in refused[1] and "allow_unproved=True" in refused[1], refused
+    assert "missing 1 required positional argument" in refused[1] and "example_inputs" in refused[1], refused
+    assert unproved["proof"].startswith("unproved (allow_unproved=True)"), unproved
+    assert "does not take the synthesized batch" in unproved["probe"], unproved
+    assert proved["proof"] == "the probe and the dataflow pass", proved
+    assert synthesized["proof"] == "the probe and the dataflow pass", synthesized
 
 
 def case_probe_memo():
@@ -330,3 +359,68 @@ def test_a_parameter_the_attention_only_returns_takes_no_reduction():
     (twice the gradient, refused only by the probe); the dataflow pass sees it used with
     replicated data only, and the plan is exact with the probe off."""
     print(get_pool(2).run(case_returned_parameter)[0])
+
+
+class GainAttention(nn.Module):
+    """Attention whose heads are split (``Heads`` over colwise q/k/v and a rowwise o) holding a
+    replicated ``gain``, used per ``use``: on the head-split values before ``o`` (rank-varying:
+    each rank has a share of its gradient), on ``o``'s reduced output (replicated: each rank has
+    the whole gradient), or both."""
+
+    def __init__(self, use: str, d: int = 16, heads: int = 4):
+        super().__init__()
+        self.use, self.num_heads = use, heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.gain = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, self.num_heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        varying = a * self.gain if self.use in ("varying", "both") else a
+        out = self.o(varying)
+        return out * self.gain if self.use in ("replicated", "both") else out
+
+
+class GainNet(nn.Module):
+    def __init__(self, use: str):
+        super().__init__()
+        self.embed, self.attn = nn.Embedding(32, 16), GainAttention(use)
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        return self.head(self.norm(x + self.attn(x))).square().mean()
+
+
+def test_a_head_split_modules_parameter_is_reduced_by_its_uses():
+    """The trace decides the reduction of a replicated parameter of a head-split module (not a
+    region) from its uses, exact with the probe off: used with rank-varying data only it keeps its
+    all-reduce; with replicated data only it takes none (the rule of GPT-NeoX-Japanese's
+    ``dense_bias``); with both, one conversion cannot give both uses their gradient (kept, the
+    replicated use's gradient is counted once per rank; taken away, the varying use's is a share):
+    refused by name on every rank."""
+    plan = {"attn": hpf.Heads(), **{f"attn.{n}": hpf.Colwise() for n in "qkv"}, "attn.o": hpf.Rowwise()}
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    models, refs = {}, {}
+    for use in ("varying", "replicated", "both"):
+        torch.manual_seed(0)
+        models[use] = GainNet(use)
+        models[use](ids).backward()
+        refs[use] = {k: p.grad.clone() for k, p in models[use].named_parameters()}
+
+    def rank(m):
+        out = {}
+        for use in ("varying", "replicated"):
+            apply_fn, params, info = hpf.shard(models[use], plan, m, verify=False)
+            steps = [(s.axis, s.collective.name) for s in apply_fn.runtime.program.param_steps.get("attn.gain", ())]
+            full = hpf.unshard(torch.func.grad(lambda p, f=apply_fn: f(p, ids))(params), info)
+            out[use] = steps, max(assert_close(full[k], g, f"{use}: grad {k}") for k, g in refs[use].items())
+        with pytest.raises(hpf.PlanError) as refused:  # before any collective: the trace is local
+            hpf.shard(models["both"], plan, m, verify=False)
+        out["both"] = str(refused.value)
+        return out
+
+    for out in hpf.emulate(rank, (2,), ("tp",)):
+        assert out["varying"][0] == [("tp", "copy_to")] and out["replicated"][0] == [], out
+        assert "parameter attn.gain is used both" in out["both"] and "'tp'" in out["both"], out["both"]

@@ -37,3 +37,24 @@ def test_blocks_the_plan_treats_differently_are_kept_and_renumbered():
     assert not any(k.startswith(("model.layers.2", "model.layers.3")) for k in small.entries), "no entry for a dropped block"
 
     assert small.axes == plan.axes and small.settings == plan.settings  # the plan's settings kept
+
+
+def test_the_config_stays_in_step_with_the_blocks_kept():
+    """Ergo's forward zips ``config.layer_types`` with its layers and a VLM resolves hidden-state
+    indices by ``num_hidden_layers``: the copy's block count, per-layer lists and the kept blocks'
+    own indices follow the blocks it keeps; the user's config is untouched."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kinds = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    config = AutoConfig.for_model("gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, layer_types=kinds,
+                                  sliding_window=4, max_position_embeddings=32)
+    model = AutoModelForCausalLM.from_config(config)
+    red = reduced_copy(model)
+    layers = red.model.model.layers
+    assert len(layers) == 2, len(layers)  # one sliding, one full
+    copied = red.model.config
+    assert copied.num_hidden_layers == 2 and copied.layer_types == ["sliding_attention", "full_attention"], copied
+    assert [layer.self_attn.layer_idx for layer in layers] == [0, 1]
+    assert [layer.self_attn.layer_type for layer in layers] == copied.layer_types
+    assert model.config.num_hidden_layers == 4 and model.config.layer_types == kinds  # the model's own

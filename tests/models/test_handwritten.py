@@ -86,7 +86,7 @@ def _data():
 def _sharded(model, plan, x, y):
     """Per rank: (the loss and full gradients by torch.func.grad, the same by .backward())."""
     def run(mesh):
-        apply_fn, params, info = hpf.shard(model, plan, mesh)
+        apply_fn, params, info = hpf.shard(model, plan, mesh, example_inputs=(x,))
         grads, loss = torch.func.grad_and_value(lambda p: F.cross_entropy(apply_fn(p, x), y))(params)
         leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
         eager = F.cross_entropy(apply_fn(leaves, x), y)

@@ -328,7 +328,8 @@ def row_buffers(state):
     model = Net().double()
     model.load_state_dict(state)
     m = mesh()
-    apply_fn, params, info = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m)
+    batch = (torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),)  # [batch, features]
+    apply_fn, params, info = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, example_inputs=batch)
     buffers, _ = hpf.buffers(apply_fn)
     tp = C.AxisGroup.from_mesh(m, "tp")
     full = {k: v.detach() for k, v in model.named_parameters()}

@@ -162,10 +162,12 @@ def case_routing(state, index, capacity_factor):
     plan = hpf.ShardingPlan({"": hpf.Experts(capacity_factor=capacity_factor,
                                              on_drop=lambda fqn, n: drops.append(int(n)))}, axes={"ep": "ep"})
     m = mesh((world(),), ("ep",))
-    apply_fn, params, info = hpf.shard(module, plan, m)
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(index.shape[0], 64, generator=gen)
     weights = torch.rand(index.shape, generator=gen)
+    # proved on this batch; a capacity factor computes its own rule, not the module's function: the hand reference
+    proof = {"example_inputs": (hidden, index, weights)} if capacity_factor is None else {"verify": False}
+    apply_fn, params, info = hpf.shard(module, plan, m, **proof)
     ref_weights = weights
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * (index.shape[0] // world()) * index.shape[1] / 4)
@@ -204,14 +206,17 @@ def test_random_routing_matches(pool):
     print(pool.run(case_routing, _state(), index, None)[0])
 
 
-def test_capacity_factor_drops_deterministically():
-    """Capacity 1.0 over unbalanced routing: the first assignments per (rank, expert) are kept,
-    the rest contribute nothing; each rank reports what it dropped."""
+# 4 tokens x 2 per rank over 4 experts.  Rank 0's tokens send 4 to expert 0 and 4 to expert 1;
+# rank 1's send 3 to expert 0, 2 to expert 1, 2 to expert 2, 1 to expert 3.  Capacity 1.0:
+# ceil(1.0 * 4 * 2 / 4) = 2, so 2 + 2 dropped on rank 0 and 1 on rank 1.  Capacity 1.25: 2.5 is not
+# whole and rounds up to 3, so 1 + 1 dropped on rank 0 and none on rank 1 (rounded down, 2: 4 and 1).
+@pytest.mark.parametrize("factor,dropped", [(1.0, [4, 1]), (1.25, [2, 0])], ids=["whole", "rounded_up"])
+def test_capacity_factor_drops_deterministically(factor, dropped):
+    """A capacity factor over unbalanced routing: the first ``ceil(c · T_local · k / E)`` assignments
+    per (rank, expert) are kept, the rest contribute nothing; each rank reports what it dropped."""
     index = torch.tensor([[0, 1]] * 6 + [[2, 3], [0, 2]])
-    results = get_pool(2).run(case_routing, _state(), index, 1.0)
-    # 4 tokens x 2 per rank over 4 experts: capacity 2.  Rank 0's tokens send 4 to expert 0 and 4
-    # to expert 1 (2 + 2 dropped); rank 1's send 3 to expert 0 (1 dropped).  One report per call.
-    assert [r[1] for r in results] == [[4, 4], [1, 1]], results
+    results = get_pool(2).run(case_routing, _state(), index, factor)
+    assert [r[1] for r in results] == [[n, n] for n in dropped], results  # one report per call, two calls
     print(results[0][0])
 
 

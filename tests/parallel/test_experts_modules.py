@@ -60,7 +60,11 @@ def case_list(state, routings):
     module = ListExperts()
     module.load_state_dict(state)
     m = mesh((world(),), ("ep",))
-    apply_fn, params, info = hpf.shard(module, hpf.ShardingPlan({"": hpf.Experts()}, axes={"ep": "ep"}), m)
+    gen = torch.Generator().manual_seed(3)
+    batch = (torch.randn(routings[-1].shape[0], HIDDEN, generator=gen), routings[-1], torch.rand(routings[-1].shape,
+                                                                                                 generator=gen))
+    apply_fn, params, info = hpf.shard(module, hpf.ShardingPlan({"": hpf.Experts()}, axes={"ep": "ep"}), m,
+                                       example_inputs=batch)
     owner = EXPERTS // world()
     for e in range(EXPERTS):  # each rank holds its experts whole, the others as empty shards
         assert info[f"{e}.gate.weight"].placements == (StackedShard(e, EXPERTS),)

@@ -160,7 +160,7 @@ def _check(name, tp, functional=True):
 
     def rank(mesh):
         plan = hpf.auto_plan(model, mesh, example_inputs=inputs)
-        apply_fn, params, info = hpf.shard(model, plan, mesh, example_inputs=inputs)  # the batch the checks trace
+        apply_fn, params, info = hpf.shard(model, plan, mesh)  # the plan carries the batch the checks trace
         loss = _loss(apply_fn(params, **inputs))
         loss.backward()
         runs = [(loss.detach(), {k: p.grad for k, p in params.items()})]
@@ -181,6 +181,7 @@ def _check(name, tp, functional=True):
             assert loss_diff <= 1e-5 * (1 + abs(ref_loss.item())) and not wrong, (name, tp, loss_diff, wrong[:4])
         assert share < 0.65, (name, tp, share)
         assert checks["probe"] == "exact on the probe copy", (name, checks)  # the shard-time proof ran on a reduced copy
+        assert checks["proof"].startswith("the probe"), (name, checks)
 
 
 def test_an_encoder_and_a_vision_model_are_exact():

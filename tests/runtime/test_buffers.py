@@ -46,7 +46,7 @@ def _reference(model: Net, x: torch.Tensor):
 def case_buffers():
     model = _model()
     m = mesh((world(),), ("tp",))
-    apply_fn, params, info = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m)
+    apply_fn, params, info = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, example_inputs=(_x(),))
     state, binfo = hpf.buffers(apply_fn)
     assert set(state) == {k for k, _ in model.named_buffers()} == set(binfo), sorted(state)
     assert all(i.global_shape == state[k].shape and not i.is_sharded for k, i in binfo.items())
@@ -99,7 +99,7 @@ def case_checkpoint(path: str):
     """``save``/``load``/``unshard`` take params and buffers merged."""
     model = _model()
     m = mesh((world(),), ("tp",))
-    apply_fn, params, info = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m)
+    apply_fn, params, info = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, example_inputs=(_x(),))
     state, binfo = hpf.buffers(apply_fn)
     _, state = apply_fn(params, _x(), buffers=state)
     hpf.save(path, params | state, info | binfo)
@@ -119,7 +119,7 @@ def test_buffers_save_load_unshard(tmp_path):
 def case_bad_buffers():
     model = _model()
     m = mesh((world(),), ("tp",))
-    apply_fn, params, _ = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m)
+    apply_fn, params, _ = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, example_inputs=(_x(),))
     state, _ = hpf.buffers(apply_fn)
     messages = {}
     for what, bad in {"unknown": {"norm.running_max": state["norm.running_mean"]},
@@ -142,7 +142,8 @@ def test_bad_buffers_are_named_before_any_collective():
 
 # ---------------------------------------------------------------- the skeleton keeps its own buffers
 def _shard(model: Net):
-    return hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, mesh((world(),), ("tp",)))
+    return hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, mesh((world(),), ("tp",)),
+                     example_inputs=(_x(),))
 
 
 def _other(state: dict) -> dict:
@@ -232,3 +233,51 @@ def test_inplace_buffer_update_under_torch_func_without_buffers_is_a_plan_error(
             named = "'seen.seen'" if case.startswith("eval") else "'norm.running_mean'"
             assert named in text and "buffers=" in text and "hpf.buffers(apply_fn)" in text, (case, text)
             assert ("vmap" if case.endswith("vmap") else "torch.func.grad") in text, (case, text)
+
+
+# ---------------------------------------------------------------- a buffer tied between modules
+class _Scale(torch.nn.Module):
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class TiedBuffers(torch.nn.Module):
+    """One buffer registered in two modules (as layers share a rotary table): ``hpf.buffers`` keys it
+    once, under its first name, and ``buffers=`` binds it in both."""
+
+    def __init__(self):
+        super().__init__()
+        scale = torch.linspace(0.5, 2.0, 8)
+        self.first, self.up, self.down, self.last = _Scale(scale), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), _Scale(scale)
+
+    def forward(self, x):
+        return self.last(self.down(torch.relu(self.up(self.first(x)))))
+
+
+def test_a_tied_buffer_is_bound_in_every_module_that_holds_it():
+    """``apply_fn(..., buffers={"first.scale": s})`` computes with ``s`` in both modules that hold the
+    buffer, as ``torch.func.functional_call`` does, and not with the model's own in either."""
+    torch.manual_seed(0)
+    model, x = TiedBuffers(), _x()
+    assert model.first.scale is model.last.scale
+    other = {"first.scale": torch.linspace(-1.0, 3.0, 8)}
+    params = dict(model.named_parameters())
+    ref = functional_call(model, (params, {k: v.clone() for k, v in other.items()}), (x,))
+    by_hand = model.down(torch.relu(model.up(x * other["first.scale"]))) * other["first.scale"]
+    assert_close(ref, by_hand, "functional_call binds the tied buffer in both modules")
+    own = model(x)
+
+    def rank(m):
+        apply_fn, sharded, _ = hpf.shard(model, {"up": hpf.Colwise(), "down": hpf.Rowwise()}, m, verify=False)
+        assert set(hpf.buffers(apply_fn)[0]) == {"first.scale"}
+        out, after = apply_fn(sharded, x, buffers=other)
+        return out, after, apply_fn(sharded, x)
+
+    for out, after, without in hpf.emulate(rank, (2,), ("tp",)):
+        assert_close(out, ref, "apply_fn with the tied buffer passed")
+        assert set(after) == {"first.scale"} and torch.equal(after["first.scale"], other["first.scale"])
+        assert_close(without, own, "apply_fn without buffers= after a call with them")

@@ -1,15 +1,18 @@
-"""A per-head q/k norm left unplanned on a model that does not start with an embedding: exact or
+"""A per-head q/k norm left unplanned on a model whose batch cannot be synthesized: exact or
 refused.
 
-The model starts with a linear patch embedding, so no batch can be synthesized for the dataflow
-pass or the shard-time probe.  Its attention normalises q and k per head (``LayerNorm(head_dim)``,
-as Flux, SD3 and timm's ``qk_norm`` do) between the colwise q/k projections and sdpa: on each rank
+The model starts with a linear patch embedding and its forward takes a second argument (a scale),
+so no batch can be synthesized for the dataflow pass or the shard-time probe.  Its attention
+normalises q and k per head (``LayerNorm(head_dim)``, as Flux, SD3 and timm's ``qk_norm`` do)
+between the colwise q/k projections and sdpa: on each rank
 that norm sees the rank's share of the heads, so its gradient is a per-rank share unless something
 reduces it.  ``shard()`` without ``example_inputs`` refuses such a plan by name; with them the
 dataflow pass traces the batch and reduces the norm's gradient (loss and every gradient equal the
 unsharded model's); a norm planned ``NoParallel(reduce_grads=True)``, an attention without the
 norms and a pre-norm of the layer's replicated width beside a planned MLP are accepted as before.
-Every rank a thread (``hpf.emulate``), tp 2.
+The same model with a one-argument forward gets a synthesized batch (features at the patch
+embedding's width): traced, exact, no ``example_inputs`` needed.  Every rank a thread
+(``hpf.emulate``), tp 2.
 """
 
 from __future__ import annotations
@@ -62,8 +65,15 @@ class PatchNet(nn.Module):
         self.block = Block(dim, heads, qk_norm)
         self.head = nn.Linear(dim, 3)
 
+    def forward(self, x, scale):
+        return self.head(self.block(self.patch(x))).mean(1) * scale
+
+
+class OneArgument(PatchNet):
+    """``PatchNet`` whose forward takes the features alone: a batch can be synthesized for it."""
+
     def forward(self, x):
-        return self.head(self.block(self.patch(x))).mean(1)
+        return super().forward(x, 1.0)
 
 
 PLAN = {"block.attn.q": hpf.Colwise(), "block.attn.k": hpf.Colwise(), "block.attn.v": hpf.Colwise(),
@@ -71,20 +81,20 @@ PLAN = {"block.attn.q": hpf.Colwise(), "block.attn.k": hpf.Colwise(), "block.att
 NORMS = ("block.attn.q_norm", "block.attn.k_norm")
 
 
-def _reference(model, x):
+def _reference(model, *x):
     model.zero_grad()
-    loss = model(x).square().sum()
+    loss = model(*x).square().sum()
     loss.backward()
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def _sharded(model, plan, x, mesh, **kw):
+def _sharded(model, plan, x: tuple, mesh, **kw):
     """(loss, full gradients, checks) of the sharded model, or the PlanError it raised (on every rank)."""
     try:
         apply_fn, params, info = hpf.shard(model, plan, mesh, probe_cache=None, **kw)
     except hpf.PlanError as exc:
         return exc
-    grads, loss = torch.func.grad_and_value(lambda p: apply_fn(p, x).square().sum())(params)
+    grads, loss = torch.func.grad_and_value(lambda p: apply_fn(p, *x).square().sum())(params)
     return loss.detach(), hpf.unshard(grads, info), dict(apply_fn.runtime.checks)
 
 
@@ -100,14 +110,17 @@ def _exact(result, ref, what: str) -> dict:
 def test_unplanned_per_head_norm_is_refused_or_traced_with_example_inputs():
     torch.manual_seed(0)
     model, x = PatchNet(), torch.randn(2, 5, 12)
-    ref = _reference(model, x)
+    one = OneArgument()
+    one.load_state_dict(model.state_dict())
+    ref = _reference(model, x, 1.0)
 
     def run(mesh):
-        return (_sharded(model, PLAN, x, mesh),
-                _sharded(model, PLAN, x, mesh, example_inputs={"x": x}),
-                _sharded(model, PLAN, x, mesh, example_inputs=(x,), verify=False))
+        return (_sharded(model, PLAN, (x, 1.0), mesh),
+                _sharded(model, PLAN, (x, 1.0), mesh, example_inputs={"x": x, "scale": 1.0}),
+                _sharded(model, PLAN, (x, 1.0), mesh, example_inputs=(x, 1.0), verify=False),
+                _sharded(one, PLAN, (x,), mesh))
 
-    for refused, given, unverified in hpf.emulate(run, (2,), ("tp",)):
+    for refused, given, unverified, synthesized in hpf.emulate(run, (2,), ("tp",)):
         assert isinstance(refused, hpf.PlanError), refused
         message = str(refused)
         assert "block.attn.q_norm is not planned" in message and "'block.attn'" in message, message
@@ -115,24 +128,30 @@ def test_unplanned_per_head_norm_is_refused_or_traced_with_example_inputs():
             assert fix in message, message
         assert "block.ln1" not in message and "block.ln2" not in message, message  # the layer's replicated width
         checks = _exact(given, ref, "example_inputs")
-        assert checks == {"dataflow": "traced on meta tensors (example_inputs)", "probe": "exact on the probe copy"}
+        assert checks == {"dataflow": "traced on meta tensors (example_inputs)", "probe": "exact on the probe copy",
+                          "proof": "the probe and the dataflow pass"}, checks
         assert _exact(unverified, ref, "example_inputs, verify=False")["dataflow"].startswith("traced on meta")
+        checks = _exact(synthesized, ref, "a synthesized batch")
+        assert checks["dataflow"] == "traced on meta tensors" and checks["proof"] == "the probe and the dataflow pass"
 
 
 @pytest.mark.slow  # three more shard() calls and an emulation: about 1 s
 def test_planned_norms_and_regions_without_them_are_accepted():
     torch.manual_seed(0)
     model, plain, x = PatchNet(), PatchNet(qk_norm=False), torch.randn(2, 5, 12)
-    ref, plain_ref = _reference(model, x), _reference(plain, x)
+    ref, plain_ref = _reference(model, x, 1.0), _reference(plain, x, 1.0)
+    allowed = {"allow_unproved": True}  # nothing runs the forward: the plan as stated, knowingly
 
     def run(mesh):
-        return (_sharded(model, {**PLAN, **dict.fromkeys(NORMS, hpf.NoParallel(reduce_grads=True))}, x, mesh),
-                _sharded(model, {**PLAN, **dict.fromkeys(NORMS, hpf.NoParallel())}, x, mesh),
-                _sharded(plain, PLAN, x, mesh))
+        return (_sharded(model, {**PLAN, **dict.fromkeys(NORMS, hpf.NoParallel(reduce_grads=True))}, (x, 1.0), mesh,
+                         **allowed),
+                _sharded(model, {**PLAN, **dict.fromkeys(NORMS, hpf.NoParallel())}, (x, 1.0), mesh, **allowed),
+                _sharded(plain, PLAN, (x, 1.0), mesh, **allowed))
 
     for reduced, claimed, without in hpf.emulate(run, (2,), ("tp",)):
         checks = _exact(reduced, ref, "norms NoParallel(reduce_grads=True)")
-        assert "no batch to trace" in checks["dataflow"], checks
+        assert "one forward on meta tensors failed" in checks["dataflow"], checks
+        assert checks["proof"].startswith("unproved (allow_unproved=True)"), checks
         _exact(without, plain_ref, "no per-head norms")
         # NoParallel() states that the norm sees replicated data: accepted as stated, and then its
         # gradient is a per-rank share — what the refusal above prevents when nothing is stated
@@ -150,8 +169,8 @@ class RootScale(nn.Module):
         self.patch, self.attn, self.head = nn.Linear(12, 32), Attention(32, 4, False), nn.Linear(32, 3)
         self.scale = nn.Parameter(torch.rand(8) + 0.5)
 
-    def forward(self, x):
-        h = self.patch(x)
+    def forward(self, x, scale):
+        h = self.patch(x) * scale
         b, n, _ = h.shape
         attn = self.attn
         q = (attn.q(h).view(b, n, -1, 8) * self.scale).transpose(1, 2)
@@ -163,11 +182,11 @@ class RootScale(nn.Module):
 def test_a_root_parameter_reaching_a_region_is_refused_or_traced():
     torch.manual_seed(0)
     model, x = RootScale(), torch.randn(2, 5, 12)
-    ref = _reference(model, x)
+    ref = _reference(model, x, 1.0)
     plan = {k.removeprefix("block."): v for k, v in PLAN.items() if ".attn." in k}
 
     def run(mesh):
-        return _sharded(model, plan, x, mesh), _sharded(model, plan, x, mesh, example_inputs=(x,))
+        return _sharded(model, plan, (x, 1.0), mesh), _sharded(model, plan, (x, 1.0), mesh, example_inputs=(x, 1.0))
 
     for refused, given in hpf.emulate(run, (2,), ("tp",)):
         assert isinstance(refused, hpf.PlanError) and "<root module> is not planned, is or encloses" in str(refused)
@@ -216,6 +235,6 @@ def test_the_probe_keeps_the_vocabulary_where_the_shrunk_copy_does_not_take_the_
     model, ids = OffsetIds(), torch.randint(0, 64, (2, 5))
     ref = _reference(model, ids)
     plan = {"up": hpf.Colwise(), "down": hpf.Rowwise()}
-    for result in hpf.emulate(lambda mesh: _sharded(model, plan, ids, mesh, example_inputs=(ids,)), (2,), ("tp",)):
+    for result in hpf.emulate(lambda mesh: _sharded(model, plan, (ids,), mesh, example_inputs=(ids,)), (2,), ("tp",)):
         checks = _exact(result, ref, "offset ids")
         assert checks["probe"] == "exact on the probe copy", checks  # not skipped for an index out of range

@@ -1,8 +1,8 @@
 """``hpf.generate(apply_fn, params, ...)``: Hugging Face's ``generate()`` on the sharded model.
 
 The loop is transformers' own (greedy, sampling, beam search, stopping, the KV cache, left
-padding): it runs on a private skeleton of the model with ``params`` bound once
-(``ApplyFn.bound``), so a decoding step costs the forward and the collectives its boundaries
+padding): it runs on ``apply_fn``'s private skeleton, in eval mode for the call, with ``params``
+bound once (``ApplyFn.bound``), so a decoding step costs the forward and the collectives its boundaries
 issue, nothing per parameter.  The inputs are agreed once, values included, before the first
 forward; each step's inputs then follow from them and from logits that are alike on every rank.
 See docs/generation.md.
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 __all__ = ["generate"]
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -58,19 +59,30 @@ def generate(apply_fn: ApplyFn, params: Mapping[str, Tensor], *args, **kwargs):
         raise PlanError("generate: do_sample=True on several ranks draws each token from each rank's own torch "
                         "generator, so the ranks could pick different tokens and compute on a mix of them; "
                         "sample inside `with hpf.rng(seed):` (the same draws on every rank and at every layout)")
-    if apply_fn.fsdp is not None:
+    if apply_fn.fsdp is not None:  # a skeleton whose parameters arrive converted: gathered once, below
         leaves = _fsdp_leaves(apply_fn, params)
         decoder = runtime.build(dataclasses.replace(program, param_steps={}, param_buckets=()))
-    else:
-        leaves, decoder = _checked(program, params), runtime.build()
+    else:  # apply_fn's own skeleton, bound once for the call (nothing is built per call)
+        leaves, decoder = _checked(program, params), apply_fn
     agreement = decoder.input_check
     if agreement is not None:  # once, values included: every later step follows from these and alike logits
         agreement.check(args, {k: _described(v) for k, v in kwargs.items()}, values=True)
     if apply_fn.fsdp is not None:
         leaves = _gathered(apply_fn, leaves)
-    with torch.no_grad(), decoder.bound(leaves) as model:
-        model.eval()
+    with torch.no_grad(), decoder.bound(leaves) as model, _eval(model):
         return model.generate(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _eval(model: nn.Module) -> Iterator[None]:
+    """``model`` (the private skeleton) in eval mode for the block; each module's mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _runtime(apply_fn):

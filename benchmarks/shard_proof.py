@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hp_functional as hpf
 from hp_functional.cli.launch import run_ranks
-from hp_functional.runtime.probe import VERDICTS
+from hp_functional.runtime.probe import ProbeCache
 from hp_functional.tools.models import build_model, tiny_config
 
 SIZES = {
@@ -43,19 +43,20 @@ def measure(size: str, repeat: int) -> dict[str, float]:
     plan = hpf.ShardingPlan.from_hf(model)
     hpf.shard(model, plan, mesh)  # warm-up (imports, first-call costs)
     variants = {"plain": False, "probed": True, "remembered": True}
+    cache = ProbeCache()  # the caller's: "remembered" shards again with the verdict "probed" recorded
     times: dict[str, list[float]] = {v: [] for v in variants}
     peaks = {}
     for i in range(repeat + 1):
         for name, verify in variants.items():
             if name == "probed":  # every rank forgets alike: the probe runs (its verdict is remembered after)
-                VERDICTS.items.clear()
+                cache = ProbeCache()
             if i < repeat:
                 start = time.perf_counter()
-                hpf.shard(model, plan, mesh, verify=verify)
+                hpf.shard(model, plan, mesh, verify=verify, probe_cache=cache)
                 times[name].append(time.perf_counter() - start)
             else:
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                    hpf.shard(model, plan, mesh, verify=verify)
+                    hpf.shard(model, plan, mesh, verify=verify, probe_cache=cache)
                 peaks[name] = _peak_mib(prof, "cpu")
     model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return {**{f"{v} s": statistics.median(t) for v, t in times.items()},

@@ -4,27 +4,28 @@
 ``apply_fn`` is a ``torch.func.functional_call`` forward whose parallelism is explicit
 collectives that compose with ``torch.func`` (grad, vmap, jvp/vjp).
 
-The package is layered (each imports only from those before it): ``core`` → ``plan`` →
-``compile`` → ``runtime`` → ``train`` → ``tools`` → ``cli``; ``docs/architecture.md`` has the diagram.
+The package is layered (each imports only from those before it): ``core`` → ``analysis`` →
+``parallel`` → ``sources`` → ``plan`` → ``compile`` → ``planner`` → ``runtime`` → ``train`` →
+``tools`` → ``cli``; the root only re-exports (``tests/test_layers.py``; the diagram:
+``docs/architecture.md``).
 
 The public names are imported lazily (PEP 562): ``import hp_functional`` imports neither torch
 nor anything else until a name is first used, so the ``hp-functional`` command line (whose
-module lives under this package) starts fast.  ``_LAZY`` is the one place that says which
-submodule defines each name, and ``__all__`` is derived from it; the ``TYPE_CHECKING`` block
-repeats it for static tools (``tests/cli/test_cli.py`` checks that the two agree).
+module lives under this package) starts fast.  The imports of the ``TYPE_CHECKING`` block are the
+one export table: static tools read them as imports, and ``_exports`` reads them (never running
+them) for ``__all__`` and the lazy ``__getattr__``.
 """
 
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP 484)
+if TYPE_CHECKING:  # the one export table (`name as name`: an explicit re-export for static tools, PEP 484)
     from .compile.build import build_program as build_program, lint as lint
-    from .compile.lint import Finding as Finding
     from .core import collectives as collectives
     from .core.counter_rng import gaussian_like as gaussian_like
-    from .core.cp_layout import cp_positions as cp_positions, cp_shard as cp_shard, cp_unshard as cp_unshard
     from .core.errors import (
         CheckpointError as CheckpointError,
         CollectiveError as CollectiveError,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
         ShapeError as ShapeError,
     )
     from .core.facets import Facet as Facet, ReducedOver as ReducedOver, RowSplit as RowSplit, SummedOver as SummedOver
+    from .core.findings import Finding as Finding
     from .core.gather import unshard as unshard
     from .core.placement import ShardInfo as ShardInfo, slice_local as slice_local, to_dtensor as to_dtensor
     from .core.program import Program as Program
@@ -47,6 +49,7 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
         Style as Style,
         default_handlers as default_handlers,
     )
+    from .parallel.context.cp_layout import cp_positions as cp_positions, cp_shard as cp_shard, cp_unshard as cp_unshard
     from .parallel.context.inputs import ContextInputs as ContextInputs
     from .parallel.context.styles import ContextParallel as ContextParallel
     from .parallel.experts.calls import ExpertsCall as ExpertsCall
@@ -93,7 +96,14 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .train.clip import clip_grad_norm as clip_grad_norm
     from .train.clip_per_example import clip_per_example as clip_per_example
     from .train.data_parallel import reduce_gradients as reduce_gradients
-    from .train.dcp import Loaded as Loaded, SaveHandle as SaveHandle, latest as latest, load as load, save as save
+    from .train.dcp import (
+        AsyncSaves as AsyncSaves,
+        Loaded as Loaded,
+        SaveHandle as SaveHandle,
+        latest as latest,
+        load as load,
+        save as save,
+    )
     from .train.export import export_hf as export_hf
     from .train.export_peft import export_peft as export_peft
     from .train.fsdp import fsdp as fsdp
@@ -109,126 +119,32 @@ if TYPE_CHECKING:  # `name as name`: an explicit re-export for static tools (PEP
     from .train.pipeline_fn import gpipe as gpipe
     from .train.reshard import reshard as reshard
 
-#: public name -> the submodule (relative to this package) that defines it.
-_LAZY: dict[str, str] = {
-    "build_program": ".compile.build",
-    "lint": ".compile.build",
-    "Finding": ".compile.lint",
-    "CheckpointError": ".core.errors",
-    "PlanError": ".core.errors",
-    "PlanMismatchError": ".core.errors",
-    "PlanWarning": ".core.errors",
-    "ReplicationError": ".core.errors",
-    "ShapeError": ".core.errors",
-    "cp_positions": ".core.cp_layout",
-    "cp_shard": ".core.cp_layout",
-    "cp_unshard": ".core.cp_layout",
-    "gaussian_like": ".core.counter_rng",
-    "ShardInfo": ".core.placement",
-    "Facet": ".core.facets",
-    "RowSplit": ".core.facets",
-    "SummedOver": ".core.facets",
-    "ReducedOver": ".core.facets",
-    "slice_local": ".core.placement",
-    "to_dtensor": ".core.placement",
-    "unshard": ".core.gather",
-    "Program": ".core.program",
-    "ShardingPlan": ".plan.plan",
-    "auto_plan": ".planner.auto",
-    "ContextParallel": ".parallel.context.styles",
-    "ContextInputs": ".parallel.context.inputs",
-    "Ulysses": ".parallel.ulysses.styles",
-    "Experts": ".parallel.experts.styles",
-    "expert_mesh": ".parallel.experts.styles",
-    "ExpertsCall": ".parallel.experts.calls",
-    "llama_sp_plan": ".plan.recipes",
-    "megatron_plan": ".plan.recipes",
-    "Channels": ".parallel.tensor.channels",
-    "Colwise": ".parallel.tensor.styles",
-    "Heads": ".parallel.tensor.styles",
-    "ModuleSpec": ".core.style",
-    "NoParallel": ".parallel.tensor.styles",
-    "ParamRule": ".core.style",
-    "PrepareInput": ".parallel.tensor.styles",
-    "PrepareOutput": ".parallel.tensor.styles",
-    "Rowwise": ".parallel.tensor.styles",
-    "SequenceParallel": ".parallel.tensor.styles",
-    "Style": ".core.style",
-    "Local": ".parallel.local",
-    "buffers": ".runtime.buffers",
-    "VocabEmbedding": ".parallel.tensor.vocab",
-    "default_handlers": ".core.style",
-    "Remat": ".runtime.remat",
-    "ApplyFn": ".runtime.apply_fn",
-    "vocab_parallel_cross_entropy": ".parallel.tensor.vocab",
-    "shard": ".runtime.shard",
-    "init_weights": ".runtime.meta_init",
-    "from_pretrained": ".runtime.pretrained",
-    "rng": ".runtime.rng",
-    "Rng": ".runtime.rng",
-    "export_hf": ".train.export",
-    "export_peft": ".train.export_peft",
-    "save": ".train.dcp",
-    "load": ".train.dcp",
-    "latest": ".train.dcp",
-    "Loaded": ".train.dcp",
-    "SaveHandle": ".train.dcp",
-    "clip_grad_norm": ".train.clip",
-    "clip_per_example": ".train.clip_per_example",
-    "reduce_gradients": ".train.data_parallel",
-    "fsdp": ".train.fsdp",
-    "generate": ".train.generate",
-    "as_module": ".train.module",
-    "gpipe": ".train.pipeline_fn",
-    "reshard": ".train.reshard",
-    "explain_stage": ".tools.explain_stage",
-    "StageExplanation": ".tools.explain_stage",
-    "Stage": ".train.pipeline",
-    "pipeline_split": ".train.pipeline",
-    "shard_stage": ".train.pipeline",
-    "stage_module": ".train.pipeline",
-    "sum_tied": ".train.pipeline",
-    "Explanation": ".tools.explain",
-    "Memory": ".tools.explain",
-    "Schedule": ".tools.explain",
-    "explain": ".tools.explain",
-    "ScheduleRow": ".tools.record",
-    "emulate": ".tools.emulate",
-    "simulate": ".tools.simulate",
-    "validate": ".tools.validate",
-    "validate_placements": ".tools.validate_dtensor",
-    "CollectiveError": ".core.errors",
-    "InputMismatchError": ".core.errors",
-    "ReentrancyError": ".core.errors",
-    "set_timeout": ".core.raw_collectives",
-    "PlacementMismatchError": ".tools.validation_report",
-    "ValidationError": ".tools.validation_report",
-    "ValidationReport": ".tools.validation_report",
-}
-#: public names that are submodules themselves.
-_SUBMODULES: dict[str, str] = {"collectives": ".core.collectives", "optim": ".train.optim"}
+def _exports() -> MappingProxyType[str, tuple[str, str]]:
+    """Public name -> (submodule relative to this package, name there), read from the imports of
+    the ``TYPE_CHECKING`` block above: the one export table, which static tools read as imports."""
+    import ast
 
-__all__ = sorted([*_LAZY, *_SUBMODULES])  # derived: _LAZY is the one export table
+    source = __spec__.loader.get_source(__name__)  # type: ignore[union-attr]
+    block = next(node for node in ast.parse(source).body
+                 if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    return MappingProxyType({alias.asname or alias.name: ("." * stmt.level + (stmt.module or ""), alias.name)
+                             for stmt in block.body for alias in stmt.names})
 
 
-#: earlier public names -> their names now (a FutureWarning on use; not in ``__all__``).
-_RENAMED: dict[str, str] = {  # beside CheckpointError (DCP) "checkpoint" misled: activation recompute is remat
-    "Checkpoint": "Remat", "ActivationCheckpoint": "Remat"}
+_EXPORTS = _exports()
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     """Import the submodule that defines ``name`` on first use and cache the name here."""
-    if name in _RENAMED:
-        import warnings
-
-        warnings.warn(f"hp_functional.{name} is now hp_functional.{_RENAMED[name]}", FutureWarning, stacklevel=2)
-        return __getattr__(_RENAMED[name])
-    if name in _SUBMODULES:
-        value = importlib.import_module(_SUBMODULES[name], __name__)
-    elif name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    else:
+    if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    parent = importlib.import_module(module, __name__)
+    try:
+        value = getattr(parent, attribute)
+    except AttributeError:  # a submodule (`from .core import collectives`) not imported by its package yet
+        value = importlib.import_module(f"{module}.{attribute}", __name__)
     globals()[name] = value
     return value
 

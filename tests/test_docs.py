@@ -1,10 +1,11 @@
 """The docs run as written: the README's example under torchrun on 2 gloo ranks, every block
 marked ``<!-- runnable -->`` in README.md and docs/*.md (in one fresh process, each block in its
-own folder and namespace), the README's size,
-and every relative link (and its #anchor)."""
+own folder and namespace), the README's size, every relative link (and its #anchor), and the layer
+order the package's docstrings and docs/architecture.md give (``tests/test_layers.py``'s)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -139,6 +140,27 @@ def test_runnable_block(block_results, index):
 def test_readme_is_a_front_page():
     size = len(README.read_bytes())
     assert size <= 12 * 1024, f"README.md is {size} bytes; move detail to docs/"
+
+
+def test_docstrings_and_the_architecture_page_give_the_layers_in_the_tests_order():
+    """One layer order, ``tests/test_layers.py``'s ``LAYERS``: each layer package's docstring says
+    ``Layer N:`` with N its place there, the package root's docstring chains them in that order, and
+    docs/architecture.md's diagram draws them from the top (cli) down to core."""
+    from tests.test_layers import LAYERS
+
+    package = ROOT / "hp_functional"
+
+    def docstring(path: Path) -> str:
+        return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+    numbered = {layer: re.match(r"(Layer \d+:)?", docstring(package / layer / "__init__.py")).group(1) for layer in LAYERS}
+    assert numbered == {layer: f"Layer {n}:" for n, layer in enumerate(LAYERS, 1)}, numbered
+    root = " ".join(docstring(package / "__init__.py").split())
+    chain = re.search(r"``\w+``(?: → ``\w+``)+", root)
+    assert chain and re.findall(r"``(\w+)``", chain.group(0)) == list(LAYERS), root
+    diagram = next(code for _, _, _, code in blocks(ROOT / "docs" / "architecture.md") if "imports point down" in code)
+    drawn = re.findall(r"^ *\| *(\w+)/ *\|", diagram, re.M)
+    assert drawn[::-1] == list(LAYERS), drawn
 
 
 @pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])

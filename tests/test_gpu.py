@@ -27,10 +27,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import hp_functional as hpf
 from hp_functional.compile.agree import checksum, device_checksum
-from hp_functional.core import ring_attention as ring_module
 from hp_functional.core.collectives import AxisGroup
-from hp_functional.core.cp_layout import cp_positions
-from hp_functional.core.ring_attention import RingAttention, allgather_attention
+from hp_functional.parallel.context import ring_attention as ring_module
+from hp_functional.parallel.context.cp_layout import cp_positions
+from hp_functional.parallel.context.ring_attention import RingAttention, allgather_attention
 from hp_functional.tools.models import build_model, tiny_config
 from tests.conftest import one_device
 from tests.support.helpers import assert_close

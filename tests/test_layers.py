@@ -132,6 +132,55 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
     assert _imports("hp_functional.core.a", mods["hp_functional.core.a"], set(mods), types=True) == {"hp_functional.plan.b"}
 
 
+#: the layers that reach a parallelism only through its contracts (``core.style``'s facts of a style,
+#: ``core.parallelism``'s hooks), never by importing it: a new parallelism is a package plus one line
+PLUGIN_BLIND = ("core", "analysis", "compile", "runtime")
+
+
+def parallel_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``module imports dep`` for every import of ``hp_functional.parallel`` (the package or any
+    module in it) by a module of the ``PLUGIN_BLIND`` layers in ``graph``."""
+    return sorted(f"{m} imports {d}" for m, deps in graph.items()
+                  if _layer(m) is not None and LAYERS[_layer(m)] in PLUGIN_BLIND
+                  for d in deps if d == "hp_functional.parallel" or d.startswith("hp_functional.parallel."))
+
+
+def test_compile_runtime_analysis_and_core_import_no_parallelism():
+    """What these layers need of a parallelism they ask its styles (``Style.own_forward``,
+    ``splits_sequence``, ``sequence_split``, ``local_buffer_shapes``) or its plug-in
+    (``Parallelism.sharded_outputs``, ``lint``, ``loss_labels``): no import of ``parallel``, at
+    module level, inside a function or under ``TYPE_CHECKING`` (docs/adding-a-parallelism.md)."""
+    found = parallel_imports(_graph(types=True))
+    assert not found, ("a layer below the plug-ins' users imports a parallelism (ask a style's fact or a "
+                       "Parallelism hook, core/style.py, core/parallelism.py):\n" + "\n".join(found))
+
+
+def test_the_parallel_import_check_sees_every_spelling(tmp_path):
+    pkg = tmp_path / "hp_functional"
+    for folder in ("core", "runtime", "parallel", "parallel/tensor", "plan"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "parallel" / "tensor" / "styles.py").write_text("class Colwise: ...\n")
+    sources = {
+        "runtime/a.py": "def f():\n    from ..parallel.tensor.styles import Colwise\n",
+        "runtime/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..parallel import PARALLELISMS\n",
+        "core/c.py": "import hp_functional.parallel.tensor.styles\n",
+        "core/d.py": "from hp_functional.parallel.tensor import styles\n",
+        "plan/e.py": "from ..parallel.tensor.styles import Colwise\n",  # the plan layer may
+    }
+    for rel, source in sources.items():
+        (pkg / rel).write_text(source)
+    mods = {"hp_functional.parallel": pkg / "parallel" / "__init__.py",
+            "hp_functional.parallel.tensor": pkg / "parallel" / "tensor" / "__init__.py",
+            "hp_functional.parallel.tensor.styles": pkg / "parallel" / "tensor" / "styles.py",
+            **{"hp_functional." + rel[:-3].replace("/", "."): pkg / rel for rel in sources}}
+    graph = {n: _imports(n, f, set(mods), types=True) for n, f in mods.items()}
+    found = parallel_imports(graph)
+    assert {line.split(" imports ")[0] for line in found} == {
+        "hp_functional.core.c", "hp_functional.core.d", "hp_functional.runtime.a", "hp_functional.runtime.b"}, found
+    assert "hp_functional.runtime.b imports hp_functional.parallel" in found, found
+
+
 @pytest.mark.slow
 def test_import_does_not_load_rich_or_tqdm():
     """``import hp_functional`` adds neither rich (CLI tables) nor tqdm (the demo) to what

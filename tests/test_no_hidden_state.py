@@ -1,19 +1,16 @@
 """State is passed, not reached for: no ``global`` statement and no thread-local anywhere in
 hp_functional (an allow-list names the one thread-local and says why it is not a channel); the
-probe's verdicts go through ``ProbeCache``'s methods; ``shard(checkpoint=)`` still works as the
-earlier name of ``remat=``."""
+probe's verdicts go through ``ProbeCache``'s methods, on a cache its caller owns and passes (no
+process-wide default)."""
 
 import ast
+import inspect
 import pathlib
-import warnings
-
-import torch
-from torch import nn
+import sys
 
 import hp_functional as hpf
-from hp_functional.runtime.probe import ProbeCache
-from tests.conftest import get_pool
-from tests.support.helpers import assert_close, mesh, rank
+from hp_functional.runtime import probe
+from hp_functional.runtime.probe import ProbeCache, Verdict
 
 PACKAGE = pathlib.Path(hpf.__file__).parent
 
@@ -59,40 +56,25 @@ def test_the_scan_sees_what_it_forbids():
 
 
 def test_probe_cache_remembers_through_its_methods():
+    exact, skipped = Verdict(True, "exact on the probe copy"), Verdict(False, "skipped: ...")
     cache = ProbeCache(size=2)
     assert cache.lookup("a") is None
-    cache.record("a", "exact on the probe copy")
-    cache.record("b", "skipped: ...")
-    assert cache.lookup("a") == "exact on the probe copy"  # now the most recently used
-    cache.record("c", "exact on the probe copy")  # "b" goes first
+    cache.record("a", exact)
+    cache.record("b", skipped)
+    assert cache.lookup("a") is exact  # now the most recently used
+    cache.record("c", exact)  # "b" goes first
     assert cache.lookup("b") is None and cache.lookup("a") is not None and len(cache) == 2
+    again = exact.remembered()
+    assert again.compared and str(again) == "exact on the probe copy (probed before in this process: same structure, " \
+                                           "plan and mesh)"
 
 
-def case_checkpoint_keyword():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-    plan = {"0": hpf.Colwise(), "2": hpf.Rowwise()}
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old, params, _ = hpf.shard(model, plan, mesh(), checkpoint=["0"], verify=False)
-    new, params2, _ = hpf.shard(model, plan, mesh(), remat=["0"], verify=False)
-    assert_close(old(params, x), model(x), "checkpoint= output")
-    assert_close(new(params2, x), model(x), "remat= output")
-    try:
-        hpf.shard(model, plan, mesh(), checkpoint=["0"], remat=["0"], verify=False)
-        both = None
-    except TypeError as exc:
-        both = str(exc)
-    warned = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-    return rank(), warned, sorted(old.runtime.remat.blocks), sorted(new.runtime.remat.blocks), both
-
-
-def test_checkpoint_keyword_is_the_earlier_name_of_remat():
-    for _, warned, old_blocks, new_blocks, both in get_pool(2).run(case_checkpoint_keyword):
-        assert any("shard(checkpoint=...) is now shard(remat=...)" in w for w in warned), warned
-        assert old_blocks == new_blocks == ["0"]
-        assert both is not None and "checkpoint=" in both and "remat=" in both, both
+def test_no_process_wide_probe_cache():
+    """``shard()`` remembers proofs only in a ``ProbeCache`` its caller passes: no module holds one."""
+    assert inspect.signature(hpf.shard).parameters["probe_cache"].default is None
+    held = [f"{m.__name__}.{name}" for m in (probe, sys.modules[hpf.shard.__module__])
+            for name, value in vars(m).items() if isinstance(value, ProbeCache)]
+    assert not held, held
 
 
 def test_an_async_save_handle_releases_its_own_lane():

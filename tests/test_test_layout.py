@@ -17,7 +17,8 @@ import ast
 import re
 from pathlib import Path
 
-from tests.test_layers import LAYERS, PACKAGE, _modules
+import hp_functional as hpf
+from tests.test_layers import LAYERS, _modules
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -39,7 +40,6 @@ THROUGH = {
     "hp_functional.compile.lint_heads": "tests/compile/test_lint_heads.py",
     "hp_functional.compile.lower": "tests/tools/test_explain.py",  # the lowered steps' communication, counted
     "hp_functional.core.checksum": "tests/runtime/test_reliability.py",
-    "hp_functional.core.deprecation": "tests/cli/test_cli.py",  # the renamed keywords' FutureWarnings
     "hp_functional.core.signature": "tests/runtime/test_run_agreement.py",
     "hp_functional.parallel.context.plugin": "tests/parallel/test_context_parallel_hf.py",
     "hp_functional.parallel.experts.plugin": "tests/parallel/test_experts.py",
@@ -51,7 +51,6 @@ THROUGH = {
     "hp_functional.planner.sp": "tests/planner/test_auto_plan.py",
     "hp_functional.runtime.initial_values": "tests/runtime/test_weights.py",
     "hp_functional.runtime.loss": "tests/parallel/test_loss_parallel.py",
-    "hp_functional.runtime.rng_layout": "tests/runtime/test_rng.py",
     "hp_functional.runtime.rng_ops": "tests/runtime/test_rng.py",
     "hp_functional.runtime.weight_sums": "tests/train/test_checkpoint_security.py",
     "hp_functional.sources.torch_moe_styles": "tests/models/test_torchtitan.py",
@@ -70,11 +69,13 @@ THROUGH = {
 
 
 def _lazy() -> dict[str, str]:
-    """The root's public name -> the module defining it (``hp_functional/__init__.py``'s ``_LAZY``)."""
-    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
-        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "_LAZY":
-            return {k.value: "hp_functional" + v.value for k, v in zip(node.value.keys, node.value.values, strict=True)}
-    raise AssertionError("hp_functional/__init__.py has no _LAZY")
+    """The root's public name -> the module defining it (``hp_functional/__init__.py``'s export table)."""
+    known = set(_modules())
+    found = {}
+    for name, (module, attribute) in hpf._EXPORTS.items():
+        module = "hp_functional" + module
+        found[name] = f"{module}.{attribute}" if f"{module}.{attribute}" in known else module
+    return found
 
 
 def imported_modules(path: Path, known: set[str], lazy: dict[str, str]) -> set[str]:

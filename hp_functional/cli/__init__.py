@@ -1,3 +1,3 @@
-"""Layer 7: the ``hp-functional`` command line, the demo and the local launcher."""
+"""Layer 11: the ``hp-functional`` command line, the demo and the local launcher."""
 
 __all__: list[str] = []

@@ -19,12 +19,13 @@ from ..analysis.trace import example_call
 from ..core.collectives import AxisGroup, CopyTo
 from ..core.errors import PlanError, PlanWarning
 from ..core.facets import ReducedOver
+from ..core.findings import Finding, Level
 from ..core.program import Planned, Program
 from ..core.style import ModuleSpec
 from ..plan.plan import ShardingPlan, as_plan
 from .dataflow import trace_dataflow
 from .kv_heads import replicate_kv_heads
-from .lint import Finding, enforce, lint_entries, lint_specs, shadowed
+from .lint import enforce, lint_entries, lint_specs, shadowed
 from .lower import bucket_parameter_conversions, lower_boundaries, lower_parameter_conversions
 from .place import place_parameters
 from .regions import analyse_regions
@@ -169,12 +170,13 @@ def lint(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> li
         plan: a ``ShardingPlan`` or a plain ``{pattern: style}`` dict.
         mesh: the ``DeviceMesh`` to shard over.
     Returns:
-        A list of ``Finding(level, where, message, code)``, ``level`` being ``"error"``, ``"warning"`` or ``"note"``.
+        A list of ``Finding(level, where, message, code)``, ``level`` a ``Level``: ``"error"``, ``"warning"`` or
+        ``"note"`` (a ``str`` enum: it compares equal to those strings).
     """
     try:
         plan = as_plan(plan)
     except PlanError as exc:
-        return [Finding("error", "plan", str(exc), "entry")]
+        return [Finding(Level.ERROR, "plan", str(exc), "entry")]
     findings, usable = lint_entries(model, plan, mesh)
     if usable is None:
         return findings
@@ -183,26 +185,26 @@ def lint(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh) -> li
         planned = usable.resolve(model, mesh)
     except PlanError as exc:
         if not any(f.code == "conflict" for f in findings):
-            findings.append(Finding("error", "plan", str(exc), "style"))
+            findings.append(Finding(Level.ERROR, "plan", str(exc), "style"))
         return findings
     specs, style_errors = {}, []
     for p in planned:
         try:
             specs[p.fqn] = p.style.spec(p.module, p.fqn, p.axis)
         except PlanError as exc:
-            style_errors.append(Finding("error", p.fqn, str(exc), "style"))
+            style_errors.append(Finding(Level.ERROR, p.fqn, str(exc), "style"))
     if not style_errors:
         try:
             planned, specs = replicate_kv_heads(model, planned, specs, {a: AxisGroup.from_mesh(mesh, a)
                                                                           for a in mesh.mesh_dim_names})
         except PlanError as exc:
-            style_errors.append(Finding("error", "plan", str(exc), "heads"))
+            style_errors.append(Finding(Level.ERROR, "plan", str(exc), "heads"))
     findings += style_errors + lint_specs(model, usable, mesh, planned, specs)
-    if not any(f.level == "error" for f in findings):
+    if not any(f.level == Level.ERROR for f in findings):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", PlanWarning)
                 _build(model, plan, mesh, run_lint=False)
         except PlanError as exc:
-            findings.append(Finding("error", "plan", str(exc), "placement"))
+            findings.append(Finding(Level.ERROR, "plan", str(exc), "placement"))
     return findings

@@ -24,12 +24,11 @@ from ..analysis.copies import to_meta
 from ..analysis.trace import _leaves
 from ..core.errors import PlanError
 from ..core.lowering import Step
+from ..core.module_kinds import CONVS, is_conv1d
 from ..core.placement import ShardInfo, splits
 from ..core.program import Boundary, Planned
 from ..core.signature import arg_slots, map_arguments
 from ..core.style import ModuleSpec
-from ..parallel.tensor.channels import CONVS
-from ..parallel.tensor.styles import is_conv1d
 from .reduced_copy import Reduced, plan_marks, reduced_copy
 from .regions import Varying, consumer_axes, is_below
 

@@ -8,53 +8,34 @@ levels and what each finds: docs/tools.md#lint.
 
 from __future__ import annotations
 
-__all__ = ["Finding", "collapse", "enforce", "layer_pattern", "lint_entries", "lint_specs", "shadowed"]
+__all__ = ["collapse", "enforce", "layer_pattern", "lint_entries", "lint_specs", "shadowed"]
 
 import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ..core.errors import PlanError, PlanWarning
+from ..core.findings import Finding, Level
 from ..core.paths import most_specific, specificity
 from ..core.placement import replica_group
 from ..core.program import Planned
 from ..core.signature import arg_slots
 from ..core.style import ModuleSpec
-from ..parallel.tensor.plugin import loss_head
-from ..parallel.tensor.styles import SequenceParallel
 from ..plan.plan import ShardingPlan
 from ..sources.peft import lora_view
 from .lint_heads import audit_regions
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One lint result: its ``level``, the module/pattern it names, why, and a short ``code``
-    (docs/tools.md#lint).  An *error*: the plan cannot be applied or would certainly compute
-    something else than the model; a *warning*: it runs but is probably not what was meant; a
-    *note*: what a check could not see (``hpf.lint`` only)."""
-
-    level: Literal["error", "warning", "note"]
-    where: str
-    message: str
-    code: str = ""
-
-    def __str__(self) -> str:
-        named = not self.where or self.where in self.message
-        return f"{self.level}: {self.message}" if named else f"{self.level}: {self.where}: {self.message}"
 
 
 def lint_entries(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> tuple[list[Finding], ShardingPlan | None]:
     """The per-entry checks (unmatched patterns, unknown axes), conflicts and shadowed entries,
     and the plan of the entries that resolve by themselves (None: the mesh is unusable)."""
     if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names:
-        return [Finding("error", "mesh", "the mesh must be a DeviceMesh with named dims "
+        return [Finding(Level.ERROR, "mesh", "the mesh must be a DeviceMesh with named dims "
                         "(init_device_mesh(device_type, shape, mesh_dim_names=(...)))", "mesh")], None
     findings, good = [], {}
     for pattern, style in plan.entries.items():  # each entry alone: unmatched pattern, unknown axis
@@ -62,7 +43,7 @@ def lint_entries(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> tupl
             plan.restricted({pattern: style}).resolve(model, mesh)
             good[pattern] = style
         except PlanError as exc:
-            findings.append(Finding("error", pattern, str(exc), "entry"))
+            findings.append(Finding(Level.ERROR, pattern, str(exc), "entry"))
     usable = plan.with_entries(good, axes=plan.restricted(good).axes)  # the roles the usable entries use
     return findings + _conflicts(model, usable) + shadowed(model, usable), usable
 
@@ -71,7 +52,7 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
                specs: Mapping[str, ModuleSpec]) -> list[Finding]:
     """The checks on module structure over the specs the compiler built (a planned module
     missing from ``specs`` had a style error): siblings of sharded Linears, heads, forward
-    arguments, sequence parallelism."""
+    arguments, and each parallelism's own (``Parallelism.lint``: sequence parallelism's)."""
     findings: list[Finding] = []
     for p in planned:
         spec = specs.get(p.fqn)
@@ -80,26 +61,27 @@ def lint_specs(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, planned: 
             try:
                 arg_slots(p.module.forward, keys, p.fqn)
             except PlanError as exc:
-                findings.append(Finding("error", p.fqn, str(exc), "argument"))
+                findings.append(Finding(Level.ERROR, p.fqn, str(exc), "argument"))
     by_fqn = {p.fqn: p for p in planned if p.fqn in specs}
     entries = {p.fqn for p in planned}  # with an entry, even one whose style failed
-    head = loss_head(plan, model) if plan.settings.get("loss_parallel") else None
+    heads = frozenset(h for par in plan.parallelisms for h in par.sharded_outputs(plan, model))  # loss parallel's head
     modules = dict(model.named_modules(remove_duplicate=False))
     view, seen, seen_specs, seen_entries = lora_view(modules, by_fqn, specs, dict.fromkeys(entries))  # LoRA: its base
     parents = {fqn.rpartition(".")[0] for fqn, m in view.items() if isinstance(m, nn.Linear) and fqn in seen}
     for parent in sorted(parents):
-        findings += _siblings(_Family(parent, view, seen, seen_specs, head, mesh, set(seen_entries)))
-    findings += _sequence_parallel(by_fqn, specs)
+        findings += _siblings(_Family(parent, view, seen, seen_specs, heads, mesh, set(seen_entries)))
+    for par in plan.parallelisms:
+        findings += par.lint(plan, by_fqn, specs)
     out_head = getattr(model, "get_output_embeddings", lambda: None)()
-    skip = {head, *(f for f, m in modules.items() if out_head is not None and m is out_head)} - {None}
+    skip = {*heads, *(f for f, m in modules.items() if out_head is not None and m is out_head)}
     try:
-        rules = {n: {plan.axes["tp"]: r.placement} for n, r in plan.param_rules(model).items()}
+        rules = {n: {plan.axes[r.axis_role]: r.placement} for n, r in plan.param_rules(model).items()}
     except PlanError:  # a handler that matches nothing: placing the parameters raises it
         rules = {}
-    named = {f.where.rpartition(".")[0] for f in findings if f.level == "error"}  # already refused: no second error
+    named = {f.where.rpartition(".")[0] for f in findings if f.level == Level.ERROR}  # already refused: no second error
     errors, missed = audit_regions(model, mesh, planned, specs, skip=tuple(skip), rules=rules, named=named)
-    findings += [Finding("error", where, message, code) for where, code, message in errors]
-    findings += [Finding("note", where, f"{where or '<root module>'}: not audited: {why}", "not-audited")
+    findings += [Finding(Level.ERROR, where, message, code) for where, code, message in errors]
+    findings += [Finding(Level.NOTE, where, f"{where or '<root module>'}: not audited: {why}", "not-audited")
                  for where, why in missed]
     return findings
 
@@ -125,10 +107,10 @@ def collapse(findings: list[Finding]) -> list[str]:
 def enforce(findings: list[Finding]) -> None:
     """Raise the errors (all of them, in one PlanError); warn about the warnings (notes are
     ``hpf.lint``'s only)."""
-    errors = [f for f in findings if f.level == "error"]
+    errors = [f for f in findings if f.level == Level.ERROR]
     if errors:
         raise PlanError("; ".join(collapse(errors)))
-    for line in collapse([f for f in findings if f.level == "warning"]):
+    for line in collapse([f for f in findings if f.level == Level.WARNING]):
         warnings.warn(line, PlanWarning, stacklevel=3)
 
 
@@ -139,7 +121,7 @@ def _conflicts(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
         try:
             most_specific(path, cands)
         except PlanError as exc:
-            findings.append(Finding("error", path, str(exc), "conflict"))
+            findings.append(Finding(Level.ERROR, path, str(exc), "conflict"))
     return findings
 
 
@@ -151,7 +133,7 @@ def shadowed(model: nn.Module, plan: ShardingPlan) -> list[Finding]:
         for c in cands:
             hits.setdefault(c.pattern, []).append(specificity(c.pattern) < best)
     return [
-        Finding("warning", pattern, f"plan entry {pattern!r} has no effect: every module it matches is taken by a more "
+        Finding(Level.WARNING, pattern, f"plan entry {pattern!r} has no effect: every module it matches is taken by a more "
                                     "specific pattern", "shadowed")
         for pattern, all_shadowed in hits.items() if all(all_shadowed)
     ]
@@ -162,26 +144,6 @@ def _placement(spec_map: Mapping, key, axis: str):
     return spec_map.get(key, {}).get(axis)
 
 
-def _sequence_parallel(by_fqn: Mapping[str, Planned], specs: Mapping[str, ModuleSpec]) -> list[Finding]:
-    """SequenceParallel modules need another entry that splits or gathers their sequence dim."""
-    findings = []
-    for p in by_fqn.values():
-        if not isinstance(p.style, SequenceParallel):
-            continue
-        seq = Shard(p.style.seq_dim)
-        others = [
-            q for q in by_fqn.values() if not isinstance(q.style, SequenceParallel) and any(
-                pl.get(p.axis) == seq for m in (specs[q.fqn].in_src, specs[q.fqn].in_dst, specs[q.fqn].out_src,
-                                                specs[q.fqn].out_dst) for pl in m.values())
-        ]
-        if not others:
-            findings.append(Finding(
-                "warning", p.fqn, f"{p.fqn}: SequenceParallel, but no other plan entry splits or gathers dim "
-                f"{p.style.seq_dim} on axis {p.axis!r} (e.g. Rowwise(output_layout=Shard(1)), PrepareInput to/from "
-                "Shard(1)); its input must arrive sequence-sharded and its output is never gathered", "sequence-parallel"))
-    return findings
-
-
 @dataclass(frozen=True)
 class _Family:
     """What the sibling checks read about one parent module and the plan around it."""
@@ -190,7 +152,7 @@ class _Family:
     modules: Mapping[str, nn.Module]
     by_fqn: Mapping[str, Planned]  # planned modules whose spec was built
     specs: Mapping[str, ModuleSpec]
-    head: str | None  # the loss-parallel head (its sharded output is meant)
+    heads: frozenset[str]  # modules whose sharded output is meant (loss parallel's head: Parallelism.sharded_outputs)
     mesh: DeviceMesh
     entries: set[str]  # modules with a plan entry
 
@@ -201,7 +163,7 @@ def _cousins(f: _Family, axis: str) -> tuple[list[str], list[str]]:
     if not f.parent:
         return [], []
     top = f.parent.rpartition(".")[0]
-    near = [c for c, p in f.by_fqn.items() if p.axis == axis and c != f.head and (not top or c.startswith(top + "."))
+    near = [c for c, p in f.by_fqn.items() if p.axis == axis and c not in f.heads and (not top or c.startswith(top + "."))
             and not c.startswith(f.parent + ".")]
     out = {c for c in near if isinstance(pl := _placement(f.specs[c].out_dst, "output", axis), Shard) and pl.dim == -1}
     into = {c for c in near if _placement(f.specs[c].in_src, 0, axis) == Shard(-1)}
@@ -223,7 +185,7 @@ def _siblings(f: _Family) -> list[Finding]:
     planned = [c for c in linears if c in by_fqn]
     for axis in sorted({by_fqn[c].axis for c in planned}):
         mine = [c for c in planned if by_fqn[c].axis == axis]
-        producers = [c for c in mine if c != f.head and isinstance(_placement(specs[c].out_dst, "output", axis), Shard)
+        producers = [c for c in mine if c not in f.heads and isinstance(_placement(specs[c].out_dst, "output", axis), Shard)
                      and _placement(specs[c].out_dst, "output", axis).dim == -1]
         consumers = [c for c in mine if _placement(specs[c].in_src, 0, axis) == Shard(-1)]
         sharded = [c for c in mine if any(isinstance(pl.get(axis), Shard) for pl in specs[c].params.values())]
@@ -236,24 +198,24 @@ def _siblings(f: _Family) -> list[Finding]:
             culprits = [u for u in unplanned if modules[u].in_features in widths and children.index(u) > first]
             for u in culprits:
                 findings.append(Finding(
-                    "error", u, f"{u} is left replicated (no plan entry) but consumes the Shard(-1) outputs of {producers}, "
+                    Level.ERROR, u, f"{u} is left replicated (no plan entry) but consumes the Shard(-1) outputs of {producers}, "
                     "which nothing reduces: plan it Rowwise, or gather those outputs (gather_output=True)", "unreduced"))
             flagged.update(culprits)
             if not culprits and not cousins[1]:
                 for c in producers:
                     findings.append(Finding(
-                        "warning", c, f"{c}: its output stays sharded on the last dim (Colwise without gather_output) and "
+                        Level.WARNING, c, f"{c}: its output stays sharded on the last dim (Colwise without gather_output) and "
                         "no sibling Rowwise consumes it", "sharded-output"))
         if consumers and not producers:
             for c in consumers:
                 findings.append(Finding(
-                    "warning", c, f"{c}: Rowwise expects its input sharded on the last dim but no sibling Colwise produces "
+                    Level.WARNING, c, f"{c}: Rowwise expects its input sharded on the last dim but no sibling Colwise produces "
                     "it; use Rowwise(input_layout=Replicate()) to split a replicated input", "unsharded-input"))
         for u in unplanned:
             twin = next((c for c in sharded if modules[c].weight.shape == modules[u].weight.shape), None)
             if u not in flagged and twin is not None:
                 findings.append(Finding(
-                    "warning", u, f"{u} is left replicated while its sibling {twin} of the same shape is sharded; plan it "
+                    Level.WARNING, u, f"{u} is left replicated while its sibling {twin} of the same shape is sharded; plan it "
                     "too, or plan it NoParallel() if that is meant", "replicated"))
         findings += _heads(f, producers, axis)
     return findings
@@ -273,6 +235,6 @@ def _heads(f: _Family, producers: list[str], axis: str) -> list[Finding]:
             continue  # packed: not split by heads; indivisible dims raise ShapeError; KV heads replicated
         if (out // n) % head_dim:
             findings.append(Finding(
-                "error", c, f"{c}: {out} output features over {n} ranks of axis {axis!r} leave {out // n} per rank, not a "
+                Level.ERROR, c, f"{c}: {out} output features over {n} ranks of axis {axis!r} leave {out // n} per rank, not a "
                 f"multiple of head_dim={head_dim} of {f.parent or 'the root'} (fewer heads than ranks)", "heads"))
     return findings

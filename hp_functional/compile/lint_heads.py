@@ -20,12 +20,10 @@ from ..analysis.arguments import head_counts, per_head_arguments
 from ..analysis.audit import Mismatch, boundaries, compare, culprits, handoff, record
 from ..analysis.trace import example_call, trace_model
 from ..core.errors import PlanError
+from ..core.module_kinds import CONVS, is_conv1d
 from ..core.placement import local_layout, mesh_placements, splits
 from ..core.program import Planned
 from ..core.style import ModuleSpec
-from ..parallel.local import Local
-from ..parallel.tensor.channels import CONVS, Channels
-from ..parallel.tensor.styles import is_conv1d
 
 Found = tuple[str, str, str]  # (module, code, message)
 
@@ -143,8 +141,8 @@ def audit_regions(model: nn.Module, mesh: DeviceMesh, planned: Sequence[Planned]
     found, missed = [], []
     for parent, children in sorted(regions.items()):
         module = modules[parent]
-        if parent in named or parent in by_fqn and isinstance(by_fqn[parent].style, Local):
-            continue  # a Local runs its own forward on local shards
+        if parent in named or parent in by_fqn and not by_fqn[parent].style.own_forward:
+            continue  # a Local (or a style built on it) runs its own forward on local shards
         inner = sorted(r for r in regions if r != parent and (not parent or r.startswith(parent + ".")))
         if inner:  # its run would enter them without the boundaries of their own entries (PrepareInput...)
             missed.append((parent, f"it holds other planned regions ({inner[0]}, ...), audited each on its own; its "
@@ -280,9 +278,8 @@ def _local_view(parent: str, module: nn.Module, by_fqn: Mapping[str, Planned], s
                 shapes[prefix + name] = local_layout(full.shape, mesh_placements(per_axis, mesh, fqn), mesh, fqn)[0]
         size = mesh.size(list(mesh.mesh_dim_names).index(p.axis))
         sub = module.get_submodule(rel) if rel else module
-        if isinstance(p.style, Channels):  # a BatchNorm reads its channels' slice of its whole running statistics
-            shapes.update({prefix + n: torch.Size([b.shape[0] // size]) for n, b in sub.named_buffers(recurse=False)
-                           if b.dim() == 1 and b.shape[0] == getattr(sub, "num_features", None)})
+        # a buffer its local forward reads otherwise than stored (Channels: a BatchNorm's slice of its statistics)
+        shapes.update({prefix + n: shape for n, shape in p.style.local_buffer_shapes(sub, size).items()})
         for attr in spec.divide_attrs:
             value = getattr(sub, attr, None)
             if not isinstance(value, int) or value % size:

@@ -92,7 +92,7 @@ def place_parameters(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, spe
         per_axis, blocks = (found[0].params.get(found[1], {}), found[0].param_blocks.get(found[1])) if found else ({}, None)
         summed = tuple(a for a in found[0].summed_axes if splits(per_axis.get(a))) if found else ()
         if name in rules:
-            per_axis, blocks = {plan.axes["tp"]: rules[name].placement}, rules[name].blocks
+            per_axis, blocks = {plan.axes[rules[name].axis_role]: rules[name].placement}, rules[name].blocks
         placements = mesh_placements(per_axis, mesh, f"parameter {name}")
         if leaf in chosen and chosen[leaf].placements != placements:
             raise PlanError(

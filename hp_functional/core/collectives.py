@@ -16,8 +16,9 @@ Naming follows the transpose pairs of JAX/Megatron.  Read the types as JAX's: a 
 rank-invariant (I: one value, replicated, its cotangent the same on every rank) or
 rank-varying (V: one value per rank — a shard, a partial sum, or a replicated value consumed
 by per-rank compute, whose cotangent arrives as per-rank partial sums).  A collective's backward
-is its transpose, and that transpose is itself a collective of this table (``TRANSPOSE``, the
-one place the pairs are stated): I → V transposes to V → I and back, and the transpose of the
+is its transpose, and that transpose is itself a collective of this table (each block names its
+transpose, the object: ``Collective.transpose``); its type (``CollectiveType``, of two
+``ValueType``) says what is rank-invariant: I → V transposes to V → I and back, and the transpose of the
 transpose is the collective again, so ``grad`` of ``grad``, ``jacrev``/``jacfwd`` of ``jacrev``
 and ``hessian`` are exact at every order, not only the first:
 
@@ -89,17 +90,19 @@ from __future__ import annotations
 
 __all__ = [
     "Accumulator", "AllGather", "AllReduce", "AllToAll", "AllToAllV", "AxisGroup", "COLLECTIVES", "Collective",
-    "CopyTo", "CopyToReplicas", "GatherFrom", "GatherParams", "LeaveRegion", "MeanScatter", "PartialFrom", "Ppermute",
-    "Precision", "RecvFrom", "ReduceFrom", "ReduceFromReplicas", "ReduceScatter", "Replicas", "SendTo", "SplitTo",
-    "TRANSPOSE", "all_gather", "all_reduce", "all_to_all", "all_to_all_v", "copy_to", "copy_to_replicas",
-    "gather_from", "gather_params", "leave_region", "mean_scatter", "partial_from", "ppermute", "raw_all_gather",
-    "raw_all_reduce", "raw_all_to_all", "recv_from", "reduce_from", "reduce_from_replicas", "reduce_scatter", "ring",
-    "send_to", "split_to"
+    "CollectiveType", "CopyTo", "CopyToReplicas", "GatherFrom", "GatherParams", "LeaveRegion", "MeanScatter",
+    "PartialFrom", "Ppermute", "Precision", "RecvFrom", "ReduceFrom", "ReduceFromReplicas", "ReduceScatter",
+    "Replicas", "SendTo", "SplitTo", "ValueType", "all_gather", "all_reduce", "all_to_all", "all_to_all_v", "copy_to",
+    "copy_to_replicas", "gather_from", "gather_params", "leave_region", "mean_scatter", "partial_from", "ppermute",
+    "raw_all_gather", "raw_all_reduce", "raw_all_to_all", "recv_from", "reduce_from", "reduce_from_replicas",
+    "reduce_scatter", "ring", "send_to", "split_to"
 ]
 
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 import torch
@@ -108,7 +111,7 @@ from torch import Tensor
 
 from .errors import PlanError
 from .raw_collectives import (
-    PendingSlot,
+    Gate,
     Replicas,
     check_perm,
     get_timeout,
@@ -139,29 +142,32 @@ def _group_rank(group: dist.ProcessGroup) -> int:
 
 @dataclass(frozen=True)
 class AxisGroup:
-    """One mesh axis as seen by this rank: process-group name, size and this rank's index;
-    ``pending``: the check its next collective runs first (``raw_collectives.PendingCheck``)."""
+    """One mesh axis as seen by this rank: process-group name, size and this rank's index (a value:
+    equal groups compare equal); ``gate``: the ``raw_collectives.Gate`` where ``apply_fn``'s input
+    agreement waits for the call's first collective over the axis, passed in by the group's maker
+    (the program's, shared by its axes); None: no check waits on it."""
 
     axis: str
     group_name: str
     size: int
     rank: int
-    pending: PendingSlot = field(default_factory=PendingSlot, compare=False, repr=False)
+    gate: Gate | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_mesh(cls, mesh, axis: str) -> AxisGroup:
-        """The group of ``mesh`` along ``axis`` (a mesh dim name)."""
+    def from_mesh(cls, mesh, axis: str, gate: Gate | None = None) -> AxisGroup:
+        """The group of ``mesh`` along ``axis`` (a mesh dim name), with ``gate`` (None: a gate of its own)."""
         group = mesh.get_group(axis)
-        return cls(axis, group.group_name, dist.get_world_size(group), _group_rank(group))
+        return cls(axis, group.group_name, dist.get_world_size(group), _group_rank(group), gate or Gate())
 
     @classmethod
-    def flat(cls, mesh, axes: Sequence[str]) -> AxisGroup:
+    def flat(cls, mesh, axes: Sequence[str], gate: Gate | None = None) -> AxisGroup:
         """Several axes of ``mesh`` flattened into one group (torchtitan's ``dp_shard_cp``): a
         process group per set of ranks that differ only on ``axes``, made by
         ``torch.distributed.new_group`` with the first axis's backend and timeout.  Every rank of
-        the world must call it, in the same order (it creates groups); one axis is ``from_mesh``."""
+        the world must call it, in the same order (it creates groups); one axis is ``from_mesh``;
+        ``gate`` as there."""
         if len(axes) == 1:
-            return cls.from_mesh(mesh, axes[0])
+            return cls.from_mesh(mesh, axes[0], gate)
         first = mesh.get_group(axes[0])
         names = list(mesh.mesh_dim_names)
         moved = mesh.mesh.permute(*[names.index(n) for n in names if n not in axes],
@@ -172,7 +178,7 @@ class AxisGroup:
                                    timeout=get_timeout(first.group_name))
             if mesh.get_rank() in ranks:
                 mine = group
-        return cls("+".join(axes), mine.group_name, dist.get_world_size(mine), _group_rank(mine))
+        return cls("+".join(axes), mine.group_name, dist.get_world_size(mine), _group_rank(mine), gate or Gate())
 
     # The collectives of a rank-varying region, bound to this axis (``hpf.Local``'s ``axes``): each
     # takes and gives rank-varying values, so its transpose is again one of these (see the table).
@@ -221,19 +227,49 @@ def _unbatched(args: tuple) -> tuple:
     return args
 
 
+class ValueType(Enum):
+    """Whether a value is the same on every rank of the axis (``INVARIANT``, I: its cotangent the
+    same on every rank too) or one per rank (``VARYING``, V: a shard, a partial sum, or a
+    replicated value consumed by per-rank compute, whose cotangent arrives as per-rank partial sums)."""
+
+    INVARIANT = "I"
+    VARYING = "V"
+
+
+class CollectiveType(NamedTuple):
+    """A collective's type: what its input (``src``) and output (``dst``) are; shown as ``I → V``."""
+
+    src: ValueType
+    dst: ValueType
+
+    def __str__(self) -> str:
+        return f"{self.src.value} → {self.dst.value}"
+
+    @property
+    def transposed(self) -> CollectiveType:
+        """The type of the transpose: the same two ends, reversed."""
+        return CollectiveType(self.dst, self.src)
+
+
+_V_TO_V = CollectiveType(ValueType.VARYING, ValueType.VARYING)
+_I_TO_V = CollectiveType(ValueType.INVARIANT, ValueType.VARYING)
+_V_TO_I = CollectiveType(ValueType.VARYING, ValueType.INVARIANT)
+
+
 class Collective(NamedTuple):
     """One collective as two ``autograd.Function`` classes with the same forward and backward:
     ``eager`` also has the forward-mode ``jvp`` and the ``vmap`` rule; ``traced`` has neither,
     because Dynamo cannot trace a Function with a custom ``jvp`` (torch.compile would graph-break).
-    ``transpose`` names the collective its backward applies, with ``transpose_args(*args)``;
-    ``batch_args(args)`` gives the arguments with the vmapped dim moved to the front; ``types``
-    says whether input and output are rank-invariant or rank-varying."""
+    ``types`` says whether input and output are rank-invariant or rank-varying; ``transpose`` is
+    the collective its backward applies (``conjugate()``, the block's reference to it: a pair's
+    blocks name each other), with ``transpose_args(*args)``; ``batch_args(args)`` gives the
+    arguments with the vmapped dim moved to the front."""
 
     name: str
     eager: type[torch.autograd.Function]
     traced: type[torch.autograd.Function]
-    types: str  # "I→V": input and output rank-invariant (I) or rank-varying (V)
-    transpose: str
+    types: CollectiveType
+    conjugate: Callable[[], Collective]
     transpose_args: Callable[..., tuple]
     batch_args: Callable[[tuple], tuple]
 
@@ -253,23 +289,30 @@ class Collective(NamedTuple):
         return self.eager.apply_unbound(_unwrap_if_dead(x), *args)
 
     @property
+    def transpose(self) -> Collective:
+        """The collective its backward applies (itself for ``all_reduce``)."""
+        return self.conjugate()
+
+    @property
     def makes_invariant(self) -> bool:
-        """Whether its output is rank-invariant (``types`` ends in I: "V→I"): the value it hands
-        on is identical on every rank of its axis, whatever it was before."""
-        return self.types.split("→")[1] == "I"
+        """Whether its output is rank-invariant (a V → I type): the value it hands on is
+        identical on every rank of its axis, whatever it was before."""
+        return self.types.dst is ValueType.INVARIANT
 
 
-def _collective(name: str, forward: Callable, types: str, transpose: str,
+def _collective(name: str, forward: Callable, types: CollectiveType, transpose: Callable[[], Collective],
                 transpose_args: Callable[..., tuple] = _same_args,
                 batch_args: Callable[[tuple], tuple] = _shift_dims,
                 keep: Callable[..., Tensor | None] | None = None) -> Collective:
     """The collective ``name`` whose forward is ``forward(x, *args)`` and whose backward is the
-    collective ``transpose`` applied as ``transpose(grad, *transpose_args(*args))`` (a Function
-    of this module again, so the backward has its own backward, jvp and vmap rule).  Its vmap
-    rule moves the batched dim of ``x`` to the front and applies ``forward`` to
-    ``batch_args(args)``; its jvp is the forward on the tangent (every collective is linear).
-    ``keep(grad, *args)``, where given, runs first in the backward: it returns the cotangent to
-    transpose, or None to keep it (no collective, no gradient: FSDP's ``no_sync``)."""
+    collective ``transpose()`` (a reference to another block of the table, resolved when a
+    backward runs, so that a pair's blocks can name each other) applied as
+    ``transpose()(grad, *transpose_args(*args))`` (a Function of this module again, so the
+    backward has its own backward, jvp and vmap rule).  Its vmap rule moves the batched dim of
+    ``x`` to the front and applies ``forward`` to ``batch_args(args)``; its jvp is the forward on
+    the tangent (every collective is linear).  ``keep(grad, *args)``, where given, runs first in
+    the backward: it returns the cotangent to transpose, or None to keep it (no collective, no
+    gradient: FSDP's ``no_sync``)."""
 
     def setup_context(ctx, inputs, output):
         ctx.args = inputs[1:]
@@ -279,7 +322,7 @@ def _collective(name: str, forward: Callable, types: str, transpose: str,
             grad = keep(grad, *ctx.args)
             if grad is None:
                 return (None, *([None] * len(ctx.args)))
-        conjugate = COLLECTIVES[transpose].apply(grad, *transpose_args(*ctx.args))
+        conjugate = transpose().apply(grad, *transpose_args(*ctx.args))
         return (conjugate, *([None] * len(ctx.args)))
 
     def jvp(ctx, tangent, *_):
@@ -297,7 +340,7 @@ def _collective(name: str, forward: Callable, types: str, transpose: str,
         "forward": staticmethod(forward),
         "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward),
-        "__doc__": f"Differentiable {name}; backward: {transpose} (see module docstring).",
+        "__doc__": f"Differentiable {name} ({types}); backward: its transpose (see module docstring).",
     }
     eager = type(cls, (torch.autograd.Function,), {
         **common, "generate_vmap_rule": False, "jvp": staticmethod(jvp), "vmap": staticmethod(vmap),
@@ -308,11 +351,11 @@ def _collective(name: str, forward: Callable, types: str, transpose: str,
 
 
 # ---------------------------------------------------------------- the collectives, one block each
-# A block is the collective (its forward, type, transpose with the transpose's arguments, and
-# batching rule, in one ``_collective`` call) and its public function; the table in the module
-# docstring lists them, ``COLLECTIVES`` (at the end) names them.
+# A block is the collective (its forward, type, transpose — the other block itself — with the
+# transpose's arguments, and batching rule, in one ``_collective`` call) and its public function;
+# the table in the module docstring lists them, ``COLLECTIVES`` (at the end) names them.
 
-AllReduce = _collective("all_reduce", raw_all_reduce, "V→V", "all_reduce")
+AllReduce = _collective("all_reduce", raw_all_reduce, _V_TO_V, transpose=lambda: AllReduce)
 
 
 def all_reduce(x: Tensor, group: AxisGroup) -> Tensor:
@@ -320,7 +363,7 @@ def all_reduce(x: Tensor, group: AxisGroup) -> Tensor:
     return AllReduce.apply(x, group)
 
 
-AllGather = _collective("all_gather", raw_all_gather, "V→V", "reduce_scatter")
+AllGather = _collective("all_gather", raw_all_gather, _V_TO_V, transpose=lambda: ReduceScatter)
 
 
 def all_gather(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
@@ -328,7 +371,7 @@ def all_gather(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
     return AllGather.apply(x, dim, group)
 
 
-ReduceScatter = _collective("reduce_scatter", raw_reduce_scatter, "V→V", "all_gather")
+ReduceScatter = _collective("reduce_scatter", raw_reduce_scatter, _V_TO_V, transpose=lambda: AllGather)
 
 
 def reduce_scatter(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
@@ -340,7 +383,7 @@ def _swap_dims(split_dim, concat_dim, group):
     return concat_dim, split_dim, group
 
 
-AllToAll = _collective("all_to_all", raw_all_to_all, "V→V", "all_to_all", _swap_dims)
+AllToAll = _collective("all_to_all", raw_all_to_all, _V_TO_V, transpose=lambda: AllToAll, transpose_args=_swap_dims)
 
 
 def all_to_all(x: Tensor, split_dim: int, concat_dim: int, group: AxisGroup) -> Tensor:
@@ -352,7 +395,7 @@ def _invert_perm(perm, group):
     return tuple((d, s) for s, d in perm), group
 
 
-Ppermute = _collective("ppermute", raw_ppermute, "V→V", "ppermute", _invert_perm)
+Ppermute = _collective("ppermute", raw_ppermute, _V_TO_V, transpose=lambda: Ppermute, transpose_args=_invert_perm)
 
 
 def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], group: AxisGroup) -> Tensor:
@@ -367,7 +410,8 @@ def _swap_splits(dim, send, recv, group):
     return dim, recv, send, group
 
 
-AllToAllV = _collective("all_to_all_v", raw_all_to_all_v, "V→V", "all_to_all_v", _swap_splits)
+AllToAllV = _collective("all_to_all_v", raw_all_to_all_v, _V_TO_V, transpose=lambda: AllToAllV,
+                        transpose_args=_swap_splits)
 
 
 def all_to_all_v(x: Tensor, dim: int, send: Sequence[int], recv: Sequence[int], group: AxisGroup) -> Tensor:
@@ -376,7 +420,7 @@ def all_to_all_v(x: Tensor, dim: int, send: Sequence[int], recv: Sequence[int], 
     return AllToAllV.apply(x, dim, tuple(int(n) for n in send), tuple(int(n) for n in recv), group)
 
 
-SendTo = _collective("send_to", raw_send, "V→V", "recv_from", batch_args=_unbatched)
+SendTo = _collective("send_to", raw_send, _V_TO_V, transpose=lambda: RecvFrom, batch_args=_unbatched)
 
 
 def send_to(x: Tensor, peer: int, group: AxisGroup) -> Tensor:
@@ -387,7 +431,7 @@ def send_to(x: Tensor, peer: int, group: AxisGroup) -> Tensor:
     return SendTo.apply(x, tuple(x.shape), int(peer), group)
 
 
-RecvFrom = _collective("recv_from", raw_recv, "V→V", "send_to", batch_args=_unbatched)
+RecvFrom = _collective("recv_from", raw_recv, _V_TO_V, transpose=lambda: SendTo, batch_args=_unbatched)
 
 
 def recv_from(anchor: Tensor, shape: Sequence[int], peer: int, group: AxisGroup) -> Tensor:
@@ -404,7 +448,7 @@ def _identity(x: Tensor, g: AxisGroup) -> Tensor:
     return x.view_as(x)
 
 
-CopyTo = _collective("copy_to", _identity, "I→V", "reduce_from")
+CopyTo = _collective("copy_to", _identity, _I_TO_V, transpose=lambda: ReduceFrom)
 
 
 def copy_to(x: Tensor, group: AxisGroup) -> Tensor:
@@ -413,7 +457,7 @@ def copy_to(x: Tensor, group: AxisGroup) -> Tensor:
     return CopyTo.apply(x, group)
 
 
-ReduceFrom = _collective("reduce_from", raw_all_reduce, "V→I", "copy_to")
+ReduceFrom = _collective("reduce_from", raw_all_reduce, _V_TO_I, transpose=lambda: CopyTo)
 
 
 def reduce_from(x: Tensor, group: AxisGroup) -> Tensor:
@@ -422,7 +466,7 @@ def reduce_from(x: Tensor, group: AxisGroup) -> Tensor:
     return ReduceFrom.apply(x, group)
 
 
-GatherFrom = _collective("gather_from", raw_all_gather, "V→I", "split_to")
+GatherFrom = _collective("gather_from", raw_all_gather, _V_TO_I, transpose=lambda: SplitTo)
 
 
 def gather_from(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
@@ -431,7 +475,7 @@ def gather_from(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
     return GatherFrom.apply(x, dim, group)
 
 
-SplitTo = _collective("split_to", raw_split, "I→V", "gather_from")
+SplitTo = _collective("split_to", raw_split, _I_TO_V, transpose=lambda: GatherFrom)
 
 
 def split_to(x: Tensor, dim: int, group: AxisGroup) -> Tensor:
@@ -444,7 +488,7 @@ def _keep_on_rank0(x: Tensor, g: AxisGroup) -> Tensor:
     return x.view_as(x) if g.rank == 0 else torch.zeros_like(x)
 
 
-PartialFrom = _collective("partial_from", _keep_on_rank0, "I→V", "leave_region")
+PartialFrom = _collective("partial_from", _keep_on_rank0, _I_TO_V, transpose=lambda: LeaveRegion)
 
 
 def partial_from(x: Tensor, group: AxisGroup) -> Tensor:
@@ -453,7 +497,7 @@ def partial_from(x: Tensor, group: AxisGroup) -> Tensor:
     return PartialFrom.apply(x, group)
 
 
-LeaveRegion = _collective("leave_region", _identity, "V→I", "partial_from")
+LeaveRegion = _collective("leave_region", _identity, _V_TO_I, transpose=lambda: PartialFrom)
 
 
 def leave_region(x: Tensor, group: AxisGroup) -> Tensor:
@@ -467,7 +511,7 @@ def _identity_replicas(x: Tensor, replicas: Replicas, g: AxisGroup) -> Tensor:
     return x.view_as(x)
 
 
-CopyToReplicas = _collective("copy_to_replicas", _identity_replicas, "I→V", "reduce_from_replicas")
+CopyToReplicas = _collective("copy_to_replicas", _identity_replicas, _I_TO_V, transpose=lambda: ReduceFromReplicas)
 
 
 def copy_to_replicas(x: Tensor, replicas: Replicas, group: AxisGroup) -> Tensor:
@@ -476,7 +520,7 @@ def copy_to_replicas(x: Tensor, replicas: Replicas, group: AxisGroup) -> Tensor:
     return CopyToReplicas.apply(x, replicas, group)
 
 
-ReduceFromReplicas = _collective("reduce_from_replicas", raw_replica_sum, "V→I", "copy_to_replicas")
+ReduceFromReplicas = _collective("reduce_from_replicas", raw_replica_sum, _V_TO_I, transpose=lambda: CopyToReplicas)
 
 
 def reduce_from_replicas(x: Tensor, replicas: Replicas, group: AxisGroup) -> Tensor:
@@ -541,8 +585,8 @@ def _to_mean_scatter(dim, precision, divisor, accumulator, group):
     return dim, precision, divisor, group
 
 
-GatherParams = _collective("gather_params", _gather_cast, "V→V", "mean_scatter", _to_mean_scatter, _shift_dim,
-                           keep=_keep_deferred)
+GatherParams = _collective("gather_params", _gather_cast, _V_TO_V, transpose=lambda: MeanScatter,
+                           transpose_args=_to_mean_scatter, batch_args=_shift_dim, keep=_keep_deferred)
 
 
 def gather_params(x: Tensor, dim: int, precision: Precision, divisor: int | Tensor, group: AxisGroup,
@@ -562,7 +606,8 @@ def _to_gather_params(dim, precision, divisor, group):
     return dim, precision, divisor, None, group
 
 
-MeanScatter = _collective("mean_scatter", _scatter_mean, "V→V", "gather_params", _to_gather_params, _shift_dim)
+MeanScatter = _collective("mean_scatter", _scatter_mean, _V_TO_V, transpose=lambda: GatherParams,
+                          transpose_args=_to_gather_params, batch_args=_shift_dim)
 
 
 def mean_scatter(x: Tensor, dim: int, precision: Precision, divisor: int | Tensor, group: AxisGroup) -> Tensor:
@@ -572,11 +617,10 @@ def mean_scatter(x: Tensor, dim: int, precision: Precision, divisor: int | Tenso
     return MeanScatter.apply(x, dim, precision, divisor, group)
 
 
-#: Every collective of this module by its public function's name: the one table of conjugate
-#: pairs.  The transpose's transpose is the collective itself and the transpose's type is the
-#: reverse (tests/core/test_collectives.py checks both, and that the module docstring's table agrees).
-COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
+#: Every collective of this module by its public function's name, for listing them (explain, the
+#: tests): each block names its transpose itself.  The transpose's transpose is the collective
+#: itself and the transpose's type is the reverse (tests/core/test_collectives.py checks both, and
+#: that the module docstring's table agrees).
+COLLECTIVES: MappingProxyType[str, Collective] = MappingProxyType({c.name: c for c in (
     AllReduce, AllGather, ReduceScatter, AllToAll, Ppermute, AllToAllV, SendTo, RecvFrom, CopyTo, ReduceFrom,
-    GatherFrom, SplitTo, PartialFrom, LeaveRegion, CopyToReplicas, ReduceFromReplicas, GatherParams, MeanScatter)}
-#: Each collective's transpose (the collective its backward applies), by name.
-TRANSPOSE: dict[str, str] = {name: c.transpose for name, c in COLLECTIVES.items()}
+    GatherFrom, SplitTo, PartialFrom, LeaveRegion, CopyToReplicas, ReduceFromReplicas, GatherParams, MeanScatter)})

@@ -10,7 +10,7 @@ error reporting are decided in one layer.
 from __future__ import annotations
 
 __all__ = [
-    "all_gather_objects", "all_reduce_", "broadcast_", "broadcast_objects", "gather_flat", "gather_objects",
+    "all_gather_objects", "broadcast_", "broadcast_objects", "gather_flat", "gather_objects",
     "mesh_groups", "new_group"
 ]
 
@@ -18,12 +18,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch import Tensor
-
-
-def all_reduce_(x: Tensor, group=None) -> Tensor:
-    """In-place sum of ``x`` over ``group`` (a process group, not a mesh axis); returns ``x``."""
-    dist.all_reduce(x, group=group)
-    return x
 
 
 def broadcast_(x: Tensor, src: int = 0, group=None) -> Tensor:

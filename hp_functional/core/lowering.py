@@ -26,7 +26,7 @@ G(d) → S(d)    copy_to_replicas (id / AR)      copy_to_replicas (id / AR)
 used as this rank's ``Shard(d)`` slice; the backward sums the gradient over the group's ranks
 (one all-reduce over the axis of a buffer with a slot per group).
 
-Each backward above is the collective's transpose (``collectives.TRANSPOSE``), itself a
+Each backward above is the collective's transpose (``Collective.transpose``), itself a
 collective whose backward is the forward again, so every lowering is exact at higher orders too.
 
 Inside a varying region (``src_varying``) gradients of replicated values are per-rank partial
@@ -68,10 +68,10 @@ class Step:
         return self.fn(x)
 
 
-def _step(op: Callable, g: C.AxisGroup, dst: Placement, fwd: str, bwd: str, *args) -> Step:
-    """A Step running ``op(x, *args, g)`` (a public function of ``core.collectives``: the table
-    names each entry by it), leaving ``dst``."""
-    return Step(lambda x: op(x, *args, g), g.axis, fwd, bwd, C.COLLECTIVES[op.__name__], dst)
+def _step(collective: C.Collective, g: C.AxisGroup, dst: Placement, fwd: str, bwd: str, *args) -> Step:
+    """A Step applying ``collective`` (an entry of ``core.collectives``) as ``collective(x, *args, g)``,
+    leaving ``dst``."""
+    return Step(lambda x: collective.apply(x, *args, g), g.axis, fwd, bwd, collective, dst)
 
 
 def lower(
@@ -85,36 +85,36 @@ def lower(
     if is_grouped(src) or is_grouped(dst):
         if is_grouped(src) and isinstance(dst, S) and dst.dim == src.dim:
             n = replica_group(src)
-            return _step(C.copy_to_replicas, g, dst, "identity", f"all_reduce(replicas of {n})", C.Replicas(n))
+            return _step(C.CopyToReplicas, g, dst, "identity", f"all_reduce(replicas of {n})", C.Replicas(n))
         raise PlanError(f"{where}: no redistribution from {src} to {dst} on axis {g.axis!r} (a GroupedShard "
                         f"is used as its Shard({getattr(src, 'dim', 0)}) slice only)")
     if src == dst and not isinstance(src, R):
         return None
     if isinstance(src, R) and isinstance(dst, R):
         if consumer_varying and not src_varying:
-            return _step(C.copy_to, g, dst, "identity", "all_reduce")
+            return _step(C.CopyTo, g, dst, "identity", "all_reduce")
         if src_varying and not consumer_varying:
-            return _step(C.leave_region, g, dst, "identity", "keep_on_rank0")
+            return _step(C.LeaveRegion, g, dst, "identity", "keep_on_rank0")
         return None
     if isinstance(src, S) and isinstance(dst, R):
         if consumer_varying:
-            return _step(C.all_gather, g, dst, f"all_gather({src.dim})",
+            return _step(C.AllGather, g, dst, f"all_gather({src.dim})",
                          f"reduce_scatter({src.dim})", src.dim)
-        return _step(C.gather_from, g, dst, f"all_gather({src.dim})", "split", src.dim)
+        return _step(C.GatherFrom, g, dst, f"all_gather({src.dim})", "split", src.dim)
     if isinstance(src, P) and isinstance(dst, R):
         if consumer_varying:
-            return _step(C.all_reduce, g, dst, "all_reduce", "all_reduce")
-        return _step(C.reduce_from, g, dst, "all_reduce", "identity")
+            return _step(C.AllReduce, g, dst, "all_reduce", "all_reduce")
+        return _step(C.ReduceFrom, g, dst, "all_reduce", "identity")
     if isinstance(src, P) and isinstance(dst, S):
-        return _step(C.reduce_scatter, g, dst, f"reduce_scatter({dst.dim})",
+        return _step(C.ReduceScatter, g, dst, f"reduce_scatter({dst.dim})",
                      f"all_gather({dst.dim})", dst.dim)
     if isinstance(src, S) and isinstance(dst, S):
-        return _step(C.all_to_all, g, dst,
+        return _step(C.AllToAll, g, dst,
                      f"all_to_all({src.dim}->{dst.dim})", f"all_to_all({dst.dim}->{src.dim})", src.dim, dst.dim)
     if isinstance(src, R) and isinstance(dst, (S, P)):
         if src_varying:
             raise PlanError(f"{where}: Replicate -> {dst} on axis {g.axis!r} inside a rank-varying region is not supported")
         if isinstance(dst, S):
-            return _step(C.split_to, g, dst, "split", f"all_gather({dst.dim})", dst.dim)
-        return _step(C.partial_from, g, dst, "keep_on_rank0", "identity")
+            return _step(C.SplitTo, g, dst, "split", f"all_gather({dst.dim})", dst.dim)
+        return _step(C.PartialFrom, g, dst, "keep_on_rank0", "identity")
     raise PlanError(f"{where}: no redistribution from {src} to {dst} on axis {g.axis!r}")

@@ -19,7 +19,6 @@ __all__ = [
 ]
 
 import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -152,29 +151,6 @@ class ShardInfo:
         """The axes of this leaf's ``kind`` facet (``SummedOver``, ``ReducedOver``); () without one."""
         found = self.facet(kind)
         return found.axes if found is not None else ()
-
-    # Read views of the three facets that were fields before; documented, so kept with a warning.
-    @property
-    def split(self) -> RowSplit | None:
-        """Deprecated: ``facet(RowSplit)``."""
-        _renamed("split", "facet(hpf.RowSplit)")
-        return self.facet(RowSplit)
-
-    @property
-    def summed(self) -> tuple[str, ...]:
-        """Deprecated: ``axes_of(SummedOver)``."""
-        _renamed("summed", "axes_of(hpf.SummedOver)")
-        return self.axes_of(SummedOver)
-
-    @property
-    def reduced(self) -> tuple[str, ...]:
-        """Deprecated: ``axes_of(ReducedOver)``."""
-        _renamed("reduced", "axes_of(hpf.ReducedOver)")
-        return self.axes_of(ReducedOver)
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(f"ShardInfo.{old} is deprecated; use ShardInfo.{new}", FutureWarning, stacklevel=3)
 
 
 def fmt_placements(placements) -> str:

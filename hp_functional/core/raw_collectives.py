@@ -7,8 +7,8 @@ any backend: gloo, nccl, hccl).  ``core.collectives`` pairs each with its transp
 from __future__ import annotations
 
 __all__ = [
-    "PendingCheck", "PendingSlot", "Replicas", "all_gather_rows", "check_perm", "get_timeout", "mesh_device",
-    "raw_all_gather", "raw_all_reduce", "raw_all_to_all", "raw_all_to_all_v", "raw_ppermute", "raw_recv",
+    "Gate", "Replicas", "all_gather_rows", "check_perm", "get_timeout", "mesh_device", "raw_all_gather",
+    "raw_all_reduce", "raw_all_to_all", "raw_all_to_all_v", "raw_exchange", "raw_ppermute", "raw_recv",
     "raw_reduce_scatter", "raw_replica_sum", "raw_send", "raw_split", "ring", "set_timeout", "start_all_reduce",
     "start_ppermute", "wait"
 ]
@@ -27,13 +27,15 @@ _funcol = torch.ops._c10d_functional
 
 
 class Group(Protocol):
-    """What a raw op needs of its mesh axis (``collectives.AxisGroup`` is one); ``pending``: the
-    axis's ``PendingSlot`` (a group without one runs no pending check)."""
+    """What a raw op needs of its mesh axis (``collectives.AxisGroup`` is one); ``gate``: the
+    ``Gate`` of the program whose axis it is, passed in when the group was made (None: no check
+    waits on it)."""
 
     axis: str
     group_name: str
     size: int
     rank: int
+    gate: Gate | None
 
 
 def mesh_device(mesh) -> torch.device:
@@ -81,53 +83,41 @@ def get_timeout(group_name: str | None = None) -> timedelta:
     return default_pg_timeout
 
 
-class PendingCheck:
-    """A check that runs once, before the first collective over any axis it is armed on
-    (``apply_fn``'s input agreement for a new signature: there, every local check of the call
-    before it has run).  ``arm`` puts it in the ``PendingSlot`` of each axis the call communicates
-    over, ``disarm`` takes it out when the call ends: the collectives find it in the group they are
-    handed, nothing is read from afar."""
+class Gate:
+    """Where a check waits for the next collective over the axes that share this gate: one
+    ``Gate`` per program (``shard()``'s axis groups are made with it, ``hpf.fsdp``'s too), owned by
+    the program and passed to its groups when they are made.  ``apply_fn`` hands it its input
+    agreement for a new signature (``hold``): the first collective over any of those axes runs it
+    (``open``), so every local check of the call before it has run first; the call takes it back
+    when it ends (``release``).  Empty between calls: it carries no value from one call to the next."""
 
     __slots__ = ("_check",)
 
-    def __init__(self, check: Callable[[], None]):
-        self._check: Callable[[], None] | None = check
+    def __init__(self):
+        self._check: Callable[[], None] | None = None
 
-    def run(self) -> None:
-        """Run the check unless it has run (one collective's ``run`` is every axis's)."""
+    def hold(self, check: Callable[[], None]) -> None:
+        """Make ``check`` what the next collective over this gate's axes runs first."""
+        self._check = check
+
+    def open(self) -> None:
+        """Run the held check, if any, and let it go (the first collective of the call does)."""
         check, self._check = self._check, None
         if check is not None:
             check()
 
-    def arm(self, groups: Sequence[Group]) -> PendingCheck:
-        """Place this check in every group's slot; returns it."""
-        for g in groups:
-            g.pending.check = self
-        return self
-
-    def disarm(self, groups: Sequence[Group]) -> None:
-        """Empty the slots this check was placed in (``arm``) that still hold it."""
-        for g in groups:
-            if g.pending.check is self:
-                g.pending.check = None
-
-
-class PendingSlot:
-    """A mesh axis's slot for the ``PendingCheck`` its next collective runs first (kept on the
-    axis's group, ``collectives.AxisGroup.pending``); empty between calls."""
-
-    __slots__ = ("check",)
-
-    def __init__(self):
-        self.check: PendingCheck | None = None
+    def release(self, check: Callable[[], None]) -> None:
+        """Drop ``check`` if this gate still holds it (no collective ran it: the call ended or raised)."""
+        if self._check is check:
+            self._check = None
 
 
 def _issue(g: Group) -> None:
-    """Before a collective over ``g``: the check pending on its axis, if any (not under ``torch.compile``)."""
+    """Before a collective over ``g``: the check its gate holds, if any (not under ``torch.compile``)."""
     if not torch.compiler.is_compiling():
-        slot = getattr(g, "pending", None)
-        if slot is not None and slot.check is not None:
-            slot.check.run()
+        gate = getattr(g, "gate", None)
+        if gate is not None:
+            gate.open()
 
 
 def wait(x: Tensor, op: str, g: Group, where: str = "") -> Tensor:
@@ -276,7 +266,7 @@ def raw_send(x: Tensor, shape: tuple[int, ...], peer: int, g: Group) -> Tensor:
     """Blocking send of ``x`` to rank ``peer`` of ``g``'s axis (point to point: only ``peer``
     takes part); returns a zero token shaped like ``x``'s leading dims beyond ``shape`` (``()``,
     or the batch under vmap).  Not traceable: ``_c10d_functional`` has no send.  It does not run
-    the pending input agreement (``PendingCheck``): that is a collective of the whole mesh, which
+    the pending input agreement (``Gate``): that is a collective of the whole mesh, which
     the peer, blocked in its receive, would not join."""
     try:
         dist.send(x.detach().contiguous(), group=_process_group(g), group_dst=peer)
@@ -294,6 +284,22 @@ def raw_recv(anchor: Tensor, shape: tuple[int, ...], peer: int, g: Group) -> Ten
     except RuntimeError as exc:
         raise collective_error(exc, "recv", g) from exc
     return x
+
+
+def raw_exchange(x: Tensor, peer: int, g: Group, where: str = "") -> Tensor:
+    """``x`` sent to rank ``peer`` of ``g``'s axis and the tensor of ``x``'s shape and dtype that
+    ``peer`` sends back, both in flight at once (point to point: only the two ranks take part, the
+    other ranks of the axis issue nothing).  The peer calls it with this rank as its ``peer``."""
+    got = torch.empty_like(x)
+    group = _process_group(g)
+    ops = [dist.P2POp(dist.isend, x.detach().contiguous(), group=group, group_peer=peer),
+           dist.P2POp(dist.irecv, got, group=group, group_peer=peer)]
+    try:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    except RuntimeError as exc:
+        raise collective_error(exc, "exchange", g, where) from exc
+    return got
 
 
 class Replicas(NamedTuple):

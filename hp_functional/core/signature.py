@@ -4,13 +4,13 @@ mode, so argument binding exists once."""
 
 from __future__ import annotations
 
-__all__ = ["ArgSlot", "arg_slots", "map_arguments", "map_output", "output_index"]
+__all__ = ["ArgSlot", "arg_slots", "map_arguments", "map_output", "named_arguments", "output_index"]
 
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from .errors import PlanError
 
@@ -55,6 +55,16 @@ def map_arguments(slots: Sequence[ArgSlot], args: tuple, kwargs: dict, fn: Calla
         elif slot.position is not None and slot.position < len(args):
             args[slot.position] = fn(slot, args[slot.position])
     return args, kwargs
+
+
+def named_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``module``'s forward arguments by name, as its class's ``forward`` binds ``args`` and
+    ``kwargs`` (its ``**kwargs`` flattened in): how a root entry reads the batch it is called with."""
+    sig = inspect.signature(type(module).forward)
+    bound = sig.bind(module, *args, **kwargs).arguments
+    bound.pop(next(iter(sig.parameters)))
+    extra = next((p.name for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+    return {**{k: v for k, v in bound.items() if k != extra}, **bound.get(extra, {})}
 
 
 def output_index(key: object) -> int:

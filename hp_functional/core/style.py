@@ -4,17 +4,32 @@ output's placement on the way in and out, keyed by mesh axis name) and the speci
 handlers.  ``shard()`` lowers every src → dst difference to collectives once (``core.lowering``);
 a style never communicates itself.  Styles are frozen dataclasses: pure descriptions, safe to share
 between plans.  Each parallelism's styles implement this contract (``hp_functional.parallel``).
+
+What the compiler, the runtime and their analyses need to know of a style beyond its spec, they ask
+the style (never its type, so that a new parallelism's styles are read alike):
+
+* ``axis_role``: the plan role whose axis it acts on unless it names its own ``axis=``;
+* ``own_forward``: False where its local forward is a function of its own (``Local`` and the styles
+  built on it): the dataflow pass and the shape audit cannot see inside it, the proof says so;
+* ``splits_sequence``: True where its axis holds the batch's sequence cut between ranks that share
+  their examples (context parallelism, Ulysses): ``hpf.rng`` takes that axis for no data axis;
+* ``sequence_split``: on the root entry that cuts the sequence (context parallelism's root), how it
+  does (``SequenceSplit``): ``hpf.rng`` lays out random draws by global position through it;
+* ``local_buffer_shapes(module, size)``: the shapes at which its local forward reads the module's
+  own buffers where they are not the stored ones (``Channels``' BatchNorm: its channels' slice of the
+  whole running statistics), for the shape audit.
 """
 
 from __future__ import annotations
 
-__all__ = ["Key", "ModuleSpec", "ParamHandler", "ParamRule", "Style", "_require", "default_handlers"]
+__all__ = ["Key", "ModuleSpec", "ParamHandler", "ParamRule", "SequenceSplit", "Style", "_require", "default_handlers"]
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .collectives import AxisGroup
@@ -33,9 +48,19 @@ class Style:
     #: whether the local forward is the module's own forward (False: the style computes with a function
     #: of its own, which communicates as its boundaries declare — ``Local`` and the styles built on it)
     own_forward = True
+    #: whether its axis holds the batch's sequence cut between ranks that share their examples
+    #: (context parallelism's attention entries, Ulysses'), so that axis is no data axis of ``hpf.rng``
+    splits_sequence = False
+    #: how the root entry that cuts the batch's sequence does it (context parallelism's root), else None
+    sequence_split: SequenceSplit | None = None
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         raise NotImplementedError
+
+    def local_buffer_shapes(self, module: nn.Module, size: int) -> dict[str, torch.Size]:
+        """The shapes at which the local forward on an axis of ``size`` ranks reads ``module``'s own
+        buffers, where they are not the stored ones (the shape audit runs the module so); none here."""
+        return {}
 
     def on_mesh(self, names: tuple[str, ...]) -> Style:
         """This style on a mesh with axes ``names`` (a style naming optional axes drops the missing ones)."""
@@ -48,6 +73,29 @@ class Style:
         style may localise its attributes.  Styles whose compute is not the module's own forward
         build it with the public ``Local`` (``parallel.local``)."""
         return forward
+
+
+class SequenceSplit(Protocol):
+    """How a root entry cuts the batch's sequence over its mesh ``axis`` (context parallelism's root:
+    its ``Local`` fn, called as one): ``hpf.rng`` runs it on meta tensors and reads the global
+    position of each kept token through it (``runtime.rng_layout``)."""
+
+    axis: str
+
+    def positions(self, rank: int, seq_len: int, size: int) -> Tensor:
+        """The global positions that rank ``rank`` of ``size`` holds of a sequence of ``seq_len``, in
+        its local order."""
+        ...
+
+    def sequence_keys(self) -> tuple[tuple[str, ...], Mapping[str, int]]:
+        """(the arguments that only its loss reads, such as the labels; every sequence argument → its
+        sequence dim)."""
+        ...
+
+    def __call__(self, module: nn.Module, axes: Mapping[str, AxisGroup], *args, cp_sharded: bool = False,
+                 **kwargs) -> object:
+        """The root's forward on this rank's part of the sequence (``cp_sharded``: the arguments arrive cut)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -119,11 +167,13 @@ def _require(module: nn.Module, kinds: tuple[type, ...], style: Style, fqn: str)
 
 @dataclass(frozen=True)
 class ParamRule:
-    """What a special handler decides for one parameter: its storage placement on the axis and,
-    for packed layouts, the sub-blocks sharded separately."""
+    """What a special handler decides for one parameter: its storage placement on the axis of
+    ``axis_role`` in the plan (the styles' default role, as a style's) and, for packed layouts, the
+    sub-blocks sharded separately."""
 
     placement: Placement
     blocks: int | tuple[int, ...] | None = None
+    axis_role: str = Style.axis_role
 
 
 ParamHandler = Callable[[torch.Tensor, str], ParamRule]

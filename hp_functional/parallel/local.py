@@ -25,7 +25,7 @@ from ..core.collectives import AxisGroup, raw_all_gather
 from ..core.errors import PlanError, ReplicationError
 from ..core.placement import AxisPlacements, is_placement
 from ..core.signature import map_output, output_index
-from ..core.style import Key, ModuleSpec, Style
+from ..core.style import Key, ModuleSpec, SequenceSplit, Style
 
 #: A placement on the entry's own axis, or placements keyed by mesh axis name.
 Layout = Placement | Mapping[str, Placement]
@@ -63,6 +63,8 @@ class Local(Style):
     Replicate output differs across ranks; a callable receives the error instead.  ``data_axes``:
     axes over which ``fn`` splits the data its children compute on (the context-parallel root):
     the replicated parameters below get their gradients summed over them (``ModuleSpec``).
+    ``sequence_split``: how ``fn`` cuts the batch's sequence over ``axis`` where it does (the
+    context-parallel root: ``fn`` itself, a ``core.style.SequenceSplit``), for ``hpf.rng``.
 
     Example — a sequence-parallel MLP that gathers and scatters the sequence itself::
 
@@ -91,6 +93,7 @@ class Local(Style):
     varying: bool = True
     axis: str | None = None
     data_axes: tuple[str, ...] = ()
+    sequence_split: SequenceSplit | None = field(default=None, repr=False)
 
     @property
     def named_axes(self) -> set[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 __all__ = ["ShardingPlan", "_as_style", "as_plan"]
 
 import difflib
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
@@ -63,10 +62,8 @@ class ShardingPlan:
     unplanned.  ``parallelisms``: the plug-ins that check and complete the plan
     (``parallel.PARALLELISMS``; a new one is added there, or passed here).
 
-    The earlier keywords (``tp_axis``, ``cp_axis``, ``ep_axis``, ``loss_parallel``, ``cp_layout``,
-    ``cp_inputs``, ``tp_optional``) keep working with a ``FutureWarning``: each parallelism names
-    the ones it answers for.  A frozen dataclass: its fields are data, checked once when it is made;
-    ``with_entries`` and ``dataclasses.replace`` make a new one.
+    A frozen dataclass: its fields are data, checked once when it is made; ``with_entries`` and
+    ``dataclasses.replace`` make a new one.
 
     >>> hpf.ShardingPlan({"model.layers.*.self_attn": hpf.ContextParallel()}, axes={"cp": "cp"})
     """
@@ -80,36 +77,17 @@ class ShardingPlan:
     unplanned: Mapping[str, str]
     parallelisms: tuple[Parallelism, ...]
 
-    def __init__(self, entries: Mapping[str, Style | str], axes: Mapping[str, str] | str | None = None, *,
+    def __init__(self, entries: Mapping[str, Style | str], axes: Mapping[str, str] | None = None, *,
                  settings: Mapping[str, object] | None = None, optional_roles=(),
                  special_handlers: Mapping[str, str] | None = None, handlers: Mapping[str, ParamHandler] | None = None,
-                 unplanned: Mapping[str, str] | None = None, parallelisms: tuple[Parallelism, ...] | None = None,
-                 **earlier: object) -> None:
+                 unplanned: Mapping[str, str] | None = None, parallelisms: tuple[Parallelism, ...] | None = None) -> None:
         parallelisms = tuple(PARALLELISMS if parallelisms is None else parallelisms)
-        if isinstance(axes, str):  # ShardingPlan(entries, "model"): the earlier positional tp_axis
-            earlier = {"tp_axis": axes, **earlier}
-            axes = None
+        if isinstance(axes, str):  # a bare axis name is not a role mapping: say which one it would be
+            raise PlanError(f"ShardingPlan(entries, {axes!r}): axes maps each role to its mesh axis, "
+                            f"ShardingPlan(entries, axes={{{DEFAULT_ROLE!r}: {axes!r}}})")
         axes = {DEFAULT_ROLE: DEFAULT_ROLE, **(axes or {})}
         owned = {name: (p, default) for p in parallelisms for name, default in p.settings.items()}
         given = dict(settings or {})
-        optional = set(optional_roles)
-        legacy = {k: how for p in parallelisms for k, how in p.legacy.items()}
-        for keyword, value in earlier.items():
-            if keyword not in legacy:
-                raise TypeError(f"ShardingPlan() got an unexpected keyword argument {keyword!r}")
-            kind, name = legacy[keyword]
-            warnings.warn(f"ShardingPlan({keyword}=...) is deprecated: write "
-                          + {"axes": f"axes={{{name!r}: ...}}", "settings": f"settings={{{name!r}: ...}}",
-                             "optional": f"optional_roles={{{name!r}}}"}[kind], FutureWarning, stacklevel=2)
-            if kind == "axes":
-                if value is None:
-                    axes.pop(name, None)
-                else:
-                    axes[name] = value
-            elif kind == "settings":
-                given[name] = value
-            elif value:
-                optional.add(name)
         unknown = sorted(set(given) - set(owned))
         if unknown:
             raise PlanError(f"plan settings {unknown} belong to no parallelism (settings: {sorted(owned)})")
@@ -120,7 +98,7 @@ class ShardingPlan:
                 raise PlanError(f"special handler {name!r} for {pattern!r} is not registered (have {sorted(handlers)})")
         for name, value in (("axes", MappingProxyType(axes)),
                             ("settings", MappingProxyType({n: given.get(n, d) for n, (_, d) in owned.items()})),
-                            ("optional_roles", frozenset(optional)), ("handlers", handlers),
+                            ("optional_roles", frozenset(optional_roles)), ("handlers", handlers),
                             ("special_handlers", special), ("unplanned", dict(unplanned or {})),
                             ("parallelisms", parallelisms)):
             object.__setattr__(self, name, value)
@@ -128,19 +106,6 @@ class ShardingPlan:
         for p in parallelisms:
             checked = p.check_entries(checked, self)
         object.__setattr__(self, "entries", checked)
-
-    def __getattr__(self, name: str) -> object:
-        """The earlier attributes (``plan.tp_axis``, ``plan.cp_layout``, ...), with a ``FutureWarning``."""
-        parallelisms = self.__dict__.get("parallelisms", ())
-        how = next((p.legacy[name] for p in parallelisms if name in p.legacy), None)
-        if how is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        kind, key = how
-        warnings.warn(f"ShardingPlan.{name} is deprecated: read plan.{kind}[{key!r}]"
-                      if kind != "optional" else f"ShardingPlan.{name} is deprecated: read plan.optional_roles",
-                      FutureWarning, stacklevel=2)
-        return {"axes": lambda: self.axes.get(key), "settings": lambda: self.settings.get(key),
-                "optional": lambda: key in self.optional_roles}[kind]()
 
     def param_rules(self, model: nn.Module) -> dict[str, ParamRule]:
         """Parameter FQN -> the rule its special handler decides (patterns must match something)."""

@@ -14,7 +14,6 @@ __all__ = ["ApplyFn", "ThreadGuard", "make_apply_fn"]
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -25,7 +24,7 @@ from ..core.buckets import copy_to_many
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, ReentrancyError
 from ..core.program import Program
-from ..core.raw_collectives import PendingCheck
+from ..core.raw_collectives import Gate
 from .boundary import ConversionCache
 from .buffers import BufferSlots
 from .inputs import InputAgreement
@@ -38,7 +37,7 @@ class ApplyFn:
     ``apply_fn(params, *args, buffers=None, **kwargs)``, it runs ``call``.  The other fields are
     read-only records: ``program`` (explain, validate), ``buffer_slots`` (``hpf.buffers``),
     ``input_check`` (``.values = True`` compares values too), ``remat_blocks`` (block path → its
-    recompute, ``shard(remat=...)``; ``checkpointed`` is its earlier name, a FutureWarning),
+    recompute, ``shard(remat=...)``),
     ``runtime`` (what a transform rebuilds from: ``runtime.shard.Runtime``), ``fsdp``
     (``hpf.fsdp``'s layout) and ``transforms``: what made it, in the order applied — ``"shard"``,
     then at most one ``"fsdp"`` (the one composition order; ``then`` refuses another).
@@ -62,13 +61,6 @@ class ApplyFn:
                             ("input_check", input_check), ("remat_blocks", {} if remat_blocks is None else remat_blocks),
                             ("runtime", runtime), ("fsdp", fsdp), ("transforms", transforms), ("binder", binder)):
             object.__setattr__(self, name, value)
-
-    @property
-    def checkpointed(self) -> Mapping[str, object]:
-        """The earlier name of ``remat_blocks`` (a FutureWarning)."""
-        warnings.warn("apply_fn.checkpointed is now apply_fn.remat_blocks (activation recompute, named apart from "
-                      "checkpoints on disk)", FutureWarning, stacklevel=2)
-        return self.remat_blocks
 
     def __call__(self, params: Mapping[str, Tensor], *args, **kwargs):
         rng = active_rng()  # an open `with hpf.rng(seed):` maps this call's random ops (runtime.rng)
@@ -169,19 +161,77 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
     own (``rebuild`` on that thread's first call, kept for the thread's life); on a multi-rank mesh
     (or without ``rebuild``) only the building thread may call (``ThreadGuard``).  The inputs are agreed (``runtime.inputs``)
     just before the call's first collective, so every local check of the call raises before it: the
-    check is handed to the collectives in the groups they communicate over (``PendingCheck.arm``
-    on the program's axes and ``axes``), and taken back when the call ends.  ``bound(params)``
-    (``ApplyFn.bound``) binds once for many forwards of the skeleton itself (``hpf.generate``)."""
+    check is handed to the gates of the groups it communicates over (``raw_collectives.Gate``, the
+    program's and ``axes``'), whose first collective runs it, and taken back when the call ends.
+    ``bound(params)`` (``ApplyFn.bound``) binds once for many forwards of the skeleton itself (``hpf.generate``)."""
     leaves = _Leaves(skeleton, program, local_shapes)
+    elsewhere = _thread_router(program, rebuild)
+    agreement = InputAgreement.for_program(program, skeleton)
+    gates = tuple({id(g.gate): g.gate for g in (*program.groups.values(), *axes) if g.gate is not None}.values())
+    buffer_slots = BufferSlots(skeleton, program.mesh)
+
+    def apply_fn(params: Mapping[str, Tensor], *args, buffers: Mapping[str, Tensor] | None = None, **kwargs):
+        private = elsewhere()
+        if private is not None:
+            return private(params, *args, buffers=buffers, **kwargs)
+        values = leaves.values(params)
+        state = None if buffers is None else buffer_slots.check(buffers, leaves.devices)
+        agree = None if agreement is None or torch.compiler.is_compiling() else _held(agreement, gates, args, kwargs)
+        saved = None
+        try:
+            leaves.bind(leaves.convert(values))
+            if state is not None:
+                saved = buffer_slots.bind(state)
+            out = skeleton(*args, **kwargs)
+            if state is not None:
+                out = (out, buffer_slots.collect(state))
+            if agree is not None:  # a forward without collectives: agree before the backward can issue any
+                agree()
+        except RuntimeError as exc:  # failure path only: torch's refusal of an in-place buffer update under torch.func
+            named = buffer_slots.update_error(exc, state)
+            if named is None:
+                raise
+            raise named from exc
+        finally:  # the skeleton never keeps the caller's tensors alive
+            if agree is not None:
+                for gate in gates:
+                    gate.release(agree)
+            leaves.unbind()
+            if saved:
+                buffer_slots.restore(saved)
+            if cache:
+                cache.clear()
+        return out
+
+    return ApplyFn(apply_fn, program, buffer_slots, agreement, binder=_binder(skeleton, leaves, cache, elsewhere))
+
+
+def _held(agreement: InputAgreement, gates: Sequence[Gate], args: tuple, kwargs: dict) -> Callable[[], None] | None:
+    """The input check this call needs, held by ``gates`` until the first collective over one of
+    them runs it (once: the others then find it done); None when the signature was agreed before."""
+    check = agreement.pending(args, kwargs)
+    if check is None:
+        return None
+    todo = [check]
+
+    def once() -> None:
+        if todo:
+            todo.pop()()
+
+    for gate in gates:
+        gate.hold(once)
+    return once
+
+
+def _thread_router(program: Program, rebuild: Callable[[], Callable] | None) -> Callable[[], ApplyFn | None]:
+    """``elsewhere()``: the calling thread's own apply_fn where the call comes from another thread
+    than the building one (a one-rank mesh with ``rebuild``), None on the building thread; a
+    ``ReentrancyError`` where another thread may not call (``ThreadGuard``)."""
     owner = threading.get_ident()
     guard = ThreadGuard(program.mesh.size(), "apply_fn") if program.mesh.size() > 1 or rebuild is None else None
     mine = threading.local()  # another thread's own apply_fn (one-rank meshes)
-    agreement = InputAgreement.for_program(program, skeleton)
-    armed = (*program.groups.values(), *axes)  # where the input agreement waits for the call's first collective
-    buffer_slots = BufferSlots(skeleton, program.mesh)
 
     def elsewhere() -> ApplyFn | None:
-        """This thread's own apply_fn where the call comes from another thread than the owner's."""
         if torch.compiler.is_compiling() or threading.get_ident() == owner:
             return None
         if guard is not None:
@@ -191,39 +241,12 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
             private = mine.apply_fn = rebuild()
         return private
 
-    def apply_fn(params: Mapping[str, Tensor], *args, buffers: Mapping[str, Tensor] | None = None, **kwargs):
-        private = elsewhere()
-        if private is not None:
-            return private(params, *args, buffers=buffers, **kwargs)
-        values = leaves.values(params)
-        state = None if buffers is None else buffer_slots.check(buffers, leaves.devices)
-        pending = saved = None
-        if agreement is not None and not torch.compiler.is_compiling():
-            check = agreement.pending(args, kwargs)
-            pending = None if check is None else PendingCheck(check).arm(armed)  # runs before the first collective
-        try:
-            leaves.bind(leaves.convert(values))
-            if state is not None:
-                saved = buffer_slots.bind(state)
-            out = skeleton(*args, **kwargs)
-            if state is not None:
-                out = (out, buffer_slots.collect(state))
-            if pending is not None:  # a forward without collectives: agree before the backward can issue any
-                pending.run()
-        except RuntimeError as exc:  # failure path only: torch's refusal of an in-place buffer update under torch.func
-            named = buffer_slots.update_error(exc, state)
-            if named is None:
-                raise
-            raise named from exc
-        finally:  # the skeleton never keeps the caller's tensors alive
-            if pending is not None:
-                pending.disarm(armed)
-            leaves.unbind()
-            if saved:
-                buffer_slots.restore(saved)
-            if cache:
-                cache.clear()
-        return out
+    return elsewhere
+
+
+def _binder(skeleton: nn.Module, leaves: _Leaves, cache: ConversionCache | None,
+            elsewhere: Callable[[], ApplyFn | None]) -> Callable[[Mapping[str, Tensor]], Iterator[nn.Module]]:
+    """``ApplyFn.bound``: ``params`` converted and bound into the skeleton for many forwards."""
 
     @contextlib.contextmanager
     def bound(params: Mapping[str, Tensor]) -> Iterator[nn.Module]:
@@ -244,7 +267,7 @@ def make_apply_fn(skeleton: nn.Module, program: Program, cache: ConversionCache 
             if cache:
                 cache.clear()
 
-    return ApplyFn(apply_fn, program, buffer_slots, agreement, binder=bound)
+    return bound
 
 
 class ThreadGuard:

@@ -13,7 +13,6 @@ from __future__ import annotations
 __all__ = ["from_pretrained"]
 
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -43,19 +42,15 @@ def from_pretrained(
             checkpoint's values are cast to it.
         tp_axis: the mesh axis of ``from_hf``'s plan (None: ``"tp"``, or the mesh's only axis).
         model_class: default ``AutoModelForCausalLM``.
-        shard_kwargs: go to ``shard`` (``checkpoint``, ``agree_timeout``, ...).
+        shard_kwargs: go to ``shard`` (``remat``, ``agree_timeout``, ...).
 
     Returns:
         ``(apply_fn, params, shard_info, config)``: ``shard()``'s three results and the model's
         config (the model itself is built here, on meta, and not returned).
-
-    The earlier order ``from_pretrained(path, mesh, plan)`` still works, with a FutureWarning."""
-    if isinstance(plan, DeviceMesh):
-        warnings.warn("from_pretrained(path, mesh, plan) is now from_pretrained(path, plan, mesh), as shard's; "
-                      "pass mesh=mesh (plan None: the model's own)", FutureWarning, stacklevel=2)
-        plan, mesh = mesh, plan
+    """
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"from_pretrained: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        given = " (the plan's place holds one: the order is shard's, pass mesh=mesh)" if isinstance(plan, DeviceMesh) else ""
+        raise TypeError(f"from_pretrained(path, plan, mesh): mesh must be a DeviceMesh, got {type(mesh).__name__}{given}")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(path)

@@ -12,11 +12,12 @@ rank (every rank compares the same gathered numbers), naming the worst parameter
 
 from __future__ import annotations
 
-__all__ = ["PROBE_CACHE", "ProbeCache", "probe_copy_or_reason", "probe_inputs", "probe_key", "probe_varying_uses",
+__all__ = ["ProbeCache", "Verdict", "probe_copy_or_reason", "probe_inputs", "probe_key", "probe_varying_uses",
            "run_probe"]
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -74,31 +75,52 @@ def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping
     return Reduced(twin, probe.names, probe.renames)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What the shard-time probe found: whether it ``compared`` the loss and every gradient (and
+    they agreed: a mismatch raises instead), and its ``text``, what ``apply_fn.runtime.checks["probe"]``
+    says (``str(verdict)``).  A probe that compared only the loss, or could not run, says why."""
+
+    compared: bool
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+    def remembered(self) -> Verdict:
+        """This verdict, read back from a ``ProbeCache`` instead of probed again."""
+        return replace(self, text=f"{self.text} (probed before in this process: same structure, plan and mesh)")
+
+
+#: the verdict of a probe that compared the loss and every gradient
+EXACT = Verdict(True, "exact on the probe copy")
+
+
 class ProbeCache:
     """The verdicts of probes that passed, by ``probe_key``: the same structure, plan and mesh
     sharded again (a notebook, a test suite, a sweep) is not probed again.  Bounded: the least
     recently used verdict goes first beyond ``size``.
 
-    ``shard(..., probe_cache=)`` takes one; its default is the process's ``PROBE_CACHE``, one
-    object because what it remembers (a proof that a plan computes a model's function) holds for
-    the whole process, and a caller that wants another scope (a fresh start in a test, a cache per
-    sweep, none at all: ``probe_cache=None``) passes its own.  Read and written only through
-    ``lookup`` and ``record``; whether every rank may skip the probe is decided in ``shard()``'s
-    agreement, so one rank's cache never makes the others wait."""
+    Owned by its caller and passed: ``shard(..., probe_cache=cache)`` reads and records it, and the
+    caller keeps one per process-group world it shards on (what it remembers, a proof that a plan
+    computes a model's function on a mesh, holds while that world does; the key names the mesh's
+    ranks).  No cache (``probe_cache=None``, the default) always probes.  Read and written only
+    through ``lookup`` and ``record``; whether every rank may skip the probe is decided in
+    ``shard()``'s agreement, so one rank's cache never makes the others wait."""
 
     def __init__(self, size: int = 64):
         self.size = size
-        self._verdicts: OrderedDict[Hashable, str] = OrderedDict()
+        self._verdicts: OrderedDict[Hashable, Verdict] = OrderedDict()
 
-    def lookup(self, key: Hashable) -> str | None:
+    def lookup(self, key: Hashable) -> Verdict | None:
         """The verdict recorded for ``key``, or None if it was never probed (or has been dropped)."""
         verdict = self._verdicts.get(key)
         if verdict is not None:
             self._verdicts.move_to_end(key)
         return verdict
 
-    def record(self, key: Hashable, verdict: str) -> None:
-        """Remember that the probe of ``key`` passed with ``verdict`` (what ``checks["probe"]`` said)."""
+    def record(self, key: Hashable, verdict: Verdict) -> None:
+        """Remember that the probe of ``key`` passed with ``verdict``."""
         self._verdicts[key] = verdict
         self._verdicts.move_to_end(key)
         while len(self._verdicts) > self.size:
@@ -109,10 +131,6 @@ class ProbeCache:
 
     def __repr__(self) -> str:
         return f"ProbeCache({len(self)} of {self.size} verdicts)"
-
-
-#: the process's probe verdicts, ``shard()``'s default ``probe_cache`` (see ``ProbeCache`` for why one)
-PROBE_CACHE = ProbeCache()
 
 
 def probe_key(probe: Reduced, plan, mesh, uses: Mapping[str, frozenset[str]] | None, program,
@@ -214,15 +232,17 @@ def _batch(model: nn.Module, mesh) -> tuple[tuple, dict] | None:
 
 
 def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[str, frozenset[str]] | None,
-              inputs: tuple[tuple, dict] | None = None) -> str:
+              inputs: tuple[tuple, dict] | None = None) -> Verdict:
     """Shard the probe copy (``shard_fn``: ``shard`` without the probe), run both on one batch —
     ``inputs`` (``(args, kwargs)`` on the copy's device: ``shard(..., example_inputs=)``), else a
-    synthesized one — and compare loss and every gradient; returns why the comparison was skipped ("" when it ran) and
-    raises ``PlanError`` on a mismatch.  Collective: every rank calls it.  Gradients are taken
-    even where ``shard`` is called under ``torch.no_grad()``; where the unsharded model has no
-    backward here (flex attention on the CPU), only the loss is compared."""
+    synthesized one — and compare loss and every gradient; returns the ``Verdict`` (``EXACT``, or
+    why the comparison was skipped or partial) and raises ``PlanError`` on a mismatch.  Collective:
+    every rank calls it.  Gradients are taken even where ``shard`` is called under
+    ``torch.no_grad()``; where the unsharded model has no backward here (flex attention on the
+    CPU), only the loss is compared."""
     with torch.enable_grad():
-        return _run_probe(probe, plan, mesh, shard_fn, varying, inputs)
+        why = _run_probe(probe, plan, mesh, shard_fn, varying, inputs)
+    return Verdict(False, why) if why else EXACT
 
 
 def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) -> str:
@@ -236,8 +256,8 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) 
     if isinstance(reference, str):
         return reference
     ref_out, no_backward, calls = reference
-    # a non-HF model's CP root computes the loss from the labels argument it declares
-    declared = plan.settings.get("cp_inputs") if plan.axes.get("cp") is not None else None
+    # a root that computes the loss from labels the model's forward does not take (a non-HF model's CP root)
+    declared = next((d for p in plan.parallelisms if (d := p.loss_labels(plan)) is not None), None)
     first = next((x for x in tree_flatten(batch)[0] if isinstance(x, Tensor)), None)
     labels = {declared.labels: first} if declared is not None else {}
     apply_fn, params, info = shard_fn(model, plan, mesh, varying)

@@ -44,8 +44,7 @@ class Remat:
     (costs a copy of the RNG state per block and call).
 
     ``shard(model, plan, mesh, remat=True)`` is ``remat=Remat()``; ``remat=["model.layers.*"]`` is
-    ``Remat(blocks=("model.layers.*",))``.  Its earlier name ``hpf.ActivationCheckpoint`` still
-    works, with a FutureWarning.
+    ``Remat(blocks=("model.layers.*",))``.
     """
 
     blocks: bool | tuple[str, ...] = True

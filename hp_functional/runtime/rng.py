@@ -35,7 +35,6 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from ..core.counter_rng import stream_key
 from ..core.errors import PlanError
 from ..core.facets import flat_index
-from ..parallel.context.styles import ContextParallel
 from .rng_layout import Table, layout_table
 from .rng_ops import Draw, Source, drawn
 
@@ -193,8 +192,9 @@ class Rng(TorchFunctionMode):
         if missing:
             raise PlanError(f"hpf.rng: data axis {missing[0]!r} is not an axis of apply_fn's mesh "
                             f"{list(mesh.mesh_dim_names or ())}; shard() on the mesh that holds the data axes")
-        # a context-parallel axis among them (fsdp's dp_shard_cp): its ranks share their examples
-        cp = {b.planned.axis for b in apply_fn.program.boundaries if isinstance(b.planned.style, ContextParallel)}
+        # an axis that splits the sequence among them (context parallelism; fsdp's dp_shard_cp): its ranks share
+        # their examples
+        cp = {b.planned.axis for b in apply_fn.program.boundaries if b.planned.style.splits_sequence}
         axes = tuple(a for a in axes if a not in cp)
         if not axes:
             return None

@@ -8,12 +8,13 @@ argument shapes, their random ops paired in order:
 * **local**: every planned module's boundaries applied by shape (the shape audit's ``Handoff``),
   sizes localised (``divide_attrs``).  A dim the local op divides by ``f`` over the plan's one
   split axis of size ``n`` is that axis's contiguous chunk ``coord // (n / f)``;
-* under **context parallelism** the sequence is cut by the plan's own root (``parallel.context.styles``'s,
-  or ``parallel.context.inputs``' for declared inputs), run at the axis's size 1 for the global run
-  and at its real size and this rank's coordinate for a third run (global parameters, local
-  sequence) between the two: a dim it divides by the CP size whose global length is the
-  sequence's holds ``cp_positions(rank, seq, cp, layout)`` — an explicit vector of global
-  positions (the zigzag layout is not affine), composed with a TP split of the same dim;
+* under **context parallelism** the sequence is cut by the plan's own root (the root entry whose
+  style states its ``sequence_split``, on an axis whose entries state ``splits_sequence``:
+  ``core.style``), run at the axis's size 1 for the global run and at its real size and this
+  rank's coordinate for a third run (global parameters, local sequence) between the two: a dim it
+  divides by the CP size whose global length is the sequence's holds the root's
+  ``positions(rank, seq, cp)`` — an explicit vector of global positions (the zigzag layout is not
+  affine), composed with a TP split of the same dim;
 * with **data axes**, a run at twice the batch checks that each op's dim 0 is the batch.
 
 What cannot be placed is an entry's ``refused`` (raised by name when the op draws).
@@ -33,10 +34,8 @@ from torch.overrides import TorchFunctionMode
 from ..analysis.audit import boundaries, divided, handoff, record_or_resize
 from ..analysis.copies import meta_copy, snapshot, to_meta
 from ..core.collectives import AxisGroup
-from ..core.cp_layout import cp_positions
-from ..core.signature import arg_slots, map_arguments
-from ..parallel.context.styles import ContextParallel, _named
-from ..parallel.local import Local
+from ..core.signature import arg_slots, map_arguments, named_arguments
+from ..core.style import SequenceSplit
 from .rng_ops import Draw, drawn
 
 Forward = Callable[[nn.Module], object]  # one forward of a meta twin of the template
@@ -157,32 +156,26 @@ def _plain(args: tuple, kwargs: dict) -> Forward:
 
 @dataclass(frozen=True)
 class _SequenceRoot:
-    """The context-parallel root of a plan: its ``Local`` fn (which keeps this rank's positions of
-    the sequence arguments and calls the model's forward on them), axis, layout, the axis's size
-    and this rank's coordinate on it."""
+    """The plan's root entry that cuts the sequence, through its ``SequenceSplit`` (context
+    parallelism's root ``Local`` fn, which keeps this rank's positions of the sequence arguments and
+    calls the model's forward on them), the axis's size and this rank's coordinate on it."""
 
-    fn: Callable
-    axis: str
-    layout: str
+    split: SequenceSplit
     size: int
     rank: int
 
-    def keys(self) -> tuple[tuple[str, ...], dict[str, int]]:
-        """(the label arguments, which only the loss reads; the sequence arguments → their sequence
-        dim): ``ContextInputs``' declaration when the root has one, else HF's names."""
-        inputs = getattr(self.fn, "inputs", None)
-        if inputs is not None:
-            return (inputs.labels,), {**inputs.sequence, inputs.positions: -1}
-        return ("labels", "shift_labels"), {"input_ids": 1, "inputs_embeds": 1, "position_ids": 1}
+    @property
+    def axis(self) -> str:
+        return self.split.axis
 
     def arguments(self, template: nn.Module, args: tuple, kwargs: dict) -> tuple[dict, dict, bool, int]:
         """(the global call's arguments by name, the call's own, ``cp_sharded``, the sequence
         length), as meta tensors.  The labels are left out (the loss draws nothing, and its
         collectives do not run on meta); ``cp_sharded`` chunks are lengthened to the sequence."""
-        labels, sequence = self.keys()
+        labels, sequence = self.split.sequence_keys()
         kwargs = {k: v for k, v in kwargs.items() if k not in labels}
         sharded = bool(kwargs.pop("cp_sharded", False))
-        named = {k: v for k, v in to_meta(_named(template, args, kwargs)).items() if k not in labels}
+        named = {k: v for k, v in to_meta(named_arguments(template, args, kwargs)).items() if k not in labels}
         whole = dict(named)
         for k, d in sequence.items():
             if sharded and isinstance(t := named.get(k), Tensor) and t.dim():
@@ -196,76 +189,92 @@ class _SequenceRoot:
     def forward(self, named: dict, size: int, rank: int, sharded: bool) -> Forward:
         """The root's forward of the twin on ``named`` as rank ``rank`` of ``size`` on the axis."""
         axes = {self.axis: AxisGroup(self.axis, "", size, rank)}
-        return lambda twin: self.fn(twin, axes, cp_sharded=sharded, **snapshot(named))
+        return lambda twin: self.split(twin, axes, cp_sharded=sharded, **snapshot(named))
 
 
 def _sequence_root(program, sizes: Mapping[str, int]) -> _SequenceRoot | None:
-    """The plan's context-parallel root (a ``Local`` on the root module whose fn names the
-    ``ContextParallel`` entries' axis and layout), or None."""
-    cp = {b.planned.axis: b.planned.style.layout for b in program.boundaries
-          if isinstance(b.planned.style, ContextParallel)}
+    """The plan's root entry that cuts the sequence (its style's ``sequence_split``) over an axis on
+    which its entries split the sequence (``Style.splits_sequence``), or None."""
+    cp = {b.planned.axis for b in program.boundaries if b.planned.style.splits_sequence}
     for b in program.boundaries:
-        fn = getattr(b.planned.style, "fn", None)
-        if not b.planned.fqn and isinstance(b.planned.style, Local) and getattr(fn, "axis", None) in cp:
-            axis = fn.axis
-            return _SequenceRoot(fn, axis, getattr(fn, "layout", None) or cp[axis] or "zigzag", sizes[axis],
-                                 program.mesh.get_local_rank(axis))
+        split = b.planned.style.sequence_split
+        if not b.planned.fqn and split is not None and split.axis in cp:
+            return _SequenceRoot(split, sizes[split.axis], program.mesh.get_local_rank(split.axis))
     return None
 
 
-def layout_table(apply_fn, args: tuple, kwargs: dict, data: bool) -> Table:
-    """The layout of each random op of ``apply_fn``'s forward on arguments shaped like ``args``
-    and ``kwargs`` (see the module docstring); local, no communication."""
-    runtime = getattr(apply_fn, "runtime", None)
-    if runtime is None:
-        return Table(refused="this apply_fn carries no runtime record (Runtime) to map its layouts from")
-    program, template = runtime.program, runtime.template
-    mesh = program.mesh
-    names = list(mesh.mesh_dim_names or ())
-    sizes = {a: mesh.size(i) for i, a in enumerate(names)}
-    root = _sequence_root(program, sizes)
-    split = sorted({b.planned.axis for b in program.boundaries if sizes[b.planned.axis] > 1
-                    and (root is None or b.planned.axis != root.axis)})
-    shapes = {fqn: program.infos[key].global_shape for fqn, key in program.leaf_of.items()}
-    attrs, opaque, own = {}, {}, []
-    for b in program.boundaries:
-        fqn, axis = b.planned.fqn, b.planned.axis
-        n = sizes[axis]
-        module = template.get_submodule(fqn)
-        for attr in b.spec.divide_attrs:
-            attrs[f"{fqn}.{attr}" if fqn else attr] = getattr(module, attr) // n
-        for attr, value in b.spec.set_attrs.items():
-            attrs[f"{fqn}.{attr}" if fqn else attr] = value
-        if fqn and boundaries(b.spec, axis):
-            opaque[fqn] = (handoff(b.spec, axis, n), {k: v.get(axis) for k, v in b.spec.in_dst.items()})
-        if not b.planned.style.own_forward and (root is None or fqn or getattr(b.planned.style, "fn", None) is not root.fn):
-            own.append(fqn)
+@dataclass(frozen=True)
+class _LocalView:
+    """What the local meta run applies: the attributes the skeleton localises, the planned modules
+    whose boundaries convert by shape (``opaque``: path → (``Handoff``, argument key → placement)),
+    and the planned modules whose style runs a function of its own (``own``), the root's cut of the
+    sequence excepted."""
+
+    attrs: dict[str, int]
+    opaque: dict[str, tuple]
+    own: list[str]
+
+    @staticmethod
+    def of(program, template: nn.Module, sizes: Mapping[str, int], root: _SequenceRoot | None) -> _LocalView:
+        attrs, opaque, own = {}, {}, []
+        for b in program.boundaries:
+            fqn, axis = b.planned.fqn, b.planned.axis
+            n = sizes[axis]
+            module = template.get_submodule(fqn)
+            for attr in b.spec.divide_attrs:
+                attrs[f"{fqn}.{attr}" if fqn else attr] = getattr(module, attr) // n
+            for attr, value in b.spec.set_attrs.items():
+                attrs[f"{fqn}.{attr}" if fqn else attr] = value
+            if fqn and boundaries(b.spec, axis):
+                opaque[fqn] = (handoff(b.spec, axis, n), {k: v.get(axis) for k, v in b.spec.in_dst.items()})
+            if not b.planned.style.own_forward and (root is None or fqn or b.planned.style.sequence_split is not root.split):
+                own.append(fqn)
+        return _LocalView(attrs, opaque, own)
+
+
+def _runs(template: nn.Module, shapes: Mapping[str, torch.Size], view: _LocalView, root: _SequenceRoot | None,
+          call: tuple[tuple, dict], data: bool) -> tuple[list, list, list, list | None, int]:
+    """The random ops of the meta runs — global, this rank's sequence at global parameters (the
+    global run again without a sequence root), local and, with ``data``, the global one on twice the
+    examples (None without) — and the sequence length (0 without a sequence root)."""
+    args, kwargs = call
     outputs: dict = {}
-    ins = {fqn: layout[1] for fqn, layout in opaque.items()}
-    try:
-        if root is None:
-            call, twice_call, seq = _plain(args, kwargs), _plain(_doubled(args), _doubled(kwargs)), 0
-            glob = mid = _meta_draws(template, call, shapes, {}, dict.fromkeys(opaque), outputs, ins)
-        else:  # the global run through the root at cp 1; the sequence cut at global parameters, then locally
-            whole, named, sharded, seq = root.arguments(template, args, kwargs)
-            glob = _meta_draws(template, root.forward(whole, 1, 0, False), shapes, {}, {}, {})
-            call = root.forward(named, root.size, root.rank, sharded)
-            mid = _meta_draws(template, call, shapes, {}, dict.fromkeys(opaque), outputs, ins)
-            twice_call = root.forward(_doubled(whole), 1, 0, False)
-        local = _meta_draws(template, call, None, attrs, opaque, outputs)
-        twice = _meta_draws(template, twice_call, shapes, {}, {}, {}) if data else None
-    except Exception as exc:  # noqa: BLE001 - the reason a random op is refused
-        return Table(refused=f"its forward could not be run on meta tensors to map the layouts "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})")
-    if not len(glob) == len(mid) == len(local):
-        return Table(refused=f"the local forward draws {len(local)} random ops where the global one draws {len(glob)}"
-                             + (f" ({len(mid)} on this rank's sequence at global parameters)" if root else ""))
-    entries = []
-    for j, ((g, path), (c, _), (m, _)) in enumerate(zip(glob, mid, local, strict=True)):
-        why, dims, index = "", [], []
+    ins = {fqn: layout[1] for fqn, layout in view.opaque.items()}
+    if root is None:
+        run, twice_run, seq = _plain(args, kwargs), _plain(_doubled(args), _doubled(kwargs)), 0
+        glob = mid = _meta_draws(template, run, shapes, {}, dict.fromkeys(view.opaque), outputs, ins)
+    else:  # the global run through the root at cp 1; the sequence cut at global parameters, then locally
+        whole, named, sharded, seq = root.arguments(template, args, kwargs)
+        glob = _meta_draws(template, root.forward(whole, 1, 0, False), shapes, {}, {}, {})
+        run = root.forward(named, root.size, root.rank, sharded)
+        mid = _meta_draws(template, run, shapes, {}, dict.fromkeys(view.opaque), outputs, ins)
+        twice_run = root.forward(_doubled(whole), 1, 0, False)
+    local = _meta_draws(template, run, None, view.attrs, view.opaque, outputs)
+    twice = _meta_draws(template, twice_run, shapes, {}, {}, {}) if data else None
+    return glob, mid, local, twice, seq
+
+
+@dataclass(frozen=True)
+class _Place:
+    """How the random ops of one call are placed: the sequence root (None: none), the modules whose
+    style runs a function of its own, the plan's split axes (the sequence's excepted), the mesh and
+    its axis sizes, the sequence length."""
+
+    root: _SequenceRoot | None
+    own: list[str]
+    split: list[str]
+    mesh: object
+    sizes: Mapping[str, int]
+    seq: int
+
+    def refusal(self, g: Draw, c: Draw, m: Draw, path: str) -> tuple[str, list, list | None]:
+        """(why the op cannot be placed, "" when it can; its dims divided over the split axis as
+        ``(dim, factor, chunk)``; the dims the sequence root divides, None: not a division)."""
+        root, split, mesh, sizes = self.root, self.split, self.mesh, self.sizes
+        why, dims = "", []
         seq_parts = divided(g.shape, c.shape) if root is not None else []
         parts = divided(c.shape, m.shape)
-        inside = next((o for o in own if path == o or path.startswith(o + ".") or not o), None)
+        inside = next((o for o in self.own if path == o or path.startswith(o + ".") or not o), None)
         if not g.name == c.name == m.name:
             why = f"the local forward draws {m.name} where the global one draws {g.name}"
         elif inside is not None:
@@ -275,9 +284,9 @@ def layout_table(apply_fn, args: tuple, kwargs: dict, data: bool) -> Table:
         elif len(seq_parts) > 1:
             why = (f"context parallelism over {root.axis!r} divides its dims {[d for d, _ in seq_parts]} (attention "
                    "probabilities of the sharded sequence: dropout inside ring/all-gather attention is not mapped)")
-        elif seq_parts and (seq_parts[0][1] != root.size or g.shape[seq_parts[0][0]] != seq):
+        elif seq_parts and (seq_parts[0][1] != root.size or g.shape[seq_parts[0][0]] != self.seq):
             why = (f"context parallelism over {root.axis!r} divides its dim {seq_parts[0][0]} (global length "
-                   f"{g.shape[seq_parts[0][0]]}), which is not the sequence (length {seq}) cut into its positions")
+                   f"{g.shape[seq_parts[0][0]]}), which is not the sequence (length {self.seq}) cut into its positions")
         elif len(parts) > 1:
             why = f"its local shape {list(m.shape)} divides its global shape {list(g.shape)} on several dims"
         elif parts and len(split) != 1:
@@ -289,18 +298,52 @@ def layout_table(apply_fn, args: tuple, kwargs: dict, data: bool) -> Table:
                 why = f"dim {d} is divided by {f}, which does not divide mesh axis {axis!r} (size {sizes[axis]})"
             else:
                 dims = [(d, f, mesh.get_local_rank(axis) // (sizes[axis] // f))]
+        return why, dims, seq_parts
+
+    def entry(self, g: Draw, c: Draw, m: Draw, path: str, doubled: tuple[bool, torch.Size | None]) -> Entry:
+        """The ``Entry`` of one random op (global ``g``, this rank's sequence ``c``, local ``m``);
+        ``doubled``: whether the data axes are checked, and the op's shape on twice the examples."""
+        why, dims, seq_parts = self.refusal(g, c, m, path)
+        index = []
         if seq_parts and not why:  # this rank's positions of the sequence, then a TP chunk of them
             d = seq_parts[0][0]
-            positions = cp_positions(root.rank, seq, root.size, root.layout)
+            positions = self.root.split.positions(self.root.rank, self.seq, self.root.size)
             chunk = next(((k, m.shape[d]) for dd, _, k in dims if dd == d), (0, m.shape[d]))
-            index = [(d, seq, positions[chunk[0] * chunk[1]:(chunk[0] + 1) * chunk[1]])]
+            index = [(d, self.seq, positions[chunk[0] * chunk[1]:(chunk[0] + 1) * chunk[1]])]
             dims = [x for x in dims if x[0] != d]
-        if not why and twice is not None:
-            t = twice[j][0].shape if j < len(twice) and len(twice) == len(glob) else None
+        checked, t = doubled
+        if not why and checked:
             if t is None or not g.shape or t != (2 * g.shape[0], *g.shape[1:]):
                 why = ("its dim 0 is not the batch (a forward on twice the examples does not double it), so the data "
                        "axes' convention (rank i holds examples [i*b, (i+1)*b)) cannot place it")
             elif (dims and dims[0][0] == 0) or (index and index[0][0] == 0):
                 why = "its batch dim is divided by the plan too"
-        entries.append(Entry(g.name, path, tuple(g.shape), tuple(dims), why, tuple(index)))
-    return Table(tuple(entries))
+        return Entry(g.name, path, tuple(g.shape), tuple(dims), why, tuple(index))
+
+
+def layout_table(apply_fn, args: tuple, kwargs: dict, data: bool) -> Table:
+    """The layout of each random op of ``apply_fn``'s forward on arguments shaped like ``args``
+    and ``kwargs`` (see the module docstring); local, no communication."""
+    runtime = getattr(apply_fn, "runtime", None)
+    if runtime is None:
+        return Table(refused="this apply_fn carries no runtime record (Runtime) to map its layouts from")
+    program, template = runtime.program, runtime.template
+    mesh = program.mesh
+    sizes = {a: mesh.size(i) for i, a in enumerate(mesh.mesh_dim_names or ())}
+    root = _sequence_root(program, sizes)
+    split = sorted({b.planned.axis for b in program.boundaries if sizes[b.planned.axis] > 1
+                    and (root is None or b.planned.axis != root.axis)})
+    shapes = {fqn: program.infos[key].global_shape for fqn, key in program.leaf_of.items()}
+    view = _LocalView.of(program, template, sizes, root)
+    try:
+        glob, mid, local, twice, seq = _runs(template, shapes, view, root, (args, kwargs), data)
+    except Exception as exc:  # noqa: BLE001 - the reason a random op is refused
+        return Table(refused=f"its forward could not be run on meta tensors to map the layouts "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})")
+    if not len(glob) == len(mid) == len(local):
+        return Table(refused=f"the local forward draws {len(local)} random ops where the global one draws {len(glob)}"
+                             + (f" ({len(mid)} on this rank's sequence at global parameters)" if root else ""))
+    place = _Place(root, view.own, split, mesh, sizes, seq)
+    whole = twice is not None and len(twice) == len(glob)
+    return Table(tuple(place.entry(g, c, m, path, (twice is not None, twice[j][0].shape if whole else None))
+                       for j, ((g, path), (c, _), (m, _)) in enumerate(zip(glob, mid, local, strict=True))))

@@ -36,7 +36,6 @@ from ..compile.build import build_program
 from ..compile.dataflow import Unchecked, synthesize_inputs, unchecked_in_regions
 from ..compile.reduced_copy import Reduced, plan_marks, reduced_plan
 from ..core.collectives import AxisGroup
-from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.placement import ShardInfo
 from ..core.program import Program
@@ -47,8 +46,8 @@ from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .initial_values import InitialValues
 from .probe import (
-    PROBE_CACHE,
     ProbeCache,
+    Verdict,
     probe_copy_or_reason,
     probe_inputs,
     probe_key,
@@ -124,12 +123,11 @@ def build_runtime(model: nn.Module, program: Program, *, remat: RematPlan | None
     return dataclasses.replace(apply_fn, remat_blocks=blocks)
 
 
-@renamed_keywords(checkpoint="remat")
 def shard(
     model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, weights: str | os.PathLike | None = None,
     seed: int | None = 0, agree_timeout: float | None = 300.0, verify_values: bool = True,
     remat: bool | Sequence[str] | Remat | None = None, verify: bool = True,
-    probe_cache: ProbeCache | None = PROBE_CACHE, example_inputs=None, allow_unproved: bool = False,
+    probe_cache: ProbeCache | None = None, example_inputs=None, allow_unproved: bool = False,
 ) -> Sharded:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
@@ -158,13 +156,13 @@ def shard(
             ``gradient_checkpointing_enable()`` was called, else none); False — none; True — every
             Hugging Face decoder layer; module-path patterns (``["model.layers.*"]``); or an
             ``Remat``.  A pattern that matches no module raises ``PlanError``.
-            ``checkpoint=`` is its earlier name (a ``FutureWarning``).
         verify: the shard-time proof — the plan run on a small private copy of the model (one
             block of each kind, random init, a synthetic batch) against the same copy unsharded,
             loss and every gradient, on the real ranks; a mismatch raises ``PlanError``
             (``runtime.probe``; ``apply_fn.runtime.checks`` says what ran).  False skips it.
         probe_cache: where passed proofs are remembered, so the same structure, plan and mesh is
-            probed once (``runtime.probe.ProbeCache``; default: the process's); None: always probe.
+            probed once: a ``runtime.probe.ProbeCache`` the caller keeps (one per process-group world)
+            and passes to each ``shard()``; None (the default): always probe.
         example_inputs: what one forward of ``model`` takes — a tensor, a tuple of positional
             arguments or a dict of keyword arguments (as ``auto_plan``'s) — for the dataflow pass
             (traced on meta) and the probe (fed to its copy) instead of the token ids they synthesize
@@ -186,22 +184,20 @@ def shard(
     program, checks, proof = compile_sharding(model, plan, mesh, seed=seed, verify=verify, example_inputs=example_inputs)
     if proof is None:  # local: refused before any collective
         checks["proof"] = _require_proof(model, program, checks, asked=not _why_not_proved(verify=verify, seed=seed),
-                                        allowed=allow_unproved)
+                                        allowed=allow_unproved, compared=False)
     proved = None if proof is None or probe_cache is None else probe_cache.lookup(proof.key)
     agreed = agree_on(model, program, weights=weights, seed=seed, agree_timeout=agree_timeout,
                       verify_values=verify_values, remat=remat, proved_before=proved is not None)
     if proof is not None:  # agreed, and before the weights are read: the copy is freed before they are taken
-        checks["probe"] = prove(proof, mesh=mesh, proved=proved if agreed.proved_before else None,
-                                probe_cache=probe_cache, agree_timeout=agree_timeout)
-        if proof.unchecked and not checks["probe"].startswith(EXACT):  # the same verdict on every rank
-            raise _unchecked_error(proof.unchecked, f"the probe did not compare the gradients ({checks['probe']})")
+        verdict = prove(proof, mesh=mesh, proved=proved if agreed.proved_before else None,
+                        probe_cache=probe_cache, agree_timeout=agree_timeout)
+        checks["probe"] = verdict.text
+        if proof.unchecked and not verdict.compared:  # the same verdict on every rank
+            raise _unchecked_error(proof.unchecked, f"the probe did not compare the gradients ({verdict})")
         del proof
-        checks["proof"] = _require_proof(model, program, checks, asked=True, allowed=allow_unproved)
+        checks["proof"] = _require_proof(model, program, checks, asked=True, allowed=allow_unproved,
+                                         compared=verdict.compared)
     return materialise(model, program, agreed, checks=checks)
-
-
-#: the probe's verdict when it compared the loss and every gradient
-EXACT = "exact on the probe copy"
 
 
 @dataclass(frozen=True)
@@ -263,17 +259,19 @@ def compile_sharding(model: nn.Module, plan: ShardingPlan | Mapping, mesh: Devic
     return program, checks, Proof(copy, copy_plan, uses, key, fed, unchecked, example_inputs if fed else None)
 
 
-def _require_proof(model: nn.Module, program: Program, checks: Mapping[str, str], *, asked: bool, allowed: bool) -> str:
+def _require_proof(model: nn.Module, program: Program, checks: Mapping[str, str], *, asked: bool, allowed: bool,
+                   compared: bool) -> str:
     """What proves ``program`` (``checks["proof"]``): the probe (loss and every gradient compared on
-    a copy), the dataflow pass (traced, with no planned module running a function of its own that
-    it cannot see into), both, or nothing to prove; else a ``PlanError`` naming what could not be
-    seen, unless ``allowed`` (then "unproved ...").  ``asked``: the proof was to run (not
-    ``verify=False``, a shapes-only or simulated ``shard()``), else it says why not."""
+    a copy: ``compared``, the probe's ``Verdict``), the dataflow pass (traced, with no planned module
+    running a function of its own that it cannot see into), both, or nothing to prove; else a
+    ``PlanError`` naming what could not be seen, unless ``allowed`` (then "unproved ...").
+    ``asked``: the proof was to run (not ``verify=False``, a shapes-only or simulated ``shard()``),
+    else it says why not."""
     if not asked:
         return f"not asked ({checks.get('probe', 'no probe')})"
     if not program.boundaries and not any(i.is_sharded for i in program.infos.values()):
         return "nothing to prove: no module is planned"
-    traced, compared = program.dataflow_skipped is None, checks.get("probe", "").startswith(EXACT)
+    traced = program.dataflow_skipped is None
     opaque = [b.planned.fqn or "<root module>" for b in program.boundaries if not b.planned.style.own_forward]
     if compared:
         return "the probe and the dataflow pass" if traced else "the probe"
@@ -349,14 +347,15 @@ def agree_on(model: nn.Module, program: Program, *, weights: str | os.PathLike |
     return Agreed(values, blocks, everyone)
 
 
-def prove(proof: Proof, *, mesh: DeviceMesh, proved: str | None, probe_cache: ProbeCache | None,
-          agree_timeout: float | None) -> str:
-    """The proof's verdict (``checks["probe"]``): ``proved``, the verdict every rank remembers,
-    or the probe run now (a collective; a mismatch raises ``PlanError``) and recorded in ``probe_cache``."""
+def prove(proof: Proof, *, mesh: DeviceMesh, proved: Verdict | None, probe_cache: ProbeCache | None,
+          agree_timeout: float | None) -> Verdict:
+    """The proof's ``Verdict`` (its text: ``checks["probe"]``): ``proved``, the verdict every rank
+    remembers, or the probe run now (a collective; a mismatch raises ``PlanError``) and recorded in
+    ``probe_cache``."""
     if proved is not None:
-        return f"{proved} (probed before in this process: same structure, plan and mesh)"
+        return proved.remembered()
     shard_copy = functools.partial(shard_unproved, agree_timeout=agree_timeout, example_inputs=proof.example_inputs)
-    verdict = run_probe(proof.copy, proof.plan, mesh, shard_copy, proof.uses, proof.inputs) or EXACT
+    verdict = run_probe(proof.copy, proof.plan, mesh, shard_copy, proof.uses, proof.inputs)
     if probe_cache is not None:
         probe_cache.record(proof.key, verdict)
     return verdict

@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..compile.build import build_program
-from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.placement import mesh_placements, slice_local, to_dtensor
 from ..core.program import Boundary
@@ -47,7 +46,6 @@ def same_placements(a: tuple[Placement, ...], b: tuple[Placement, ...], ndim: in
     return True
 
 
-@renamed_keywords(raise_on_mismatch="raise_on_failure")
 def validate_placements(
     model: nn.Module,
     plan: ShardingPlan | Mapping,

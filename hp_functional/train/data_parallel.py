@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.buckets import plan_buckets as buckets_by_rule
 from ..core.collectives import AxisGroup
-from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.facets import ReducedOver, SummedOver
 from ..core.placement import ShardInfo
@@ -35,7 +34,6 @@ def plan_buckets(grads: Mapping[str, Tensor | None], bucket_bytes: int) -> list[
     return buckets_by_rule(items, bucket_bytes)
 
 
-@renamed_keywords(axis="dp_axis")
 def reduce_gradients(
     grads: Mapping[str, Tensor | None], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh, dp_axis: str = "dp",
     op: str = "mean", *, bucket_bytes: int = 25 * 2**20,
@@ -88,9 +86,16 @@ def reduce_gradients(
     out.update({k: g / group.size if op == "mean" else g.clone() for k, g in summed.items()})
     if group.size == 1:
         out.update({k: g.clone() for k, g in present.items()})
-        return out
-    pending = []
-    for bucket in plan_buckets(present, bucket_bytes):  # issue every bucket, then wait: lets the backend overlap them
+    else:
+        out.update(_all_reduced(present, group, op, bucket_bytes))
+    return out
+
+
+def _all_reduced(present: Mapping[str, Tensor], group: AxisGroup, op: str, bucket_bytes: int) -> dict[str, Tensor]:
+    """``present``'s gradients all-reduced over ``group``, one collective per bucket, every bucket
+    issued before the first wait (lets the backend overlap them); divided by the group's size for ``"mean"``."""
+    pending, out = [], {}
+    for bucket in plan_buckets(present, bucket_bytes):
         flat = [present[k].reshape(-1) for k in bucket]
         buf = flat[0].contiguous() if len(flat) == 1 else torch.cat(flat)
         pending.append((bucket, start_all_reduce(buf, group)))

@@ -6,7 +6,7 @@ nothing executed from disk), ``ckpt_extra`` (``extra`` as JSON plus tensors).  S
 
 from __future__ import annotations
 
-__all__ = ["Loaded", "SaveHandle", "latest", "load", "save"]
+__all__ = ["AsyncSaves", "Loaded", "SaveHandle", "latest", "load", "save"]
 
 import json
 import os
@@ -83,11 +83,13 @@ class SaveHandle:
     """A save in progress.  ``wait()`` (every rank must call it, in the same order as other
     collectives) finishes it: the checkpoint is visible at ``path`` when it returns.  A sync save's
     handle is already finished.  ``lane``: the ``AsyncLane`` an async save runs on (it holds the
-    handle as its pending save until ``wait()``)."""
+    handle as its pending save until ``wait()``); ``close_lane``: the lane is this save's alone
+    (``save(async_save=True)``), closed once the save is complete."""
 
     def __init__(self, path: str, future: Future | None = None, commit: Callable[[], None] | None = None,
-                 lane: AsyncLane | None = None):
+                 lane: AsyncLane | None = None, *, close_lane: bool = False):
         self.path, self._future, self._commit, self._lane = path, future, commit, lane
+        self._close_lane = close_lane
         self._error: BaseException | None = None
 
     def done(self) -> bool:
@@ -108,10 +110,13 @@ class SaveHandle:
                     self._future.result()
                 except CheckpointException as exc:
                     raise as_checkpoint_error(exc, "save") from None
-                commit()
+                commit()  # every rank is past its lane's collectives once the commit's broadcast returns
             except BaseException as exc:
                 self._error = exc
                 raise
+            finally:
+                if self._close_lane:
+                    self._lane.close()
         return self.path
 
 
@@ -123,6 +128,12 @@ class AsyncLane:
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.pending: SaveHandle | None = None
+
+    def close(self) -> None:
+        """Destroy the lane's process group (a lane of one save, after it completed on every rank)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)  # local: no collective (every rank closes its own end)
+            self.group = None
 
     def finish_pending(self) -> None:
         """Wait for the save still pending on this lane, if any (``SaveHandle.wait`` releases it)."""
@@ -141,12 +152,11 @@ class AsyncLane:
 
 
 class AsyncSaves:
-    """The async-save lanes of this process, one per world (default process group and ranks).
-
-    A process-wide resource, hence one default object (``ASYNC_SAVES``) behind ``save``: a lane's
-    gloo group is created collectively (every rank, same order), so it is made once per world and
-    reused, and "one pending save at a time" is a property of that group, whoever calls ``save``.
-    It is read only through ``lane``; nothing outside this module touches it."""
+    """The lanes async saves run on, owned by the caller and passed to every ``save``
+    (``save(..., async_save=saves)``): keep one per process-group world.  Each lane is keyed by its
+    world (the default process group and the ranks): its gloo group is created collectively (every
+    rank, same order) on the first save and reused by the next ones, and a save still pending on it
+    is finished before the next one starts (``finish_pending``)."""
 
     def __init__(self):
         self._lanes: dict[tuple, AsyncLane] = {}
@@ -158,14 +168,10 @@ class AsyncSaves:
 
     def lane(self, ranks: tuple[int, ...]) -> AsyncLane:
         """The lane of ``ranks`` in the current world, its gloo group created on first use (a collective)."""
-        key = (id(dist.group.WORLD), ranks)
+        key = (dist.group.WORLD, ranks)  # the world's group itself: a new world after a re-init is another key
         if key not in self._lanes:
             self._lanes[key] = AsyncLane(new_group(ranks, backend="gloo"))
         return self._lanes[key]
-
-
-#: the process's async-save lanes (see ``AsyncSaves`` for why one object serves every ``save``)
-ASYNC_SAVES = AsyncSaves()
 
 
 def _on_rank0(fn: Callable[[], None], what: str) -> None:
@@ -200,7 +206,7 @@ def _commit(tmp: str, path: str, world: int, writer: SummingWriter) -> None:
 
 
 def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], *,
-         opt_state: Any = None, extra: Any = None, async_save: bool = False) -> SaveHandle:
+         opt_state: Any = None, extra: Any = None, async_save: bool | AsyncSaves = False) -> SaveHandle:
     """Write ``params`` (and ``opt_state``, and this rank's ``extra``) as a checkpoint of global tensors
     at ``path``; a collective (every rank calls it).  Each rank writes its own boxes, nothing is
     gathered; the checkpoint appears at ``path`` only once complete.  Inverse: ``load``.
@@ -214,23 +220,66 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
             ``optim/<its pytree path>`` (None: no state).
         extra: this rank's own JSON-like data and tensors (step, RNG state; see ``ckpt_extra``), encoded now, so a
             later change to it is not saved.
-        async_save: copy the shards to CPU memory, write them in a thread and return at once.
+        async_save: False: write now.  An ``AsyncSaves`` (the caller's, one per process-group world, passed to
+            every save): copy the shards to CPU memory, write them in a thread on its lane and return at once; a
+            save still pending there is finished first.  True: the same on a lane of this save alone (a gloo
+            group made for it and closed by ``wait()``).
 
     Returns:
         A ``SaveHandle``: every rank must call its ``wait()`` (a sync save's is already finished), which returns
         ``path`` once the checkpoint is visible.
     """
-    path = os.fspath(path)
+    path = _save_target(os.fspath(path))
+    _check_keys("save", params, shard_info)
+    _check_mesh("save", shard_info)
+    if async_save is not False and dist.get_backend() == "threaded":  # hpf.emulate's ranks are threads of one process
+        raise PlanError("save: async_save=True cannot run under hpf.emulate (its writer thread and lane would be shared "
+                        "by every emulated rank); save with async_save=False there")
+    entries = _entries(params, shard_info, opt_state)
+    extra_bytes = ckpt_extra.encode(extra)  # now: an unstorable extra fails before any collective, a later change is not saved
+    saves = async_save if isinstance(async_save, AsyncSaves) else AsyncSaves() if async_save else None
+    if saves is not None:
+        saves.finish_pending()  # one async save at a time on a lane: finish the previous one first
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = path + SCRATCH
+    _on_rank0(lambda: prepare_scratch(tmp, MARKER, "save"), f"save: cannot create {tmp!r}")  # before any rank's DCP does
+    state: dict[str, Any] = {k: Boxed(t.detach(), boxes(info), info.global_shape) for k, (t, info) in entries.items()}
+    state[f"{EXTRA}/{rank}"] = extra_bytes  # a DCP byte item of this rank's own: its write errors are DCP's
+    writer = SummingWriter(tmp)
+
+    def commit() -> None:
+        _on_rank0(lambda: _commit(tmp, path, world, writer), f"save: cannot complete {path!r}")
+
+    if saves is None:
+        try:
+            dcp.save(state, storage_writer=writer, planner=SavePlanner())
+        except CheckpointException as exc:
+            raise as_checkpoint_error(exc, "save") from None
+        commit()
+        return SaveHandle(path)
+    lane = saves.lane(tuple(range(world)))
+    try:
+        future = dcp.async_save(state, storage_writer=writer, planner=SavePlanner(), process_group=lane.group,
+                                async_stager=Stager())
+    except CheckpointException as exc:
+        raise as_checkpoint_error(exc, "save") from None
+    return lane.hold(SaveHandle(path, future, commit, lane, close_lane=async_save is True))
+
+
+def _save_target(path: str) -> str:
+    """``path`` if a checkpoint may be written there (new, empty or an earlier checkpoint), else the error."""
     if path.endswith(SCRATCH) or path.endswith(OLD):
         raise PlanError(f"save: {path!r} ends with {SCRATCH!r} or {OLD!r}, names reserved for checkpoints being written")
     if os.path.exists(path) and not os.path.isdir(path):
         raise PlanError(f"save: {path!r} exists and is not a directory")
     check_targets(path, MARKER, "checkpoint", "save")
-    _check_keys("save", params, shard_info)
-    _check_mesh("save", shard_info)
-    if async_save and dist.get_backend() == "threaded":  # hpf.emulate's ranks are threads of one process
-        raise PlanError("save: async_save=True cannot run under hpf.emulate (its writer thread and process-wide lane "
-                        "would be shared by every emulated rank); save with async_save=False there")
+    return path
+
+
+def _entries(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
+             opt_state: Any) -> dict[str, tuple[Tensor, ShardInfo]]:
+    """Every key the checkpoint stores (the params', then the optimizer state's ``optim/...``) with
+    its local tensor and layout; a ShapeError for a parameter not shaped as its ``shard_info`` says."""
     entries: dict[str, tuple[Tensor, ShardInfo]] = {}
     for name, info in shard_info.items():
         t = params[name]
@@ -245,32 +294,7 @@ def save(path: str | os.PathLike, params: Mapping[str, Tensor], shard_info: Mapp
             if key in entries:
                 raise PlanError(f"save: optimizer key {key!r} collides with a parameter's name")
             entries[key] = (leaf, info)
-    extra_bytes = ckpt_extra.encode(extra)  # now: an unstorable extra fails before any collective, a later change is not saved
-    ASYNC_SAVES.finish_pending()  # one async save at a time: finish the previous one first
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tmp = path + SCRATCH
-    _on_rank0(lambda: prepare_scratch(tmp, MARKER, "save"), f"save: cannot create {tmp!r}")  # before any rank's DCP does
-    state: dict[str, Any] = {k: Boxed(t.detach(), boxes(info), info.global_shape) for k, (t, info) in entries.items()}
-    state[f"{EXTRA}/{rank}"] = extra_bytes  # a DCP byte item of this rank's own: its write errors are DCP's
-    writer = SummingWriter(tmp)
-
-    def commit() -> None:
-        _on_rank0(lambda: _commit(tmp, path, world, writer), f"save: cannot complete {path!r}")
-
-    if not async_save:
-        try:
-            dcp.save(state, storage_writer=writer, planner=SavePlanner())
-        except CheckpointException as exc:
-            raise as_checkpoint_error(exc, "save") from None
-        commit()
-        return SaveHandle(path)
-    lane = ASYNC_SAVES.lane(tuple(range(world)))
-    try:
-        future = dcp.async_save(state, storage_writer=writer, planner=SavePlanner(), process_group=lane.group,
-                                async_stager=Stager())
-    except CheckpointException as exc:
-        raise as_checkpoint_error(exc, "save") from None
-    return lane.hold(SaveHandle(path, future, commit, lane))
+    return entries
 
 
 # ---------------------------------------------------------------- finding and checking checkpoints

@@ -29,7 +29,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..compile.agree import agree
 from ..core.collectives import AxisGroup, CopyTo
-from ..core.deprecation import renamed_keywords
 from ..core.errors import PlanError
 from ..core.facets import ReducedOver, RowSplit
 from ..core.placement import ShardInfo, fmt_placements, splits
@@ -176,7 +175,6 @@ class FsdpLayout:
 # ---------------------------------------------------------------- the transform
 
 
-@renamed_keywords(axis="dp_axis")
 def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo], mesh: DeviceMesh,
          dp_axis: str | Sequence[str] = "dp", *, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
          reduce_dtype: torch.dtype | None = None, blocks: Sequence[str] | None = None,
@@ -219,11 +217,30 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
     infos = {k: split_info(program.infos[k], mesh, axes) for k in keys}
     agree(dataclasses.replace(program, mesh=mesh), None, None,
           {"fsdp": repr((axes, reshard_after_forward, str(param_dtype), str(reduce_dtype), [g.keys for g in groups]))})
-    group, sync = AxisGroup.flat(mesh, axes), Sync()
+    gate = next((g.gate for g in program.groups.values() if g.gate is not None), None)  # the program's
+    group, sync = AxisGroup.flat(mesh, axes, gate), Sync()  # the input agreement runs before its gathers too
     sizes = {a: mesh.size(mesh.mesh_dim_names.index(a)) for a in axes}
     buckets = tuple(_bucket(g, program, infos, group, sizes, param_dtype, reduce_dtype, sync) for g in groups)
     layout = FsdpLayout(axes[0] if len(axes) == 1 else axes, tuple(groups), buckets, reshard_after_forward, sync)
     preserve_rng = runtime.remat.preserve_rng if runtime.remat else True
+    install = _installer(program, groups, buckets, reshard_after_forward, preserve_rng)
+
+    # the inner apply_fn binds the local rows themselves (their own shapes); its forwards gather them, and
+    # the parameters' conversions run after each gather (none before)
+    inner_program = dataclasses.replace(program, param_steps={}, param_buckets=())
+    inner = runtime.build(inner_program, install, axes=(group,),
+                          local_shapes={k: torch.Size(infos[k].local_shape) for k in keys})
+    new_params = {k: _rows(params[k], infos[k]) for k in keys}
+    call = _fsdp_apply(inner, layout, infos)
+    out = apply_fn.then("fsdp", call, fsdp=layout, program=inner.program, buffer_slots=inner.buffer_slots,
+                        input_check=inner.input_check, remat_blocks=inner.remat_blocks, binder=None)
+    return out, new_params, infos
+
+
+def _installer(program: Program, groups: Sequence[Group], buckets: Sequence[Bucket], reshard_after_forward: bool,
+               preserve_rng: bool) -> Callable[[nn.Module, object], None]:
+    """``install(skeleton, cache)``: each group's forwards on a skeleton — a block resharded after its
+    forward (``ReshardedBlock``), else the modules that gather their bucket on first use (``GatherOnUse``)."""
 
     def install(skeleton: nn.Module, cache) -> None:
         slots_of = {}
@@ -254,16 +271,7 @@ def fsdp(apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[st
                 module.forward = GatherOnUse(module.forward, bucket, slots, tuple(bound[k] for k in g.keys), cache,
                                              shared=len(members) > 1)
 
-    # the inner apply_fn binds the local rows themselves (their own shapes); its forwards gather them, and
-    # the parameters' conversions run after each gather (none before)
-    inner_program = dataclasses.replace(program, param_steps={}, param_buckets=())
-    inner = runtime.build(inner_program, install, axes=(group,),  # the input agreement runs before its gathers too
-                          local_shapes={k: torch.Size(infos[k].local_shape) for k in keys})
-    new_params = {k: _rows(params[k], infos[k]) for k in keys}
-    call = _fsdp_apply(inner, layout, infos)
-    out = apply_fn.then("fsdp", call, fsdp=layout, program=inner.program, buffer_slots=inner.buffer_slots,
-                        input_check=inner.input_check, remat_blocks=inner.remat_blocks, binder=None)
-    return out, new_params, infos
+    return install
 
 
 def _check_nesting(groups: Sequence[Group], remat: Sequence[str]) -> None:

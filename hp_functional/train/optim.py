@@ -17,7 +17,6 @@ __all__ = [
     "warmup_cosine"
 ]
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,19 +26,10 @@ from torch import Tensor
 from torch.distributed.tensor import Replicate
 
 from ..core.errors import PlanError, ShapeError
-from ..core.paths import most_specific_patterns, path_matches
+from ..core.paths import most_specific_patterns
 from ..core.placement import ShardInfo
-from .optim_masks import (
-    _RULE,
-    Mask,
-    PatternMask,
-    _mask_fn,
-    _old_matches,
-    _resolve_mask,
-    _spelling_hint,
-    decay_mask,
-)
-from .optim_schedules import Schedule, _check_lr, _lr_at, constant, linear_warmup, warmup_cosine
+from .optim_masks import Mask, PatternMask, decay_mask, mask_fn
+from .optim_schedules import Schedule, check_lr, constant, linear_warmup, lr_at, warmup_cosine
 
 Params = Mapping[str, Tensor]
 Grads = Mapping[str, Tensor | None]
@@ -153,28 +143,24 @@ def adamw(
     ``weight_decay=0``."""
     b1, b2 = betas
     if not callable(lr):
-        _check_lr(lr, "adamw")
+        check_lr(lr, "adamw")
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"adamw: invalid betas {betas!r} (each must be in [0, 1))")
     if not eps >= 0.0:
         raise ValueError(f"adamw: invalid eps {eps!r} (must be >= 0)")
     if not weight_decay >= 0.0:
         raise ValueError(f"adamw: invalid weight_decay {weight_decay!r} (must be >= 0)")
-    decays = _mask_fn(mask, "adamw")
+    decays = mask_fn(mask, "adamw")
 
     def init(params: Params) -> AdamWState:
-        if weight_decay != 0:
-            _resolve_mask(decays, params)
         return AdamWState(_new_step(0), {k: torch.zeros_like(p) for k, p in params.items()},
                           {k: torch.zeros_like(p) for k, p in params.items()})
 
     def update(grads: Grads, state: AdamWState, params: Params) -> tuple[dict[str, Tensor], AdamWState]:
         _state_type(state, AdamWState, "adamw.update")
         _check("adamw.update", grads, params, **{"state.mu": state.mu, "state.nu": state.nu})
-        if weight_decay != 0:
-            _resolve_mask(decays, params)
         k = _step_of(state.step)
-        lr_k, t = _lr_at(lr, k, "adamw"), k + 1
+        lr_k, t = lr_at(lr, k, "adamw"), k + 1
         bias_correction1, bias_correction2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
         step_size = lr_k / bias_correction1
         new_p, new_mu, new_nu = dict(params), dict(state.mu), dict(state.nu)
@@ -210,28 +196,24 @@ def sgd(
     ``torch.optim.SGD`` with the same arguments.  The first update sets each momentum buffer to the
     gradient, as torch does; ``lr`` and ``mask`` as in ``adamw``."""
     if not callable(lr):
-        _check_lr(lr, "sgd")
+        check_lr(lr, "sgd")
     if not momentum >= 0.0:
         raise ValueError(f"sgd: invalid momentum {momentum!r} (must be >= 0)")
     if not weight_decay >= 0.0:
         raise ValueError(f"sgd: invalid weight_decay {weight_decay!r} (must be >= 0)")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("sgd: Nesterov momentum requires a momentum and zero dampening")
-    decays = _mask_fn(mask, "sgd")
+    decays = mask_fn(mask, "sgd")
 
     def init(params: Params) -> SGDState:
-        if weight_decay != 0:
-            _resolve_mask(decays, params)
         bufs = {k: torch.zeros_like(p) for k, p in params.items()} if momentum else {}
         return SGDState(_new_step(0), bufs)
 
     def update(grads: Grads, state: SGDState, params: Params) -> tuple[dict[str, Tensor], SGDState]:
         _state_type(state, SGDState, "sgd.update")
         _check("sgd.update", grads, params, **({"state.momentum": state.momentum} if momentum else {}))
-        if weight_decay != 0:
-            _resolve_mask(decays, params)
         k = _step_of(state.step)
-        lr_k = _lr_at(lr, k, "sgd")
+        lr_k = lr_at(lr, k, "sgd")
         new_p, new_buf = dict(params), dict(state.momentum)
         for keys in _groups([n for n in params if grads[n] is not None], params):
             p, g = [params[n] for n in keys], [grads[n] for n in keys]
@@ -267,13 +249,10 @@ def partition(optimizers: Mapping[str, Optimizer]) -> Optimizer:
     """One optimizer per group of leaves: ``{pattern: optimizer}``, FQN patterns under the package's
     one pattern rule (docs/plan-language.md#patterns: ``*`` one segment, ``**`` any number); a leaf
     goes to the most specific pattern that matches it, whatever the dict's order, and every leaf
-    must match one (``"**"`` claims the rest).  The state is ``PartitionState({pattern: that
-    optimizer's state over its leaves})``; a pattern that claims no leaf still has a (leafless)
-    state.  Torch's param groups with different hyperparameters.
-
-    For now the earlier rule decides where the two differ — ``fnmatch`` (``*`` crossing dots), the
-    first matching pattern in the dict's order — with one ``FutureWarning`` per pattern naming the
-    leaf and how to write it under the one rule.
+    must match one (``"**"`` claims the rest); two equally specific patterns matching one leaf are a
+    ``PlanError`` naming both.  The state is ``PartitionState({pattern: that optimizer's state over
+    its leaves})``; a pattern that claims no leaf still has a (leafless) state.  Torch's param
+    groups with different hyperparameters.
 
     >>> opt = partition({"model.embed_tokens.weight": sgd(1e-1), "**": adamw(1e-3)})"""
     if not optimizers:
@@ -283,42 +262,12 @@ def partition(optimizers: Mapping[str, Optimizer]) -> Optimizer:
             raise TypeError(f"partition: expected {{pattern: Optimizer}}, got {pattern!r}: {type(opt).__name__}")
     patterns = list(optimizers)
     memo: dict[str, str] = {}
-    warned: set[tuple[str, str]] = set()
 
     def resolve(fqns: Iterable[str]) -> None:
-        """Label every FQN of ``fqns`` not labelled yet; warn (at the caller of init/update) where
-        the one rule would label it differently."""
-        fqns = list(fqns)
-        differ: dict[tuple[str, str], list[str]] = {}
+        """Label every FQN of ``fqns`` not labelled yet with the pattern that claims it."""
         for fqn in fqns:
-            if fqn in memo:
-                continue
-            hit = next((p for p in patterns if _old_matches(p, fqn)), None)
-            if hit is None:
-                raise PlanError(f"partition: parameter {fqn!r} matches none of the patterns {patterns}; "
-                                "add a catch-all '**'")
-            memo[fqn] = hit
-            best = most_specific_patterns(fqn, patterns)
-            if best != [hit]:
-                differ.setdefault((hit, " and ".join(map(repr, best))), []).append(fqn)
-        for (hit, best), names in differ.items():
-            if (hit, best) in warned:
-                continue
-            warned.add((hit, best))
-            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-            if not best:
-                then, how = "no pattern matches it (an error then)", _spelling_hint(hit, fqns)
-            elif " and " in best:
-                then, how = f"the equally specific {best} match it (an error then)", "make one of them more specific"
-            elif path_matches(hit, names[0]):
-                then, how = (f"the more specific {best} claims it", f"make {hit!r} more specific than {best}, or "
-                             f"{best} narrower")
-            else:
-                then, how = f"{best} claims it", _spelling_hint(hit, fqns)
-            warnings.warn(
-                f"partition: pattern {hit!r} claims {names[0]!r}{more} by the earlier rule (fnmatch, the first "
-                f"match wins); under the one pattern rule ({_RULE}: the most specific wins) {then}. The earlier "
-                f"rule decides for now: {how}", FutureWarning, stacklevel=3)
+            if fqn not in memo:
+                memo[fqn] = _claimant(fqn, patterns)
 
     def split(tree: Mapping[str, Any], keys: Iterable[str]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {p: {} for p in patterns}
@@ -346,6 +295,17 @@ def partition(optimizers: Mapping[str, Optimizer]) -> Optimizer:
         return {k: new_params[k] for k in params}, PartitionState(states)
 
     return Optimizer(init, update)
+
+
+def _claimant(fqn: str, patterns: list[str]) -> str:
+    """The most specific of ``patterns`` matching ``fqn``; a PlanError when none or several do."""
+    best = most_specific_patterns(fqn, patterns)
+    if not best:
+        raise PlanError(f"partition: parameter {fqn!r} matches none of the patterns {patterns}; add a catch-all '**'")
+    if len(best) > 1:
+        raise PlanError(f"partition: parameter {fqn!r} is matched by the equally specific patterns "
+                        f"{' and '.join(map(repr, best))}; make one of them more specific")
+    return best[0]
 
 
 # ---------------------------------------------------------------- where the state sits

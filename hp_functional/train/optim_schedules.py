@@ -3,7 +3,7 @@ int or a 0-dim tensor) to the learning rate."""
 
 from __future__ import annotations
 
-__all__ = ["Schedule", "_check_lr", "_lr_at", "constant", "linear_warmup", "warmup_cosine"]
+__all__ = ["Schedule", "check_lr", "constant", "linear_warmup", "lr_at", "warmup_cosine"]
 
 import math
 from collections.abc import Callable
@@ -16,7 +16,7 @@ from torch import Tensor
 Schedule = Callable[[Any], Any]
 
 
-def _check_lr(value: Any, what: str) -> None:
+def check_lr(value: Any, what: str) -> None:
     """A ValueError for a negative (or NaN) Python learning rate; tensors are not inspected (no sync)."""
     if not isinstance(value, Tensor) and not value >= 0:
         raise ValueError(f"{what}: invalid learning rate {value!r} (must be >= 0)")
@@ -33,15 +33,15 @@ def _ramp(step: Any, length: int) -> Any:
 
 def constant(lr: float) -> Schedule:
     """``lr`` at every step."""
-    _check_lr(lr, "constant")
+    check_lr(lr, "constant")
     return lambda step: lr
 
 
 def linear_warmup(peak_lr: float, warmup_steps: int, init_lr: float = 0.0) -> Schedule:
     """``init_lr`` at step 0, rising linearly to ``peak_lr`` at ``warmup_steps``, then constant
     (optax's ``linear_schedule``; torch's ``LambdaLR(lambda k: min(1, k / warmup_steps))`` with init 0)."""
-    _check_lr(peak_lr, "linear_warmup")
-    _check_lr(init_lr, "linear_warmup")
+    check_lr(peak_lr, "linear_warmup")
+    check_lr(init_lr, "linear_warmup")
     if warmup_steps < 0:
         raise ValueError(f"linear_warmup: warmup_steps must be >= 0, got {warmup_steps}")
 
@@ -57,7 +57,7 @@ def warmup_cosine(peak_lr: float, warmup_steps: int, total_steps: int, end_lr: f
     ``warmup_cosine_decay_schedule(init_lr, peak_lr, warmup_steps, total_steps, end_lr)``, and with
     ``init_lr = end_lr = 0`` Hugging Face's ``get_cosine_schedule_with_warmup`` up to ``total_steps``."""
     for v in (peak_lr, end_lr, init_lr):
-        _check_lr(v, "warmup_cosine")
+        check_lr(v, "warmup_cosine")
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(f"warmup_cosine: need 0 <= warmup_steps < total_steps, got {warmup_steps} and {total_steps}")
     warm, decay = linear_warmup(peak_lr, warmup_steps, init_lr), total_steps - warmup_steps
@@ -72,10 +72,10 @@ def warmup_cosine(peak_lr: float, warmup_steps: int, total_steps: int, end_lr: f
     return schedule
 
 
-def _lr_at(lr: float | Tensor | Schedule, step: int, where: str) -> float | Tensor:
+def lr_at(lr: float | Tensor | Schedule, step: int, where: str) -> float | Tensor:
     """The learning rate of update ``step`` (0-based): a schedule evaluated there, else ``lr`` itself."""
     value = lr(step) if callable(lr) else lr
     if isinstance(value, Tensor) and value.numel() != 1:
         raise ValueError(f"{where}: the learning rate must be a scalar, got a tensor of shape {tuple(value.shape)}")
-    _check_lr(value, f"{where} at step {step}")
+    check_lr(value, f"{where} at step {step}")
     return value

@@ -13,18 +13,16 @@ import copy
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..core.collectives import AxisGroup
 from ..core.errors import PlanError
-from ..core.host_comm import all_reduce_, new_group
 from ..core.paths import path_matches
 from ..core.placement import ShardInfo
-from ..core.raw_collectives import mesh_device
+from ..core.raw_collectives import mesh_device, raw_exchange
 from ..plan.plan import ShardingPlan
 from ..runtime.shard import shard
 from .module import FunctionalModule
@@ -357,30 +355,15 @@ def stage_module(apply_fn: Callable, params: Mapping[str, Tensor], stage: Stage)
     return StageModule(apply_fn, params, stage)
 
 
-def pipeline_ranks(mesh: DeviceMesh, pp_axis: str = "pp") -> tuple[int, ...]:
-    """The global ranks of this rank's pipeline, in stage order (its line of ``mesh`` along
-    ``pp_axis``)."""
-    coord = list(mesh.get_coordinate())
-    coord[mesh.mesh_dim_names.index(pp_axis)] = slice(None)
-    return tuple(mesh.mesh[tuple(coord)].tolist())
-
-
-@cache
-def _end_groups(lines: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """One group per pipeline of its first and last stage's ranks, made on every rank in the same
-    order (``new_group`` is a collective over the default group, and its count names groups)."""
-    return {line: new_group([line[0], line[-1]]) for line in lines}
-
-
 def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
              pp_axis: str = "pp") -> dict[str, Tensor | None]:
     """``grads`` with those of ``stage.tied`` (parameters held by several stages: the embedding
-    and the tied head) summed over the stages holding them: one all-reduce of one flat buffer over
-    the first and last stage's ranks of this rank's pipeline (the pp group itself when there are
-    two stages), after a tiny one agreeing which of them have a gradient (a ``None`` on one stage
-    only is a ``PlanError`` on both).  Pure.  Call it on every rank of the mesh after each step's backward, before the
-    optimizer: with more than two stages the first call makes those groups on every rank; a
-    stage without tied parameters then communicates nothing.
+    and the tied head) summed over the first and last stage holding them: each sends its flat
+    buffer to the other over ``pp_axis`` and adds what it receives (point to point: the middle
+    stages issue nothing, and no process group is made), after a tiny exchange agreeing which of
+    them have a gradient (a ``None`` on one stage only is a ``PlanError`` on both).  Pure.  Call
+    it on every rank of the mesh after each step's backward, before the optimizer; a stage without
+    tied parameters communicates nothing.
 
     Args:
         grads: this stage's gradients, FQN -> tensor or None.
@@ -392,26 +375,26 @@ def sum_tied(grads: Mapping[str, Tensor | None], stage: Stage, mesh: DeviceMesh,
         A new dict: the tied gradients summed (new tensors), the others as given.
     """
     out = dict(grads)
-    group = mesh.get_group(pp_axis)
-    if stage.num_stages > 2:
-        dim = mesh.mesh_dim_names.index(pp_axis)
-        lines = tuple(tuple(r) for r in mesh.mesh.movedim(dim, -1).reshape(-1, stage.num_stages).tolist())
-        group = _end_groups(lines)[pipeline_ranks(mesh, pp_axis)]
     if not stage.tied:
         return out
+    if not (stage.is_first or stage.is_last):
+        raise PlanError(f"sum_tied: stage {stage.index} holds tied parameters {list(stage.tied)[:3]}, but only the "
+                        "first and the last stage may (their gradients are summed between those two)")
+    group = AxisGroup.from_mesh(mesh, pp_axis)
+    peer = stage.num_stages - 1 if stage.is_first else 0
     present = [grads.get(k) is not None for k in stage.tied]
     device = next((grads[k].device for k, mine in zip(stage.tied, present, strict=True) if mine), mesh_device(mesh))
-    # the stages first agree on which tied gradients exist, so their buffers cannot differ (a hang)
-    ends, *counts = all_reduce_(torch.tensor([1.0, *map(float, present)], device=device), group).tolist()
-    mixed = [k for k, n in zip(stage.tied, counts, strict=True) if 0 < n < ends]
+    # the two stages first agree on which tied gradients exist, so their buffers cannot differ (a hang)
+    theirs = raw_exchange(torch.tensor(present, dtype=torch.bool, device=device), peer, group, "sum_tied").tolist()
+    mixed = [k for k, mine, other in zip(stage.tied, present, theirs, strict=True) if mine != other]
     if mixed:
-        raise PlanError(f"sum_tied: the gradients of the tied {mixed} are None on some of the {int(ends)} stages holding "
-                        "them and not on the others; give every such stage a gradient for them, or None on all")
+        raise PlanError(f"sum_tied: the gradients of the tied {mixed} are None on some of the 2 stages holding them "
+                        "and not on the others; give every such stage a gradient for them, or None on all")
     keys = [k for k, mine in zip(stage.tied, present, strict=True) if mine]
     if not keys:
         return out
     flat = torch.cat([grads[k].reshape(-1) for k in keys])
-    all_reduce_(flat, group)
+    flat = flat + raw_exchange(flat, peer, group, "sum_tied")
     for k, piece in zip(keys, flat.split([grads[k].numel() for k in keys]), strict=True):
         out[k] = piece.view(grads[k].shape)
     return out

@@ -250,7 +250,7 @@ def case_fsdp_folds_cp(family: str, axis):
     functional, loss = grad_and_value(lambda p: apply_fn(p, **kwargs).loss)(params)
     cp_group, dp_group = m["cp"].get_group().group_name, m["dp"].get_group().group_name
     diffs = {"loss": assert_close(hpf.reduce_gradients({"l": loss.detach()}, {"l": hpf.ShardInfo(
-        (torch.distributed.tensor.Replicate(),) * 2, m, loss.shape, loss.shape, ())}, m, axis="dp")["l"],
+        (torch.distributed.tensor.Replicate(),) * 2, m, loss.shape, loss.shape, ())}, m, dp_axis="dp")["l"],
         ref.loss.detach(), "loss"),
         "cp all_reduce": counted.counts.get(("all_reduce", cp_group), 0),
         "dp reduce_scatter": counted.counts.get(("reduce_scatter_tensor", dp_group), 0),

@@ -193,23 +193,26 @@ def _sample_args(name: str) -> tuple:
 
 
 def test_transpose_pairs_are_closed():
-    """The one table of conjugate pairs: for every collective C with backward B, B's backward is
-    C again, B's type is C's reversed (I→V ↔ V→I), and B's arguments map back to C's."""
-    assert set(C.COLLECTIVES) == set(C.TRANSPOSE) and len(C.COLLECTIVES) == 18
+    """The conjugate pairs: for every collective C with backward B (the object its block names),
+    B is a collective of the table, B's backward is C again, B's type is C's reversed
+    (I → V ↔ V → I), and B's arguments map back to C's."""
+    assert len(C.COLLECTIVES) == 18
+    table = set(map(id, C.COLLECTIVES.values()))
     for name, c in C.COLLECTIVES.items():
         assert c.name == name and callable(getattr(C, name))
-        b = C.COLLECTIVES[c.transpose]
-        assert b.transpose == name, f"{name}'s backward is {b.name}, whose backward is {b.transpose}"
-        src, dst = c.types.split("→")
-        assert b.types == f"{dst}→{src}", f"{name} is {c.types} but its transpose {b.name} is {b.types}"
+        b = c.transpose
+        assert id(b) in table, f"{name}'s backward is not a collective of the table"
+        assert b.transpose is c, f"{name}'s backward is {b.name}, whose backward is {b.transpose.name}"
+        assert b.types == c.types.transposed, f"{name} is {c.types} but its transpose {b.name} is {b.types}"
+        assert c.makes_invariant == (c.types.dst is C.ValueType.INVARIANT)
         args = _sample_args(name)
         assert b.transpose_args(*c.transpose_args(*args)) == args, name
     assert C.AllToAll.transpose_args(1, 0, "group") == (0, 1, "group")  # the reverse all-to-all
     assert C.Ppermute.transpose_args(((0, 1), (1, 2)), "group") == (((1, 0), (2, 1)), "group")  # sent back
     assert C.AllToAllV.transpose_args(0, (1, 2), (3, 0), "group") == (0, (3, 0), (1, 2), "group")  # the reverse
-    assert (C.SendTo.transpose, C.RecvFrom.transpose) == ("recv_from", "send_to")  # receive what was sent, send back
+    assert (C.SendTo.transpose, C.RecvFrom.transpose) == (C.RecvFrom, C.SendTo)  # receive what was sent, send back
     assert C.SendTo.batch_args(((4, 8), 1, "g")) == ((4, 8), 1, "g")  # a peer is not a dim: not shifted
-    assert (C.GatherParams.transpose, C.MeanScatter.transpose) == ("mean_scatter", "gather_params")
+    assert (C.GatherParams.transpose, C.MeanScatter.transpose) == (C.MeanScatter, C.GatherParams)
     assert C.MeanScatter.batch_args((0, PREC, 2, "g")) == (1, PREC, 2, "g")  # the divisor is not a dim
 
 
@@ -230,8 +233,8 @@ def test_docstring_table_states_the_pairs():
     assert set(rows) == set(C.COLLECTIVES)
     for name, (_, types, _, backward, backwards_backward) in rows.items():
         c = C.COLLECTIVES[name]
-        assert types == c.types.replace("→", " → "), name
-        assert backward.split()[0] == f"``{c.transpose}``", name
+        assert types == str(c.types), name
+        assert backward.split()[0] == f"``{c.transpose.name}``", name
         assert backwards_backward == f"``{name}``", name
 
 
@@ -338,3 +341,42 @@ def test_fsdp_pair_matches_math():
     """FSDP's gather_params / mean_scatter, fast at world size 2 (the table's sweep covers them at
     2 and 4 among the others)."""
     assert all(get_pool(2).run(case_fsdp_pair))
+
+
+def case_gate_and_exchange():
+    """A check held by a group's gate runs just before the first collective over that group (one
+    that raises stops the collective on every rank, so none hangs), once, never over a group with
+    another gate, and not once released; ``raw_exchange`` swaps the first and last rank's tensors
+    while the ranks between issue nothing."""
+    from hp_functional.core.raw_collectives import Gate, raw_exchange
+
+    gate, ran = Gate(), []
+    g, other = C.AxisGroup.from_mesh(mesh(), "tp", gate), C.AxisGroup.from_mesh(mesh(), "tp")
+    one = torch.ones(2)
+
+    def check():
+        ran.append(True)
+        if len(ran) == 1:
+            raise ValueError("inputs differ")
+
+    gate.hold(check)
+    C.all_reduce(one, other)  # another gate: the check still waits
+    waited = not ran
+    try:
+        C.all_reduce(one, g)
+        stopped = False
+    except ValueError:
+        stopped = True
+    assert torch.equal(C.all_reduce(one, g), one * g.size)  # the gate let the check go with its first run
+    gate.hold(check)
+    gate.release(check)
+    C.all_reduce(one, g)
+    first, last = 0, g.size - 1
+    got = raw_exchange(torch.full((3,), float(g.rank)), last - g.rank, g) if g.rank in (first, last) else None
+    return waited, stopped, len(ran), None if got is None else got.tolist()
+
+
+def test_a_gate_runs_its_check_before_the_first_collective_and_exchange_swaps(pool):
+    for r, (waited, stopped, runs, got) in enumerate(pool.run(case_gate_and_exchange)):
+        assert waited and stopped and runs == 1, (r, waited, stopped, runs)
+        assert got == ([float(pool.world - 1 - r)] * 3 if r in (0, pool.world - 1) else None), (r, got)

@@ -1,6 +1,6 @@
 """Higher-order derivatives through the collectives, on gloo ranks, against single-device math.
 
-Every collective's backward is its transpose, itself a collective (``collectives.TRANSPOSE``),
+Every collective's backward is its transpose, itself a collective (``Collective.transpose``),
 so the transpose of the transpose is the collective again and every order is exact:
 ``vjp(vjp(C)) == C``; grad∘grad, jacrev∘jacrev, jacfwd∘jacrev, jacrev∘jacfwd and ``hessian``
 of sharded compositions equal the unsharded values; a gradient penalty on a sharded HF Llama and
@@ -83,7 +83,7 @@ def case_vjp_of_vjp():
     g = _group()
     report = {}
     for name, coll in C.COLLECTIVES.items():
-        src, dst = coll.types.split("→")
+        src, dst = coll.types.src.value, coll.types.dst.value
         # leave_region's input is a replicated value inside a varying region: equal on every rank
         x = _typed("I" if name == "leave_region" else src, 0, SHAPE)
         y = _apply(name, x, g)

@@ -54,7 +54,7 @@ def test_what_a_step_hands_on_comes_from_its_collective():
     assert split == {C.SplitTo, C.PartialFrom, C.AllToAll, C.ReduceScatter, C.CopyToReplicas}
     assert {c.name for c in C.COLLECTIVES.values() if c.makes_invariant} == {
         "reduce_from", "gather_from", "leave_region", "reduce_from_replicas"}
-    assert all(c.makes_invariant == c.types.endswith("I") for c in C.COLLECTIVES.values())
+    assert all(c.makes_invariant == (c.types.dst is C.ValueType.INVARIANT) for c in C.COLLECTIVES.values())
 
 
 #: literals equal to a collective's name allowed outside core/collectives.py: the names of the raw

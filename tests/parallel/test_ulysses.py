@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import hp_functional as hpf
 from hp_functional.core.collectives import AxisGroup
-from hp_functional.core.ring_attention import STRATEGIES
+from hp_functional.parallel.context.ring_attention import STRATEGIES
 from hp_functional.parallel.ulysses.attention import UlyssesAttention, ulysses_attention
 from tests.conftest import get_pool
 from tests.parallel.test_context_parallel_hf import _compare, _ids, _reference

@@ -1,11 +1,10 @@
 """The plan language knows no parallelism by name: ``ShardingPlan`` holds entries, axes by role and
 settings, and each parallelism plugs in through ``core.parallelism`` (one line in
-``parallel.PARALLELISMS``, or ``ShardingPlan(..., parallelisms=)``).  The earlier keywords keep
-working with a FutureWarning."""
+``parallel.PARALLELISMS``, or ``ShardingPlan(..., parallelisms=)``).  One spelling: the keywords
+of the plan's fields only."""
 
 import ast
 import dataclasses
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,32 +32,21 @@ def test_the_plan_has_no_field_for_any_parallelism():
     assert len(owners) == len(set(owners)), "a setting has one owner"
 
 
-@pytest.mark.parametrize("old, new", [
-    (dict(tp_axis="model"), dict(axes={"tp": "model"})),
-    (dict(loss_parallel=True), dict(settings={"loss_parallel": True})),
-    (dict(cp_axis="cp", cp_layout="contiguous"), dict(axes={"cp": "cp"}, settings={"cp_layout": "contiguous"})),
-    (dict(ep_axis="ep"), dict(axes={"ep": "ep"})),
-    (dict(tp_optional=True), dict(optional_roles={"tp"})),
-])
-def test_earlier_keywords_warn_and_mean_the_same(old, new):
-    entries = {"a": hpf.Colwise()} if "cp_axis" not in old else {"a": hpf.ContextParallel()}
-    with pytest.warns(FutureWarning, match="is deprecated: write"):
-        before = hpf.ShardingPlan(entries, **old)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        after = hpf.ShardingPlan(entries, **new)
-    for field in ("entries", "axes", "settings", "optional_roles"):
-        assert getattr(before, field) == getattr(after, field), field
-    attribute = next(iter(old))
-    with pytest.warns(FutureWarning, match=f"ShardingPlan.{attribute} is deprecated"):
-        assert getattr(before, attribute) == old[attribute]
+@pytest.mark.parametrize("keyword", ["tp_axis", "cp_axis", "ep_axis", "loss_parallel", "cp_layout", "cp_inputs",
+                                     "tp_optional", "cp_axes"])
+def test_only_the_fields_are_keywords(keyword):
+    """The earlier per-parallelism keywords and attributes are gone (docs/changelog.md): a
+    TypeError and an AttributeError, as for any unknown name."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        hpf.ShardingPlan({}, **{keyword: "x"})
+    with pytest.raises(AttributeError, match=f"no attribute '{keyword}'"):
+        getattr(hpf.ShardingPlan({}), keyword)
 
 
-def test_positional_axis_and_bad_keywords():
-    with pytest.warns(FutureWarning):
-        assert hpf.ShardingPlan({"a": hpf.Colwise()}, "model").axes["tp"] == "model"
-    with pytest.raises(TypeError, match="unexpected keyword argument 'cp_axes'"):
-        hpf.ShardingPlan({}, cp_axes="cp")
+def test_bad_axes_and_settings():
+    """A bare axis name is not a role map (the error says how to write it); a setting needs an owner."""
+    with pytest.raises(hpf.PlanError, match=r"axes=\{'tp': 'model'\}"):
+        hpf.ShardingPlan({"a": hpf.Colwise()}, "model")
     with pytest.raises(hpf.PlanError, match=r"plan settings \['zigzag'\] belong to no parallelism"):
         hpf.ShardingPlan({}, settings={"zigzag": True})
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -290,17 +290,16 @@ def test_block_sharing_an_input_and_vmap_grad(pool):
     pool.run(case_branches, make_branches_state())
 
 
-def test_the_earlier_names_still_work_with_a_warning():
-    """``hpf.Checkpoint`` and ``hpf.ActivationCheckpoint`` (activation recompute, easily read as
-    DCP's checkpoints) are now ``hpf.Remat``; the old names warn and are the same class, as does
-    ``apply_fn.checkpointed`` (now ``apply_fn.remat_blocks``)."""
+def test_the_earlier_names_are_gone():
+    """One spelling: ``hpf.Remat`` and ``apply_fn.remat_blocks`` (the earlier ``hpf.Checkpoint``,
+    ``hpf.ActivationCheckpoint`` and ``apply_fn.checkpointed`` are plain unknown names:
+    docs/changelog.md); ``then`` carries the remat blocks."""
     for old in ("Checkpoint", "ActivationCheckpoint"):
-        with pytest.warns(FutureWarning, match=f"hp_functional.{old} is now hp_functional.Remat"):
-            assert getattr(hpf, old) is hpf.Remat is Remat
+        with pytest.raises(AttributeError):
+            getattr(hpf, old)
         assert old not in hpf.__all__
     blocks = {"up": object()}
     for apply_fn in (ApplyFn(print, None, None, remat_blocks=blocks),
                      dataclasses.replace(ApplyFn(print, None, None), remat_blocks=blocks)):
-        with pytest.warns(FutureWarning, match="apply_fn.remat_blocks"):
-            assert apply_fn.checkpointed is apply_fn.remat_blocks is blocks
+        assert not hasattr(apply_fn, "checkpointed")
         assert apply_fn.then("fsdp", len).remat_blocks is blocks

@@ -50,9 +50,9 @@ def _matches_full(folder: str, family: str, state, old_order: bool = False) -> f
     plan = _plan(family, build_model(tiny_config(family, **FAMILIES[family]), device="meta"))
     apply_fn, params, info, config = hpf.from_pretrained(folder, plan, mesh())
     assert config.model_type == family
-    if old_order:  # the earlier argument order still loads, with a warning
-        with pytest.warns(FutureWarning, match=r"is now from_pretrained\(path, plan, mesh\)"):
-            assert info == hpf.from_pretrained(folder, mesh(), plan)[2]
+    if old_order:  # the earlier argument order is a TypeError that says which is which
+        with pytest.raises(TypeError, match=r"the order is shard's, pass mesh=mesh"):
+            hpf.from_pretrained(folder, mesh(), plan)
     if family == "phi3":  # read as slices: the rank's half of gate and of up, its rows of the vocabulary
         assert info["model.layers.0.mlp.gate_up_proj.weight"].blocks and info["model.embed_tokens.weight"].is_sharded
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in params.values())

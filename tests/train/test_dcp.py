@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import hp_functional as hpf
 from hp_functional.core.placement import slice_local
-from hp_functional.train.dcp import MARKER, latest, load, save
+from hp_functional.train.dcp import MARKER, AsyncSaves, latest, load, save
 from hp_functional.train.optim import state_info
 from tests.conftest import get_pool
 from tests.support.helpers import build_hf, make_hf_state, mesh, raised
@@ -88,7 +88,16 @@ def case_save(state, root: str):
     for p in copies.values():  # written to before wait(): the save wrote its own copy
         p.add_(1.0)
     assert not pending.done() and not os.path.exists(f"{root}/async")  # visible only once wait() finishes
+    groups = len(dist.distributed_c10d._world.pg_map)
     assert pending.wait() == f"{root}/async" and os.path.isfile(f"{root}/async/{MARKER}")
+    assert len(dist.distributed_c10d._world.pg_map) == groups - 1  # async_save=True: its own lane, closed by wait()
+    saves = AsyncSaves()  # the caller's lanes: one gloo group reused, one pending save at a time
+    first = save(f"{root}/owned/1", copies, info, async_save=saves)
+    lane = saves.lane(tuple(range(dist.get_world_size())))
+    second = save(f"{root}/owned/2", copies, info, async_save=saves)
+    assert first.done() and not second.done() and saves.lane(tuple(range(dist.get_world_size()))) is lane
+    assert second.wait() == f"{root}/owned/2" and os.path.isfile(f"{root}/owned/1/{MARKER}")
+    assert len(dist.distributed_c10d._world.pg_map) == groups  # the caller's lane stays open for its next save
     refs = [_full(params, opt_state, info)]
     for _ in range(2):
         params, opt_state = _step(apply_fn, opt, params, opt_state)
@@ -238,7 +247,7 @@ def _phi3(state, layout: str):
 
 
 def _partition():
-    return hpf.optim.partition({"*embed_tokens*": hpf.optim.sgd(0.1, momentum=0.9), "*": hpf.optim.adamw(LR)})
+    return hpf.optim.partition({"**.embed_tokens.**": hpf.optim.sgd(0.1, momentum=0.9), "**": hpf.optim.adamw(LR)})
 
 
 def _global_tree(params, opt_state, info) -> tuple[dict, list]:

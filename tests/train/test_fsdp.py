@@ -135,7 +135,7 @@ def test_trains_like_the_unsharded_model(pool, kind, func):
 
 def test_shard_info_facets():
     """What a parallelism records of a leaf is one field of facets, one per type, in a fixed
-    order; the three former fields read through with a FutureWarning."""
+    order."""
     base = hpf.ShardInfo((), None, torch.Size((4,)), torch.Size((2,)), (0,))
     one = base.with_facet(hpf.ReducedOver, hpf.ReducedOver(("cp",))).with_facet(hpf.SummedOver, hpf.SummedOver(("ep",)))
     other = base.with_facet(hpf.SummedOver, hpf.SummedOver(("ep",))).with_facet(hpf.ReducedOver, hpf.ReducedOver(("cp",)))
@@ -143,9 +143,6 @@ def test_shard_info_facets():
     assert one.with_facet(hpf.SummedOver, None).facets == (hpf.ReducedOver(("cp",)),)
     with pytest.raises(TypeError, match="is not a SummedOver"):
         base.with_facet(hpf.SummedOver, hpf.ReducedOver(("cp",)))
-    for old, value in (("summed", ("ep",)), ("reduced", ("cp",)), ("split", None)):
-        with pytest.warns(FutureWarning, match=f"ShardInfo.{old} is deprecated"):
-            assert getattr(one, old) == value
 
 
 class Collectives(TorchDispatchMode):

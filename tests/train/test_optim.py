@@ -192,7 +192,7 @@ def test_update_is_pure():
     params = make_params()
     grads = make_grads(params, steps=2)
     for opt in (hpf.optim.adamw(1e-2, weight_decay=0.1), hpf.optim.sgd(1e-1, momentum=0.9, weight_decay=0.1),
-                hpf.optim.partition({"*bias": hpf.optim.sgd(1e-1, momentum=0.9), "*": hpf.optim.adamw(1e-2)})):
+                hpf.optim.partition({"**.*bias": hpf.optim.sgd(1e-1, momentum=0.9), "**": hpf.optim.adamw(1e-2)})):
         state = opt.init(params)
         _, state = opt.update(grads[0], state, params)
         before = [t.clone() for t in optree.tree_leaves((params, grads[1], state))]
@@ -229,7 +229,7 @@ def test_none_grads_leave_param_and_state_untouched():
 def test_state_is_a_pytree_that_saves_and_resumes():
     params = make_params()
     grads = make_grads(params, steps=4)
-    opt = hpf.optim.partition({"*norm*": hpf.optim.sgd(1e-1, momentum=0.9), "*": hpf.optim.adamw(1e-2)})
+    opt = hpf.optim.partition({"**.*norm*.**": hpf.optim.sgd(1e-1, momentum=0.9), "**": hpf.optim.adamw(1e-2)})
     state = opt.init(params)
     for g in grads[:2]:
         params, state = opt.update(g, state, params)
@@ -242,8 +242,8 @@ def test_state_is_a_pytree_that_saves_and_resumes():
     torch.save(state, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert isinstance(loaded, PartitionState) and isinstance(loaded.states["*"], AdamWState)
-    assert isinstance(loaded.states["*norm*"], SGDState)
+    assert isinstance(loaded, PartitionState) and isinstance(loaded.states["**"], AdamWState)
+    assert isinstance(loaded.states["**.*norm*.**"], SGDState)
     a, b = params, params
     for g in grads[2:]:
         a, state = opt.update(g, state, a)
@@ -257,7 +257,7 @@ def test_state_info():
 
     def case(mesh):
         _, params, info = hpf.shard(MLP(), PLANS["tp"], mesh)
-        opt = hpf.optim.partition({"*bias": hpf.optim.sgd(1e-1, momentum=0.9), "*": hpf.optim.adamw(1e-2)})
+        opt = hpf.optim.partition({"**.*bias": hpf.optim.sgd(1e-1, momentum=0.9), "**": hpf.optim.adamw(1e-2)})
         state = opt.init(params)
         where = hpf.optim.state_info(state, info)
         bad = hpf.optim.adamw().init({**params, "up.weight": params["up.weight"][:1]})
@@ -269,14 +269,14 @@ def test_state_info():
 
     params, info, state, where = hpf.simulate(case, world_size=2)
     assert optree.tree_structure(where) == optree.tree_structure(state)
-    adam, adam_info = state.states["*"], where.states["*"]
+    adam, adam_info = state.states["**"], where.states["**"]
     assert set(adam.mu) == {k for k in params if not k.endswith("bias")}
     for k in adam.mu:
         assert adam_info.mu[k] is info[k] and adam_info.nu[k] is info[k]
     assert info["up.weight"].is_sharded  # Colwise: a moment is sharded like its weight
-    for k in state.states["*bias"].momentum:
-        assert where.states["*bias"].momentum[k] is info[k]
-    for step_info in (adam_info.step, where.states["*bias"].step):
+    for k in state.states["**.*bias"].momentum:
+        assert where.states["**.*bias"].momentum[k] is info[k]
+    for step_info in (adam_info.step, where.states["**.*bias"].step):
         assert step_info.placements == (Replicate(),) and step_info.global_shape == torch.Size([]) == step_info.local_shape
         assert step_info.mesh is info["up.weight"].mesh
 
@@ -369,12 +369,13 @@ def test_meta_gradient_through_sgd():
 def test_partition_equals_two_torch_optimizers():
     params = make_params()
     grads = make_grads(params)
-    opt = hpf.optim.partition({"*.bias": hpf.optim.sgd(1e-1, momentum=0.9), "*norm*": hpf.optim.adamw(1e-3, weight_decay=0.0),
-                               "*": hpf.optim.adamw(1e-2, weight_decay=0.1)})
+    opt = hpf.optim.partition({"**.bias": hpf.optim.sgd(1e-1, momentum=0.9),
+                               "**.*norm*.**": hpf.optim.adamw(1e-3, weight_decay=0.0),
+                               "**": hpf.optim.adamw(1e-2, weight_decay=0.1)})
     ours, state = run_ours(opt, params, grads)
     assert list(ours[-1]) == list(params)
-    assert set(state.states["*.bias"].momentum) == {"layer.0.proj.bias"}
-    assert set(state.states["*norm*"].mu) == {"layer.0.norm.weight"}
+    assert set(state.states["**.bias"].momentum) == {"layer.0.proj.bias"}
+    assert set(state.states["**.*norm*.**"].mu) == {"layer.0.norm.weight"}
     rest = [k for k in params if k not in ("layer.0.proj.bias", "layer.0.norm.weight")]
     sgd_hist, _, _ = run_torch(params, grads, [(["layer.0.proj.bias"], {})], torch.optim.SGD, lr=1e-1, momentum=0.9)
     adam_hist, _, _ = run_torch(params, grads, [(["layer.0.norm.weight"], {"lr": 1e-3, "weight_decay": 0.0}),
@@ -386,15 +387,15 @@ def test_partition_equals_two_torch_optimizers():
 
 def test_partition_errors():
     params = make_params()
-    opt = hpf.optim.partition({"*.weight": hpf.optim.adamw(), "head.*": hpf.optim.sgd()})
+    opt = hpf.optim.partition({"**.weight": hpf.optim.adamw(), "head.*": hpf.optim.sgd()})
     with pytest.raises(PlanError, match=r"'layer\.0\.proj\.bias' matches none of the patterns"):
         opt.init(params)
-    ok = hpf.optim.partition({"*": hpf.optim.adamw()})
-    other = hpf.optim.partition({"*.weight": hpf.optim.adamw(), "*": hpf.optim.adamw()})
+    ok = hpf.optim.partition({"**": hpf.optim.adamw()})
+    other = hpf.optim.partition({"**.weight": hpf.optim.adamw(), "**": hpf.optim.adamw()})
     with pytest.raises(PlanError, match="not the patterns"):
         other.update(make_grads(params, 1)[0], ok.init(params), params)
     with pytest.raises(TypeError):
-        hpf.optim.partition({"*": torch.optim.AdamW})
+        hpf.optim.partition({"**": torch.optim.AdamW})
 
 
 def test_bad_input():

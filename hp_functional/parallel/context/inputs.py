@@ -23,10 +23,11 @@ from torch import Tensor, nn
 
 from ...core import collectives as C
 from ...core.collectives import AxisGroup
-from ...core.cp_layout import check_layout, cp_chunks, cp_positions
 from ...core.errors import PlanError
+from ...core.signature import named_arguments
 from ..local import Local
-from .styles import IGNORE, _named, _shifted, summed_cross_entropy
+from .cp_layout import check_layout, cp_chunks, cp_positions
+from .styles import IGNORE, _shifted, summed_cross_entropy
 
 #: ``loss(output, labels) -> Tensor``: the *sum* of the per-position losses of this rank's chunk.
 LossFn = Callable[[object, Tensor], Tensor]
@@ -81,7 +82,7 @@ class ContextInputs:
             raise PlanError("ContextInputs: a loss function with loss_parallel (the logits arrive vocab-sharded: the "
                             "default loss is the vocab-parallel cross-entropy; drop loss= or loss_parallel)")
         fn = ContextInputsForward(axis, check_layout(layout), self, vocab_axis)
-        return Local(fn, varying=False, axis=axis, data_axes=(axis,), setup=self.check_forward)
+        return Local(fn, varying=False, axis=axis, data_axes=(axis,), setup=self.check_forward, sequence_split=fn)
 
     def check_forward(self, module: nn.Module, axes: Mapping[str, AxisGroup]) -> None:
         """The root's forward takes every declared argument (``Local.setup``: at shard time)."""
@@ -96,17 +97,26 @@ class ContextInputs:
 
 @dataclass(frozen=True)
 class ContextInputsForward:
-    """The ``Local`` fn of the root of a plan with ``cp_inputs`` (see the module docstring)."""
+    """The ``Local`` fn of the root of a plan with ``cp_inputs`` (see the module docstring); a
+    ``core.style.SequenceSplit``."""
 
     axis: str
     layout: str
     inputs: ContextInputs
     vocab_axis: str | None = None
 
+    def positions(self, rank: int, seq_len: int, size: int) -> Tensor:
+        """The global positions rank ``rank`` holds in the plan's layout, in its local order."""
+        return cp_positions(rank, seq_len, size, self.layout)
+
+    def sequence_keys(self) -> tuple[tuple[str, ...], dict[str, int]]:
+        """(the declared labels; the declared sequence arguments → their sequence dim, the positions' last)."""
+        return (self.inputs.labels,), {**self.inputs.sequence, self.inputs.positions: -1}
+
     def __call__(self, module: nn.Module, axes: Mapping[str, AxisGroup], *args, cp_sharded: bool = False, **kwargs):
         g, spec = axes[self.axis], self.inputs
         labels = kwargs.pop(spec.labels, None)
-        named = _named(module, args, kwargs)
+        named = named_arguments(module, args, kwargs)
         seqs = {k: v for k in spec.sequence if isinstance(v := named.get(k), Tensor)}
         if not seqs:
             raise PlanError(f"context parallelism: none of the declared sequence arguments {sorted(spec.sequence)} "

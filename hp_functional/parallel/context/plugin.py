@@ -10,12 +10,12 @@ from dataclasses import replace
 from functools import partial
 from types import MappingProxyType
 
-from ...core.cp_layout import check_layout
 from ...core.errors import PlanError
-from ...core.parallelism import Parallelism, PlanView, Resolution
+from ...core.parallelism import LossLabels, Parallelism, PlanView, Resolution
 from ...core.program import Planned
-from ...core.ring_attention import STRATEGIES
 from ...core.style import Style
+from .cp_layout import check_layout
+from .ring_attention import STRATEGIES
 from .styles import ContextParallel, check_context_entries, check_context_shadowed, context_parallel_root
 
 
@@ -25,8 +25,6 @@ class ContextParallelism(Parallelism):
     name = "context"
     role = "cp"
     settings = MappingProxyType({"cp_layout": "zigzag", "cp_inputs": None})
-    legacy = MappingProxyType({"cp_axis": ("axes", "cp"), "cp_layout": ("settings", "cp_layout"),
-                               "cp_inputs": ("settings", "cp_inputs")})
     strategies = MappingProxyType({s: partial(ContextParallel, s) for s in STRATEGIES})
 
     def check_entries(self, entries: dict[str, Style], plan: PlanView) -> dict[str, Style]:
@@ -50,6 +48,10 @@ class ContextParallelism(Parallelism):
         root = context_parallel_root if inputs is None else inputs.root
         style = root(axis, plan.settings["cp_layout"], resolution.vocab_axis)  # it computes the loss too
         return replace(resolution, root=Planned("", None, style, axis, "(context_parallel)"))
+
+    def loss_labels(self, plan: PlanView) -> LossLabels | None:
+        """``cp_inputs`` (a ``ContextInputs``) on a plan with a ``cp`` axis: its root takes the declared labels."""
+        return plan.settings.get("cp_inputs") if plan.axes.get("cp") is not None else None
 
 
 PARALLELISM = ContextParallelism()

@@ -1,7 +1,7 @@
 """Context parallelism: the sequence sharded over a ``cp`` mesh axis.
 
 Two plan pieces on the plan's ``cp_axis``: ``ContextParallel`` on each attention module (its SDPA
-calls attend over the whole sequence: ``core.ring_attention``) and the root entry
+calls attend over the whole sequence: ``parallel.context.ring_attention``) and the root entry
 ``context_parallel_root``, added by the plan, which keeps each rank's positions, passes the global
 ``position_ids``, shifts the labels globally and returns the loss over the whole sequence.  The
 rest runs unchanged on the local chunk.  See docs/context-parallel.md.
@@ -10,8 +10,8 @@ rest runs unchanged on the local chunk.  See docs/context-parallel.md.
 from __future__ import annotations
 
 __all__ = [
-    "ContextParallel", "IGNORE", "_named", "_shifted", "attention_patterns", "check_context_entries",
-    "check_context_shadowed", "context_parallel_root", "summed_cross_entropy"
+    "ContextParallel", "IGNORE", "_shifted", "attention_patterns", "check_context_entries", "check_context_shadowed",
+    "context_parallel_root", "summed_cross_entropy"
 ]
 
 import inspect
@@ -23,13 +23,14 @@ from torch import Tensor, nn
 
 from ...core import collectives as C
 from ...core.collectives import AxisGroup
-from ...core.cp_layout import check_layout, cp_chunks, cp_positions
 from ...core.errors import PlanError
 from ...core.paths import layer_patterns
-from ...core.ring_attention import STRATEGIES, ContextAttention
+from ...core.signature import named_arguments
 from ...core.style import ModuleSpec, Style
 from ..local import Local
 from ..tensor.vocab import vocab_parallel_cross_entropy
+from .cp_layout import check_layout, cp_chunks, cp_positions
+from .ring_attention import STRATEGIES, ContextAttention
 
 IGNORE = -100  # HF's ignored label
 
@@ -52,6 +53,7 @@ class ContextParallel(Style):
     causal: bool | None = None
     axis: str | None = None  # None: the plan's cp_axis
     axis_role = "cp"
+    splits_sequence = True  # its axis holds the sequence cut between ranks that share their examples
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         self.check_strategy(fqn)
@@ -91,15 +93,6 @@ class ContextParallel(Style):
         return attend_over_sequence
 
 
-def _named(module: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """The root forward's arguments by name (``**kwargs`` flattened in)."""
-    sig = inspect.signature(type(module).forward)
-    bound = sig.bind(module, *args, **kwargs).arguments
-    bound.pop(next(iter(sig.parameters)))
-    extra = next((p.name for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD), None)
-    return {**{k: v for k, v in bound.items() if k != extra}, **bound.get(extra, {})}
-
-
 def _shifted(labels: Tensor, ignore: int = IGNORE) -> Tensor:
     """HF's causal-LM shift over the whole sequence: the label of position ``t`` is token ``t + 1``."""
     return F.pad(labels, (0, 1), value=ignore)[..., 1:]
@@ -108,15 +101,23 @@ def _shifted(labels: Tensor, ignore: int = IGNORE) -> Tensor:
 @dataclass(frozen=True)
 class ContextParallelForward:
     """The ``Local`` fn of the root of a CP plan (docs/context-parallel.md#what-each-rank-computes).  ``vocab_axis``:
-    the TP axis of a ``loss_parallel`` plan (the logits arrive vocab-sharded)."""
+    the TP axis of a ``loss_parallel`` plan (the logits arrive vocab-sharded).  A ``core.style.SequenceSplit``."""
 
     axis: str
     layout: str
     vocab_axis: str | None = None
 
+    def positions(self, rank: int, seq_len: int, size: int) -> Tensor:
+        """The global positions rank ``rank`` holds in the plan's layout, in its local order."""
+        return cp_positions(rank, seq_len, size, self.layout)
+
+    def sequence_keys(self) -> tuple[tuple[str, ...], dict[str, int]]:
+        """(HF's label arguments, which only the loss reads; HF's sequence arguments → their sequence dim)."""
+        return ("labels", "shift_labels"), {"input_ids": 1, "inputs_embeds": 1, "position_ids": 1}
+
     def __call__(self, module: nn.Module, axes: Mapping[str, AxisGroup], *args, cp_sharded: bool = False, **kwargs):
         g = axes[self.axis]
-        named = _named(module, args, kwargs)
+        named = named_arguments(module, args, kwargs)
         mask = named.pop("attention_mask", None)
         if mask is not None and not bool(mask.all()):
             raise PlanError("context parallelism: a padding attention_mask is not supported (the mask of each rank's "
@@ -171,8 +172,8 @@ def summed_cross_entropy(logits: Tensor, labels: Tensor, axes: Mapping[str, Axis
 
 def context_parallel_root(axis: str, layout: str, vocab_axis: str | None = None) -> Local:
     """The root entry a plan with ``cp_axis`` adds (``ShardingPlan.resolve``)."""
-    return Local(ContextParallelForward(axis, check_layout(layout), vocab_axis), varying=False, axis=axis,
-                 data_axes=(axis,))
+    fn = ContextParallelForward(axis, check_layout(layout), vocab_axis)
+    return Local(fn, varying=False, axis=axis, data_axes=(axis,), sequence_split=fn)
 
 
 def check_context_entries(entries: Mapping[str, Style], cp_axis: str | None, cp_layout: str) -> dict[str, Style]:

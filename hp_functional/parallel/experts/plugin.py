@@ -4,8 +4,6 @@ from __future__ import annotations
 
 __all__ = ["PARALLELISM"]
 
-from types import MappingProxyType
-
 from ...core.errors import PlanError
 from ...core.parallelism import Parallelism, PlanView
 from ...core.style import Style
@@ -17,7 +15,6 @@ class ExpertParallelism(Parallelism):
 
     name = "experts"
     role = "ep"
-    legacy = MappingProxyType({"ep_axis": ("axes", "ep")})
 
     def check_entries(self, entries: dict[str, Style], plan: PlanView) -> dict[str, Style]:
         check_experts_entries(entries, plan.axes.get("ep"))

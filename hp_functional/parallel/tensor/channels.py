@@ -27,10 +27,9 @@ from torch.distributed.tensor import Placement, Shard
 
 from ...core.collectives import AxisGroup
 from ...core.errors import PlanError, ShapeError
+from ...core.module_kinds import CONVS
 from ...core.style import ModuleSpec, Style
 
-#: the convolutions whose channels ``Colwise``/``Rowwise``/``Channels`` split (transposed ones excluded)
-CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
@@ -180,6 +179,12 @@ class Channels(Style):
             out_dst={"output": {axis: self.output_layout or seq}},
             divide_attrs=attrs,
         )
+
+    def local_buffer_shapes(self, module: nn.Module, size: int) -> dict[str, torch.Size]:
+        """A BatchNorm's running statistics as its local forward reads them: its channels' slice of
+        the whole buffers (``BatchNormForward``)."""
+        return {n: torch.Size([b.shape[0] // size]) for n, b in module.named_buffers(recurse=False)
+                if b.dim() == 1 and b.shape[0] == getattr(module, "num_features", None)}
 
     def local_forward(self, module: nn.Module, forward: Callable, *, fqn: str, axis: str,
                       axes: Mapping[str, AxisGroup]) -> Callable:

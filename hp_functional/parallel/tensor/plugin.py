@@ -1,10 +1,12 @@
 """Tensor parallelism as a plug-in (``core.parallelism``): the ``tp`` role, and loss parallel — the
-output head keeps its logits vocab-sharded and a root entry computes the loss on them."""
+output head keeps its logits vocab-sharded and a root entry computes the loss on them; its lint
+check (sequence parallelism needs an entry that splits or gathers the sequence)."""
 
 from __future__ import annotations
 
-__all__ = ["PARALLELISM", "loss_head"]
+__all__ = ["PARALLELISM"]
 
+from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -12,10 +14,12 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from ...core.errors import PlanError
+from ...core.findings import Finding, Level
 from ...core.parallelism import Parallelism, PlanView, Resolution
 from ...core.paths import most_specific
 from ...core.program import Planned
-from .styles import Colwise
+from ...core.style import ModuleSpec
+from .styles import Colwise, SequenceParallel
 from .vocab import loss_parallel_root
 
 
@@ -33,14 +37,32 @@ def loss_head(plan: PlanView, model: nn.Module) -> str:
     return path
 
 
+def sequence_parallel_findings(planned: Mapping[str, Planned], specs: Mapping[str, ModuleSpec]) -> list[Finding]:
+    """SequenceParallel modules need another entry that splits or gathers their sequence dim."""
+    findings = []
+    for p in planned.values():
+        if not isinstance(p.style, SequenceParallel):
+            continue
+        seq = Shard(p.style.seq_dim)
+        others = [
+            q for q in planned.values() if not isinstance(q.style, SequenceParallel) and any(
+                pl.get(p.axis) == seq for m in (specs[q.fqn].in_src, specs[q.fqn].in_dst, specs[q.fqn].out_src,
+                                                specs[q.fqn].out_dst) for pl in m.values())
+        ]
+        if not others:
+            findings.append(Finding(
+                Level.WARNING, p.fqn, f"{p.fqn}: SequenceParallel, but no other plan entry splits or gathers dim "
+                f"{p.style.seq_dim} on axis {p.axis!r} (e.g. Rowwise(output_layout=Shard(1)), PrepareInput to/from "
+                "Shard(1)); its input must arrive sequence-sharded and its output is never gathered", "sequence-parallel"))
+    return findings
+
+
 class TensorParallelism(Parallelism):
     """Styles acting on the ``tp`` role; ``loss_parallel`` rewrites the head and adds the loss root."""
 
     name = "tensor"
     role = "tp"
     settings = MappingProxyType({"loss_parallel": False})
-    legacy = MappingProxyType({"tp_axis": ("axes", "tp"), "loss_parallel": ("settings", "loss_parallel"),
-                               "tp_optional": ("optional", "tp")})
 
     def resolve(self, plan: PlanView, resolution: Resolution) -> Resolution:
         if not plan.settings.get("loss_parallel"):
@@ -53,6 +75,13 @@ class TensorParallelism(Parallelism):
         chosen = {**resolution.chosen, head: (pattern, replace(style, gather_output=False, output_layout=Shard(-1)))}
         root = Planned("", None, loss_parallel_root(axis), axis, "(loss_parallel)")
         return replace(resolution, chosen=chosen, root=root, vocab_axis=axis)
+
+    def sharded_outputs(self, plan: PlanView, model: nn.Module) -> tuple[str, ...]:
+        """Under ``loss_parallel``, the output head: its vocab-sharded logits are the loss's."""
+        return (loss_head(plan, model),) if plan.settings.get("loss_parallel") else ()
+
+    def lint(self, plan: PlanView, planned: Mapping[str, Planned], specs: Mapping[str, ModuleSpec]) -> list[Finding]:
+        return sequence_parallel_findings(planned, specs)
 
 
 PARALLELISM = TensorParallelism()

@@ -9,22 +9,13 @@ __all__ = ["Colwise", "Heads", "NoParallel", "PrepareInput", "PrepareOutput", "R
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ...core.errors import PlanError
+from ...core.module_kinds import CONVS, is_conv1d
 from ...core.style import Key, ModuleSpec, Style, _require
-from .channels import CONVS, batched_conv, channel_dim
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is HF's ``Conv1D`` (GPT-2 family: a Linear whose weight is stored
-    transposed, ``[in, out]``, and whose forward reshapes with ``self.nf``); recognised by name
-    and shape so that this layer needs no ``transformers`` import."""
-    weight = getattr(module, "weight", None)
-    return (any(k.__name__ == "Conv1D" for k in type(module).__mro__) and isinstance(weight, torch.Tensor)
-            and weight.dim() == 2 and tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+from .channels import batched_conv, channel_dim
 
 
 def _projection(module: nn.Module, style: Style, fqn: str) -> tuple[int, int]:

@@ -24,7 +24,6 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ...core import collectives as C
 from ...core.collectives import AxisGroup
-from ...core.deprecation import renamed_keywords
 from ...core.errors import PlanError
 from ...core.style import ModuleSpec, Style, _require
 from ..local import Local
@@ -94,7 +93,6 @@ def loss_parallel_root(axis: str) -> Local:
     return Local(LossParallelForward(axis), varying=False, axis=axis)
 
 
-@renamed_keywords(axis="tp_axis")
 def vocab_parallel_cross_entropy(
     local_logits: Tensor,
     labels: Tensor,

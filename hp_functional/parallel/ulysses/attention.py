@@ -1,7 +1,7 @@
 """Ulysses attention (DeepSpeed-Ulysses): the sequence sharded over a ``cp`` axis, the heads
 exchanged for it around attention.
 
-Every rank holds queries, keys and values of its positions (``core.cp_layout``) as
+Every rank holds queries, keys and values of its positions (``parallel.context.cp_layout``) as
 ``[B, H, S/cp, D]``.  One all-to-all over the axis turns them into ``[B, H/cp, S, D]``: each rank
 then holds a ``1/cp`` share of the heads for the whole sequence, attends over it with the local
 kernel (SDPA, causal in true position order), and a second all-to-all turns the output back into
@@ -33,9 +33,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...core import collectives as C
 from ...core.collectives import AxisGroup
-from ...core.cp_layout import cp_chunks, cp_positions
 from ...core.errors import PlanError
-from ...core.ring_attention import ContextAttention
+from ..context.cp_layout import cp_chunks, cp_positions
+from ..context.ring_attention import ContextAttention
 
 
 def kv_copies(heads: int, kv_heads: int, size: int, *, fqn: str = "attention", axis: str = "cp") -> int:
@@ -118,7 +118,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: AxisGroup, *, layo
 class UlyssesAttention(ContextAttention):
     """Inside a module's forward: its ``scaled_dot_product_attention`` calls become
     ``ulysses_attention`` over the whole (sharded) sequence.  The mask, dropout, sliding-window and
-    repeated-K/V rules are ``ContextAttention``'s (``core.ring_attention``)."""
+    repeated-K/V rules are ``ContextAttention``'s (``parallel.context.ring_attention``)."""
 
     def __init__(self, module, group: AxisGroup, layout: str, causal: bool | None, fqn: str):
         super().__init__(module, group, "allgather", layout, causal, fqn)

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_functional as hpf
 from hp_functional.core.collectives import AxisGroup
-from hp_functional.core.ring_attention import STRATEGIES, ContextAttention
+from hp_functional.parallel.context.ring_attention import STRATEGIES, ContextAttention
 from tests.conftest import get_pool
 from tests.support.helpers import assert_close, mesh, world
 

@@ -18,10 +18,9 @@ __all__ = ["check_layout", "cp_chunks", "cp_positions", "cp_ranges", "cp_shard",
 import torch
 from torch import Tensor
 
-from . import collectives as C
-from .collectives import AxisGroup
-from .deprecation import renamed_keywords
-from .errors import ShapeError
+from ...core import collectives as C
+from ...core.collectives import AxisGroup
+from ...core.errors import ShapeError
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -71,7 +70,6 @@ def _group(mesh, axis: str) -> AxisGroup:
     return mesh if isinstance(mesh, AxisGroup) else AxisGroup.from_mesh(mesh, axis)
 
 
-@renamed_keywords(axis="cp_axis")
 def cp_shard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str = "zigzag") -> Tensor:
     """This rank's positions of the full-sequence ``x`` along ``dim`` (inverse: ``cp_unshard``).
     Local: every rank holds the whole ``x`` and keeps its part (for batches and labels).
@@ -80,7 +78,7 @@ def cp_shard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str 
         x: the full sequence, alike on every rank of the axis.
         mesh: the ``DeviceMesh`` (or an ``AxisGroup`` of the axis).
         dim: the sequence dim of ``x``.
-        cp_axis: the mesh axis of context parallelism (``axis=``: its earlier name, with a ``FutureWarning``).
+        cp_axis: the mesh axis of context parallelism.
         layout: ``"zigzag"`` or ``"contiguous"``.
     Returns:
         A new tensor holding this rank's ``x.shape[dim] // cp`` positions along ``dim``, in local order.
@@ -90,7 +88,6 @@ def cp_shard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str 
     return x.index_select(dim, index)
 
 
-@renamed_keywords(axis="cp_axis")
 def cp_unshard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: str = "zigzag") -> Tensor:
     """The full sequence in global order from every rank's ``x`` (its ``cp_shard`` part) along
     ``dim`` (inverse: ``cp_shard``): one differentiable all-gather, then the positions sorted.
@@ -100,7 +97,7 @@ def cp_unshard(x: Tensor, mesh, dim: int = 1, *, cp_axis: str = "cp", layout: st
         x: this rank's part, in ``cp_shard``'s local order.
         mesh: the ``DeviceMesh`` (or an ``AxisGroup`` of the axis).
         dim: the sequence dim of ``x``.
-        cp_axis: the mesh axis of context parallelism (``axis=``: its earlier name, with a ``FutureWarning``).
+        cp_axis: the mesh axis of context parallelism.
         layout: the layout ``x`` was cut with.
     Returns:
         The full tensor (``cp`` times ``x``'s length along ``dim``), the same on every rank.

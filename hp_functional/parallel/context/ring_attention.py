@@ -1,6 +1,6 @@
 """Attention over a sequence sharded on a ``cp`` axis: ring attention and all-gather attention.
 
-Every rank holds queries, keys and values for its positions (``core.cp_layout``) as
+Every rank holds queries, keys and values for its positions (``parallel.context.cp_layout``) as
 ``[batch, heads, local_seq, head_dim]``; keys/values may have fewer heads (GQA: each serves
 ``heads // kv_heads`` consecutive query heads), and values another head dim than queries and
 keys (DeepSeek's MLA); K and V travel as one tensor, concatenated along the head dim.  The mask is over *global* positions: causal
@@ -36,11 +36,11 @@ from torch._C._functorch import TransformType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from . import collectives as C
-from .collectives import AxisGroup
+from ...core import collectives as C
+from ...core.collectives import AxisGroup
+from ...core.errors import PlanError
+from ...core.raw_collectives import start_ppermute
 from .cp_layout import cp_positions, cp_ranges
-from .errors import PlanError
-from .raw_collectives import start_ppermute
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

@@ -1,0 +1,91 @@
+"""The support table's tiny configs, inputs and proof column (``tools.model_configs``,
+``tools.sweep_inputs``, ``tools.sweep``, ``benchmarks/models.py``): the rules that made the types
+which did not build tiny build (backbone outputs within the tiny layers, nested configs shrunk, codec
+ratios, a Qwen-VL tower's own patches and grid, per-type inputs), how a row's proof is labelled, and
+the goal counted over every type.  Configs only (no model is built): cheap."""
+
+import importlib.util
+import inspect
+import math
+from pathlib import Path
+
+import torch
+
+from hp_functional.analysis.media import image_inputs
+from hp_functional.tools.model_configs import HIDDEN, tiny_config_for
+from hp_functional.tools.sweep import EXACT, UNBUILDABLE, UNPROVED, proof_label
+from hp_functional.tools.sweep_inputs import EXTRA_INPUTS
+
+_SPEC = importlib.util.spec_from_file_location("support_table", Path(__file__).resolve().parents[2] / "benchmarks" / "models.py")
+_TABLE = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_TABLE)
+goal, proofs = _TABLE.goal, _TABLE.proofs
+
+
+def test_a_row_is_labelled_by_what_proved_it_and_anything_else_is_unproved():
+    """``shard()``'s ``checks["proof"]`` -> the table's ``proof`` column; an accepted plan that
+    nothing proved (``allow_unproved``, ``verify=False``) is never labelled as proved."""
+    assert proof_label("the probe and the dataflow pass") == "both"
+    assert proof_label("the probe") == "probe"
+    assert proof_label("the dataflow pass") == "dataflow"
+    assert proof_label("nothing to prove: no module is planned") == "nothing to prove"
+    for text in ("unproved (allow_unproved=True): the dataflow pass did not run", "not asked (skipped: verify=False)", ""):
+        assert proof_label(text) == UNPROVED, text
+
+
+def test_the_goal_counts_every_type_and_the_unproved_rows():
+    """A type not buildable (or not run at tp 4) counts against the goal; a rank holding 65 % or
+    more misses it; a row that ran with no proof is counted as unproved."""
+    row = {"outcome": EXACT, "share": 0.5, "category": "decoder LM", "proof": "both"}
+    table = {"a": {2: row, 4: {**row, "proof": "dataflow"}}, "b": {2: {**row, "share": 0.7}},
+             "c": {2: {"outcome": UNBUILDABLE, "share": None, "category": "vision"}},
+             "d": {2: {**row, "proof": UNPROVED}}}
+    assert goal(table, 2) == (2, 4) and goal(table, 4) == (1, 4)
+    assert goal(table, 2, "vision") == (0, 1)
+    by, unproved = proofs(table, 2)
+    assert by == {"both": 2, UNPROVED: 1} and unproved == 1
+    assert proofs(table, 4) == ({"dataflow": 1}, 0)
+
+
+def test_a_backbone_keeps_as_many_outputs_as_its_default_within_the_tiny_layers():
+    """Depth Anything's DINOv2 reads layers 9-12 of 12 (a DPT neck takes four): the tiny backbone
+    keeps four layers and reads them all; VitPose's one output is its last layer."""
+    backbone = tiny_config_for("depth_anything").backbone_config
+    assert backbone.num_hidden_layers == 4 and backbone.out_indices == [1, 2, 3, 4]
+    assert backbone.out_features == ["stage1", "stage2", "stage3", "stage4"]
+    vitpose = tiny_config_for("vitpose").backbone_config
+    assert vitpose.out_indices == [vitpose.num_hidden_layers]
+
+
+def test_nested_configs_and_codecs_are_shrunk():
+    """ColPali's VLM (a config inside a config) is tiny; DAC downsamples by at most 2 per stage,
+    its hop the product, its first width doubling up to the tiny width; Mimi's SEANet likewise."""
+    colpali = tiny_config_for("colpali").vlm_config
+    assert colpali.text_config.hidden_size == HIDDEN and colpali.vision_config.hidden_size == HIDDEN
+    dac = tiny_config_for("dac")
+    assert max(dac.downsampling_ratios) <= 2 and dac.hop_length == math.prod(dac.downsampling_ratios)
+    assert dac.encoder_hidden_size * 2 ** len(dac.downsampling_ratios) == HIDDEN
+    mimi = tiny_config_for("mimi")
+    assert mimi.num_filters * 2 ** len(mimi.upsampling_ratios) == HIDDEN
+
+
+def test_a_vision_tower_of_its_own_gets_patches_and_their_grid():
+    """A Qwen-VL-style tower's forward takes ``hidden_states`` (flattened patches) and ``grid_thw``:
+    its first layout is the patch grid, one row of channels x temporal x patch² values per patch."""
+    config = tiny_config_for("qwen2_5_vl_vision")
+    params = {n: inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in ("hidden_states", "grid_thw")}
+    first = next(image_inputs(None, config, params, "hidden_states", torch.Generator().manual_seed(0), False))
+    assert set(first) == {"hidden_states", "grid_thw"}
+    t, h, w = first["grid_thw"][0].tolist()
+    width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    assert first["hidden_states"].shape == (2 * t * h * w, width) and h % config.spatial_merge_size == 0
+
+
+def test_per_type_inputs_are_built_from_the_config():
+    """A time-series model's past values, a decision transformer's trajectory: from the config's sizes."""
+    gen = torch.Generator().manual_seed(0)
+    series = EXTRA_INPUTS["patchtst"](tiny_config_for("patchtst"), gen)
+    assert series["past_values"].shape[0] == 2 and series["past_values"].dim() == 3
+    config = tiny_config_for("decision_transformer")
+    trajectory = EXTRA_INPUTS["decision_transformer"](config, gen)
+    assert trajectory["states"].shape[-1] == config.state_dim and trajectory["actions"].shape[-1] == config.act_dim

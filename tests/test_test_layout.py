@@ -25,7 +25,7 @@ ROOT = TESTS.parent
 
 #: test files at the top of tests/: they concern the whole package
 TOP = {"test_layers.py", "test_test_layout.py", "test_no_hidden_state.py", "test_docs.py", "test_examples.py", "test_gpu.py",
-       "test_fast_invariants.py", "test_mutation_list.py"}
+       "test_fast_invariants.py", "test_mutation_list.py", "test_function_length.py"}
 FOLDERS = {*LAYERS, "models"}
 
 #: modules no test imports by name on purpose, and why

@@ -207,13 +207,30 @@ def _simulated(model, plan, args, dtype):
 def plan_command(args) -> int:
     """Print the resolved plan, findings, schedule and memory; 1 when lint finds errors, the step
     cannot run, or its peak exceeds ``--fit`` GiB."""
-    from rich.table import Table
-
     from ..compile.lint import collapse
     from ..tools.models import build_model
     from ..tools.simulate import simulate
-    from ..tools.tables import human, memory_table, params_table, schedule_table, totals_table
 
+    shape, names, dtype = _plan_arguments(args)
+    # the model and the plan are made before the fake process group starts: their errors are plain
+    model = build_model(_load_model_config(args.model), device="meta")
+    plan = _load_plan(args.plan, model, args.loss_parallel)
+    findings, exp = simulate(_simulated(model, plan, args, dtype), world_size=math.prod(shape), mesh_shape=shape,
+                             mesh_dim_names=names, rank=args.rank)
+    console = _console()
+    _print_header(console, model, args, dict(zip(names, shape, strict=True)), dtype)
+    console.print(_plan_table(plan, exp))
+    for line in collapse(findings):
+        console.print(line, style="red" if line.startswith("error") else "yellow", markup=False)
+    if exp is None:
+        return 1
+    fits = _print_step(console, exp, args)
+    _print_unused_axes(console, plan, names, args, exp.memory.per_rank)
+    return 1 if exp.schedule is None or not fits else 0  # the forward could not run (said above), or too big
+
+
+def _plan_arguments(args) -> tuple[tuple[int, ...], tuple[str, ...], object]:
+    """``plan``'s mesh (shape, names) and dtype, once its options agree (else ``UsageError``)."""
     shape, names = _mesh_spec(args)
     if not 0 <= args.rank < math.prod(shape):
         raise UsageError(f"--rank {args.rank} is not in [0, {math.prod(shape)})")
@@ -222,20 +239,24 @@ def plan_command(args) -> int:
         raise UsageError("--fsdp shards over the dp axis: give --dp 2 or more")
     if args.fit is not None and not args.fit > 0:
         raise UsageError(f"--fit must be a positive number of GiB, not {args.fit}")
-    # the model and the plan are made before the fake process group starts: their errors are plain
-    model = build_model(_load_model_config(args.model), device="meta")
-    plan = _load_plan(args.plan, model, args.loss_parallel)
-    findings, exp = simulate(_simulated(model, plan, args, dtype), world_size=math.prod(shape), mesh_shape=shape,
-                             mesh_dim_names=names, rank=args.rank)
-    console = _console()
+    return shape, names, dtype
+
+
+def _print_header(console, model, args, mesh: Mapping[str, int], dtype) -> None:
+    """The model, the mesh and the step that ``plan`` shows."""
     cfg = model.config
     dtype_name = str(dtype or model.dtype).removeprefix("torch.")
     console.print(f"[bold]{type(model).__name__}[/bold] ({args.model}): {cfg.num_hidden_layers} layers, hidden "
-                  f"{cfg.hidden_size}, vocab {cfg.vocab_size}; mesh {dict(zip(names, shape, strict=True))}, "
-                  f"shown as rank {args.rank}")
+                  f"{cfg.hidden_size}, vocab {cfg.vocab_size}; mesh {dict(mesh)}, shown as rank {args.rank}")
     extras = "".join(f", {w}" for w, on in (("fsdp over dp", args.fsdp), ("remat", args.remat)) if on)
     console.print(f"one training step (forward + backward + {args.optimizer} update) of batch {args.batch} x seq "
                   f"{args.seq} (this rank's input_ids), parameters in {dtype_name}{extras}", markup=False)
+
+
+def _plan_table(plan, exp):
+    """The plan's entries: pattern, style, axis and how many modules each matched (``-`` without a program)."""
+    from rich.table import Table
+
     counts: dict[str, int] = {}
     for b in exp.program.boundaries if exp else ():
         counts[b.planned.pattern] = counts.get(b.planned.pattern, 0) + 1
@@ -245,11 +266,13 @@ def plan_command(args) -> int:
     for pattern, style in plan.entries.items():
         table.add_row(pattern or "(root)", _short(style), plan.axis_of(style) or "-",
                       str(counts.get(pattern, "-")))
-    console.print(table)
-    for line in collapse(findings):
-        console.print(line, style="red" if line.startswith("error") else "yellow", markup=False)
-    if exp is None:
-        return 1
+    return table
+
+
+def _print_step(console, exp, args) -> bool:
+    """The parameters, the step's schedule (or why there is none) and memory; whether its peak fits ``--fit``."""
+    from ..tools.tables import human, memory_table, params_table, schedule_table, totals_table
+
     console.print(params_table(exp.program, merge_layers=args.brief))
     if exp.schedule is None:
         console.print(f"no schedule: {exp.schedule_error}", markup=False)
@@ -258,24 +281,30 @@ def plan_command(args) -> int:
             console.print(schedule_table(exp.schedule.rows))
         console.print(totals_table(exp.schedule.totals()))
     console.print(memory_table(exp.memory.rows(), exp.memory.world))
-    fits = True
-    if args.fit is not None and exp.memory.peak is not None:
-        fits = exp.memory.peak <= args.fit * 2**30
-        console.print(f"{'fits' if fits else 'does not fit'}: peak {human(exp.memory.peak)} per rank "
-                      f"{'<=' if fits else '>'} {args.fit:g} GiB", markup=False)
-    unused = [a for a in names if a not in plan.axes_used()]
-    for axis in unused:
+    if args.fit is None or exp.memory.peak is None:
+        return True
+    fits = exp.memory.peak <= args.fit * 2**30
+    console.print(f"{'fits' if fits else 'does not fit'}: peak {human(exp.memory.peak)} per rank "
+                  f"{'<=' if fits else '>'} {args.fit:g} GiB", markup=False)
+    return fits
+
+
+def _print_unused_axes(console, plan, names: tuple[str, ...], args, per_rank: int) -> None:
+    """A note per mesh axis the plan does not act on: what the totals leave out there (``per_rank``: the
+    parameter bytes per rank, about the gradients a dp reduction would carry)."""
+    from ..tools.tables import human
+
+    for axis in [a for a in names if a not in plan.axes_used()]:
         if axis == "dp" and args.fsdp:
             continue  # fsdp's all-gathers and reduce-scatters over dp are in the schedule
         if axis == "dp":
             console.print(f"note: not in these totals: the data-parallel gradient reduction over dp={args.dp} "
-                          f"(about {human(exp.memory.per_rank)} of gradients per rank per step). A plan acts only on "
+                          f"(about {human(per_rank)} of gradients per rank per step). A plan acts only on "
                           f"its own axes ({', '.join(sorted(plan.axes_used() & set(names)))}); dp is applied around "
                           "it (fsdp or a gradient all-reduce).", markup=False)
         else:
             console.print(f"note: the plan does not use mesh axis {axis!r}: parameters are replicated over it and "
                           "nothing on it is in these totals.", markup=False)
-    return 1 if exp.schedule is None or not fits else 0  # the forward could not run (said above), or too big
 
 
 # ---------------------------------------------------------------- check

@@ -168,33 +168,51 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     if inputs is None:
         return Dataflow({}, f"{type(model).__name__} does not start with an embedding or a linear layer: no batch to trace")
     reduced = Reduced(model, {}) if real else reduced_copy(model, plan_marks(boundaries, infos, leaf_of))
-    twin = reduced.model
-    names = list(axes)
-    params: dict[int, tuple[str, frozenset[str]]] = {}
-    for name, prm in twin.named_parameters(remove_duplicate=False):
-        original = reduced.names.get(name, [name])
-        info = infos[leaf_of[original[0]]]
-        stored = frozenset(a for a, p in zip(names, info.placements, strict=True) if splits(p))
-        params.setdefault(id(prm), (name, stored))
-    mode = _Taint(params, names)
+    mode = _Taint(_stored_axes(reduced, infos, leaf_of, axes), list(axes))
     args, kwargs = (inputs if real else (to_meta(inputs[0]), to_meta(inputs[1])))
     mode.set((args, kwargs), frozenset())
-    modules = dict(twin.named_modules())
-    hooked: dict[str, Boundary] = {}
-    for b in boundaries:  # one block of each kind stands for the others
-        path = _reduced_path(b.planned.fqn, reduced)
-        if path is not None and path in modules:
-            hooked.setdefault(path, b)
-    handles = [h for path, b in hooked.items() for h in _hooks(modules[path], b, analysis[b.planned.fqn], mode)]
+    handles = _hook_boundaries(reduced, boundaries, analysis, mode)
     try:
         with torch.no_grad(), mode:
-            twin(*args, **kwargs)
+            reduced.model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - meta-hostile code, or a forward that does not take token ids: reported
         where = "real" if real else "meta"
         return Dataflow({}, f"one forward on {where} tensors failed ({type(exc).__name__}: {str(exc)[:120]})")
     finally:
         for h in handles:
             h.remove()
+    return _uses(mode, reduced, leaf_of, covered, analysis)
+
+
+def _stored_axes(reduced: Reduced, infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str],
+                 axes: Sequence[str]) -> dict[int, tuple[str, frozenset[str]]]:
+    """``id`` of each parameter of the traced copy -> (its name there, the mesh axes it is stored sharded on)."""
+    params: dict[int, tuple[str, frozenset[str]]] = {}
+    for name, prm in reduced.model.named_parameters(remove_duplicate=False):
+        original = reduced.names.get(name, [name])
+        info = infos[leaf_of[original[0]]]
+        stored = frozenset(a for a, p in zip(axes, info.placements, strict=True) if splits(p))
+        params.setdefault(id(prm), (name, stored))
+    return params
+
+
+def _hook_boundaries(reduced: Reduced, boundaries: Sequence[Boundary], analysis: Mapping[str, Varying],
+                     mode: _Taint) -> list:
+    """The hooks (``_hooks``) on the traced copy's planned modules, one block of each kind standing for the
+    others; the handles, for the caller to remove."""
+    modules = dict(reduced.model.named_modules())
+    hooked: dict[str, Boundary] = {}
+    for b in boundaries:
+        path = _reduced_path(b.planned.fqn, reduced)
+        if path is not None and path in modules:
+            hooked.setdefault(path, b)
+    return [h for path, b in hooked.items() for h in _hooks(modules[path], b, analysis[b.planned.fqn], mode)]
+
+
+def _uses(mode: _Taint, reduced: Reduced, leaf_of: Mapping[str, str], covered: Mapping[str, set[str]],
+          analysis: Mapping[str, Varying]) -> Dataflow:
+    """The traced uses mapped back to the model's leaves as a ``Dataflow``, or a ``PlanError`` for a replicated
+    parameter used both with varying and with invariant data on an axis the module tree does not decide."""
     varying = {leaf_of[o]: v for k, v in mode.varying.items() for o in reduced.names.get(k, [k])}
     invariant = {leaf_of[o]: v for k, v in mode.invariant.items() for o in reduced.names.get(k, [k])}
     mixed = _mixed_uses(varying, invariant, covered, leaf_of, analysis)

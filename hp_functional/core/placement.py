@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from .collectives import AxisGroup, raw_all_gather, raw_all_reduce
 from .errors import PlanError, ShapeError
-from .facets import AxesFacet, F, Facet, ReducedOver, RowSplit, SummedOver
+from .facets import AxesFacet, F, Facet, RowSplit
 
 AxisPlacements = Mapping[str, Placement]
 

@@ -247,19 +247,8 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
     KV-head pass."""
     modules, out = dict(model.named_modules(remove_duplicate=False)), Block(block)
     cols = [p for p, r in roles.items() if r == "colwise"]
-    styles: dict[str, Style] = {}
-    for p, r in roles.items():
-        packed = packing(trace, p, out_features(modules[p])) if r == "colwise" else None
-        styles[p] = Colwise(packed=packed) if packed else Colwise() if r == "colwise" else Rowwise()
-        out.roles[p] = f"{r} (packed {packed})" if packed else r
-    if any(isinstance(modules[p], CONVS) for p in cols):  # channels: each module between computes per channel
-        norms = {m: Channels() for m in sorted(between) if is_per_channel(modules[m])}
-    else:
-        norms = {m: NoParallel(reduce_grads=True) for m in sorted(between) if is_norm(modules[m])}
-    for m in sorted(between - set(norms)):
-        if any(True for _ in modules[m].parameters(recurse=False)):
-            out.uncovered.append(f"{m} ({type(modules[m]).__name__}: between colwise and rowwise projections)")
-            out.roles[m] = "uncovered (between colwise and rowwise projections)"
+    styles = _projection_styles(trace, modules, roles, out)
+    norms = _between_styles(modules, between, cols, out)
     attrs = sorted({a for c in trace.shape_calls if c.module == block or inside(c.module, block)
                     for a in c.attrs if (a[0] == block or inside(a[0], block)) and a[0] not in roles})
     out.errors = check_heads(trace, cols, n, axis) + _undivided(modules, attrs, n, axis)
@@ -267,12 +256,7 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
     if out.errors:
         return out
     heads = {h for p in cols for h in heads_of(trace, p)} | {getattr(modules[o], a) for o, a in attrs}
-    owned = list(modules[block].named_parameters(recurse=False))
-    per_head = [join(block, name) for name, q in owned if q.dim() == 1 and q.shape[0] in heads]
-    per_head += _head_tables(modules, block, heads, roles)
-    for name, _ in owned:  # used outside the sharded region (a layer scale on the output): else the audit refuses
-        if join(block, name) not in per_head:
-            out.param_roles[join(block, name)] = "parameter of the block (replicated: outside its sharded region)"
+    per_head = _per_head_params(modules, block, heads, roles, out)
     few_kv = [p for p in cols if any(h < n for h in heads_of(trace, p))]  # check_heads: n % h == 0 for these
     if few_kv:  # the compiler's KV-head pass replicates them; a replay here cannot model that layout
         found = (tuple(a for a in attrs if says_heads(("attr", a)) and "split" not in a[1]),
@@ -290,6 +274,54 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
         out.roles.update({p: f"{r} (gathered: heads not localisable)" for p, r in roles.items()})
         out.notes.append(f"{block}: its heads could not be localised (no head count to divide replays it at local "
                          "shapes); colwise outputs gathered, rowwise inputs split")
+    _settle(out, styles, norms, found)
+    return out
+
+
+def _projection_styles(trace: ModelTrace, modules: Mapping[str, nn.Module], roles: Mapping[str, str],
+                       out: Block) -> dict[str, Style]:
+    """``Colwise`` (packed where the trace shows a packed projection) or ``Rowwise`` per paired projection; their
+    roles recorded in ``out``."""
+    styles: dict[str, Style] = {}
+    for p, r in roles.items():
+        packed = packing(trace, p, out_features(modules[p])) if r == "colwise" else None
+        styles[p] = Colwise(packed=packed) if packed else Colwise() if r == "colwise" else Rowwise()
+        out.roles[p] = f"{r} (packed {packed})" if packed else r
+    return styles
+
+
+def _between_styles(modules: Mapping[str, nn.Module], between: set[str], cols: list[str], out: Block) -> dict[str, Style]:
+    """The styles of the modules ``between`` the projections: ``Channels`` for each per-channel module between
+    convolutions, else ``NoParallel(reduce_grads=True)`` for each norm (per head); any other module there that
+    holds parameters is recorded in ``out`` as uncovered."""
+    if any(isinstance(modules[p], CONVS) for p in cols):  # channels: each module between computes per channel
+        norms: dict[str, Style] = {m: Channels() for m in sorted(between) if is_per_channel(modules[m])}
+    else:
+        norms = {m: NoParallel(reduce_grads=True) for m in sorted(between) if is_norm(modules[m])}
+    for m in sorted(between - set(norms)):
+        if any(True for _ in modules[m].parameters(recurse=False)):
+            out.uncovered.append(f"{m} ({type(modules[m]).__name__}: between colwise and rowwise projections)")
+            out.roles[m] = "uncovered (between colwise and rowwise projections)"
+    return norms
+
+
+def _per_head_params(modules: Mapping[str, nn.Module], block: str, heads: set[int], roles: Mapping[str, str],
+                     out: Block) -> list[str]:
+    """The block's candidate per-head parameters: its own vectors of a head count's length and the head tables
+    below it; its other own parameters are recorded in ``out`` as replicated (used outside the sharded region, a
+    layer scale on the output: else the audit refuses)."""
+    owned = list(modules[block].named_parameters(recurse=False))
+    per_head = [join(block, name) for name, q in owned if q.dim() == 1 and q.shape[0] in heads]
+    per_head += _head_tables(modules, block, heads, roles)
+    for name, _ in owned:
+        if join(block, name) not in per_head:
+            out.param_roles[join(block, name)] = "parameter of the block (replicated: outside its sharded region)"
+    return per_head
+
+
+def _settle(out: Block, styles: Mapping[str, Style], norms: Mapping[str, Style], found: tuple) -> None:
+    """Record the decided styles in ``out``: the projections' and the norms', ``Heads`` on each owner of the head
+    counts the search divided (``found[0]``) and the per-head parameters it shards (``found[1]``)."""
     out.roles.update({m: "per-channel (channels split)" if isinstance(st, Channels) else
                       "per-head norm (replicated, grads all-reduced)" for m, st in norms.items()})
     out.styles.update({**styles, **norms})
@@ -298,7 +330,6 @@ def plan_block(trace: ModelTrace, model: nn.Module, block: str, roles: Mapping[s
     for owner, names in out.heads.items():
         out.styles[owner], out.roles[owner] = Heads(attrs=names), "attention (head counts divided)"
     out.per_head = tuple(found[1])
-    return out
 
 
 def _head_tables(modules: Mapping[str, nn.Module], block: str, heads: set[int], roles: Mapping[str, str]) -> list[str]:

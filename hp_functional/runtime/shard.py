@@ -131,73 +131,84 @@ def shard(
 ) -> Sharded:
     """Shard ``model`` by ``plan`` over ``mesh`` without mutating it.
 
-    All checks are local and raise on every rank before any collective; then one small
-    all-gather agrees on a fingerprint of the result and (``verify_values``) on a checksum of every
-    parameter and buffer, so ranks holding different weights raise ``PlanMismatchError`` naming
-    the tensors that differ.  docs/architecture.md#the-passes lists the steps.
+    All checks are local and raise on every rank before any collective; then one small all-gather agrees on a
+    fingerprint of the result and (``verify_values``) on a checksum of every parameter and buffer, so ranks holding
+    different weights raise ``PlanMismatchError`` naming the tensors that differ (steps: docs/architecture.md#the-passes).
 
     Args:
         model: the ``nn.Module`` to shard (on the mesh's device type, or on meta); only read.
         plan: a ``ShardingPlan`` or a plain ``{pattern: style}`` dict.
         mesh: a ``DeviceMesh`` with named dims that holds this rank.
-        weights: a safetensors file, a folder with ``model.safetensors`` or a sharded checkpoint's
-            index: the values come from there, each rank reading only its slices (build ``model``
-            under ``torch.device("meta")`` so no rank ever holds it whole; docs/weights.md).
-        seed: without ``weights``, meta parameters are initialised by their module's own init with
-            generators seeded by ``(seed, module path)`` (``runtime.meta_init``; meta buffers are
-            recomputed by their module's init either way); None: keep meta tensors on meta
-            (shapes only, as ``explain`` and ``simulate`` use them; no probe).
-        agree_timeout: seconds to wait for every rank at the agreement before raising; None: the
-            process group's timeout.
+        weights: a safetensors file, a folder with ``model.safetensors`` or a sharded checkpoint's index: the values
+            come from there, each rank reading only its slices (build ``model`` under ``torch.device("meta")`` so no
+            rank ever holds it whole; docs/weights.md).
+        seed: without ``weights``, meta parameters are initialised by their module's own init with generators seeded
+            by ``(seed, module path)`` (``runtime.meta_init``; meta buffers are recomputed by their module's init
+            either way); None: keep meta tensors on meta (shapes only, as ``explain`` and ``simulate`` use them; no probe).
+        agree_timeout: seconds to wait for every rank at the agreement before raising; None: the process group's timeout.
         verify_values: include the value checksums in the agreement (False: fingerprint only).
-        remat: activation recompute (a block keeps no activations in the forward and is
-            recomputed in the backward; works under ``.backward()`` and ``torch.func``): None —
-            follow the model (the decoder layers on which Hugging Face's
-            ``gradient_checkpointing_enable()`` was called, else none); False — none; True — every
-            Hugging Face decoder layer; module-path patterns (``["model.layers.*"]``); or an
-            ``Remat``.  A pattern that matches no module raises ``PlanError``.
-        verify: the shard-time proof — the plan run on a small private copy of the model (one
-            block of each kind, random init, a synthetic batch) against the same copy unsharded,
-            loss and every gradient, on the real ranks; a mismatch raises ``PlanError``
-            (``runtime.probe``; ``apply_fn.runtime.checks`` says what ran).  False skips it.
-        probe_cache: where passed proofs are remembered, so the same structure, plan and mesh is
-            probed once: a ``runtime.probe.ProbeCache`` the caller keeps (one per process-group world)
-            and passes to each ``shard()``; None (the default): always probe.
-        example_inputs: what one forward of ``model`` takes — a tensor, a tuple of positional
-            arguments or a dict of keyword arguments (as ``auto_plan``'s) — for the dataflow pass
-            (traced on meta) and the probe (fed to its copy) instead of the token ids they synthesize
-            only for a model whose first layer is an embedding or a linear layer; None with an
-            ``auto_plan`` plan: the batch it was given.  Without any, such a model's plan is refused
-            unless ``allow_unproved`` (docs/guarantees.md#exact-or-refused).
-        allow_unproved: accept a plan that nothing of the proof could check (the dataflow pass could not
-            trace the forward, or cannot see inside a style that runs its own function, and the probe did
-            not compare the gradients), knowingly: ``apply_fn.runtime.checks["proof"]`` then says
-            ``unproved``.  False (the default): such a plan is refused with ``PlanError``, saying what
-            could not be seen (``example_inputs`` usually lets both run).
+        remat: activation recompute (a block keeps no activations in the forward and is recomputed in the backward;
+            works under ``.backward()`` and ``torch.func``): None — follow the model (the decoder layers on which
+            Hugging Face's ``gradient_checkpointing_enable()`` was called, else none); False — none; True — every
+            Hugging Face decoder layer; module-path patterns (``["model.layers.*"]``); or a ``Remat``.  A pattern
+            that matches no module raises ``PlanError``.
+        verify: the shard-time proof — the plan run on a small private copy of the model (one block of each kind, random
+            init, a synthetic batch) against the same copy unsharded, loss and every gradient, on the real ranks; a
+            mismatch raises ``PlanError`` (``runtime.probe``; ``apply_fn.runtime.checks`` says what ran).  False skips it.
+        probe_cache: where passed proofs are remembered, so the same structure, plan and mesh is probed once: a
+            ``runtime.probe.ProbeCache`` the caller keeps (one per process-group world) and passes to each
+            ``shard()``; None (the default): always probe.
+        example_inputs: what one forward of ``model`` takes — a tensor, a tuple of positional arguments or a dict
+            of keyword arguments (as ``auto_plan``'s) — for the dataflow pass (traced on meta) and the probe (fed to
+            its copy) instead of the token ids they synthesize only for a model whose first layer is an embedding
+            or a linear layer; None with an ``auto_plan`` plan: the batch it was given.  Without any, such a
+            model's plan is refused unless ``allow_unproved`` (docs/guarantees.md#exact-or-refused).
+        allow_unproved: accept a plan that nothing of the proof could check (the dataflow pass could not trace the
+            forward, or cannot see inside a style that runs its own function, and the probe did not compare the
+            gradients), knowingly: ``apply_fn.runtime.checks["proof"]`` then says ``unproved``.  False (the
+            default): such a plan is refused with ``PlanError``, saying what could not be seen (``example_inputs``
+            usually lets both run).
     Returns:
-        ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns what
-        ``model(*args, **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups once)
-        to this rank's local shard; ``shard_info`` says where each shard sits (a ``ShardInfo`` per key).
-    """
+        ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns what ``model(*args,
+        **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups once) to this rank's local shard;
+        ``shard_info`` says where each shard sits (a ``ShardInfo`` per key)."""
+    program, checks, proof = _compile_locally(model, plan, mesh, seed=seed, verify=verify, example_inputs=example_inputs,
+                                              allow_unproved=allow_unproved)
+    proved = None if proof is None or probe_cache is None else probe_cache.lookup(proof.key)
+    agreed = agree_on(model, program, weights=weights, seed=seed, agree_timeout=agree_timeout,
+                      verify_values=verify_values, remat=remat, proved_before=proved is not None)
+    if proof is not None:  # agreed, and before the weights are read: the copy is freed before they are taken
+        _run_proof(model, program, proof, checks, mesh=mesh, proved=proved if agreed.proved_before else None,
+                   probe_cache=probe_cache, agree_timeout=agree_timeout, allowed=allow_unproved)
+        del proof
+    return materialise(model, program, agreed, checks=checks)
+
+
+def _compile_locally(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, seed: int | None,
+                     verify: bool, example_inputs, allow_unproved: bool) -> tuple[Program, dict[str, str], Proof | None]:
+    """``shard()``'s steps before any collective: ``compile_sharding`` (on the batch ``auto_plan`` traced where
+    ``example_inputs`` is None) and, where no proof will run, what proves the program (``checks["proof"]``), or the
+    ``PlanError`` that refuses it, raised on every rank before the agreement."""
     if example_inputs is None and isinstance(plan, AutoPlan):  # the batch auto_plan traced
         example_inputs = plan.example_inputs
     program, checks, proof = compile_sharding(model, plan, mesh, seed=seed, verify=verify, example_inputs=example_inputs)
     if proof is None:  # local: refused before any collective
         checks["proof"] = _require_proof(model, program, checks, asked=not _why_not_proved(verify=verify, seed=seed),
                                         allowed=allow_unproved, compared=False)
-    proved = None if proof is None or probe_cache is None else probe_cache.lookup(proof.key)
-    agreed = agree_on(model, program, weights=weights, seed=seed, agree_timeout=agree_timeout,
-                      verify_values=verify_values, remat=remat, proved_before=proved is not None)
-    if proof is not None:  # agreed, and before the weights are read: the copy is freed before they are taken
-        verdict = prove(proof, mesh=mesh, proved=proved if agreed.proved_before else None,
-                        probe_cache=probe_cache, agree_timeout=agree_timeout)
-        checks["probe"] = verdict.text
-        if proof.unchecked and not verdict.compared:  # the same verdict on every rank
-            raise _unchecked_error(proof.unchecked, f"the probe did not compare the gradients ({verdict})")
-        del proof
-        checks["proof"] = _require_proof(model, program, checks, asked=True, allowed=allow_unproved,
-                                         compared=verdict.compared)
-    return materialise(model, program, agreed, checks=checks)
+    return program, checks, proof
+
+
+def _run_proof(model: nn.Module, program: Program, proof: Proof, checks: dict[str, str], *, mesh: DeviceMesh,
+               proved: Verdict | None, probe_cache: ProbeCache | None, agree_timeout: float | None,
+               allowed: bool) -> None:
+    """``shard()``'s proof once the ranks agreed: the probe's verdict (``prove``) as ``checks["probe"]``, then what
+    proves ``program`` as ``checks["proof"]`` (``_require_proof``); a ``PlanError``, the same on every rank, where
+    the probe did not compare the gradients that only it could check (``proof.unchecked``) or nothing proves it."""
+    verdict = prove(proof, mesh=mesh, proved=proved, probe_cache=probe_cache, agree_timeout=agree_timeout)
+    checks["probe"] = verdict.text
+    if proof.unchecked and not verdict.compared:  # the same verdict on every rank
+        raise _unchecked_error(proof.unchecked, f"the probe did not compare the gradients ({verdict})")
+    checks["proof"] = _require_proof(model, program, checks, asked=True, allowed=allowed, compared=verdict.compared)
 
 
 @dataclass(frozen=True)

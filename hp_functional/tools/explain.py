@@ -12,7 +12,7 @@ __all__ = ["Explanation", "Memory", "Schedule", "explain"]
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -205,14 +205,7 @@ def explain(
 
     opt = optimizer_named(optimizer)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    # shard() agrees across ranks with one real collective unless there is no (or a fake) process group
-    local_only = not dist.is_initialized() or dist.get_backend() == "fake"
-    with fake if local_only else contextlib.nullcontext():
-        apply_fn, params, infos = shard(model, plan, mesh, seed=None, remat=remat)  # a meta model stays shapes only
-        program = apply_fn.program
-        blocks = block_paths(apply_fn.runtime.template)
-        if fsdp is not False:
-            apply_fn, params, infos = fsdp_transform(apply_fn, params, infos, mesh, "dp" if fsdp is True else fsdp)
+    apply_fn, params, infos, program, blocks = _sharded(model, plan, mesh, fake, fsdp=fsdp, remat=remat)
     dtypes = {k: dtype or program.dtypes[k] for k in infos}
     # the leaves as shard() made them (fake without a process group, real under one: a module that
     # converts its own parameters in its forward, Switch's router, needs them as they are), in ``dtypes``
@@ -221,47 +214,90 @@ def explain(
         name = optimizer if isinstance(optimizer, str) or optimizer is None else "custom"
         result = Explanation(program, dataclasses.replace(memory(infos, dtypes, program.mesh.size()),
                                                           optimizer=str(name)))
-        if batch is not None or seq is not None:
-            first = next(model.parameters(), None)  # a model without parameters: ids on the CPU
-            device = first.device if first is not None else torch.device("cpu")
-            ids = torch.zeros(batch or 1, seq or 16, dtype=torch.long, device=device)
-            kwargs = {"input_ids": ids, "labels": ids, **kwargs}
+        kwargs = _token_batch(model, batch, seq, kwargs)
         if not args and not kwargs:
             return result
-        axes = {g.group_name: axis for axis, g in program.groups.items()}
-        # the parameter conversions run first, one autograd node per step of a parameter needing grad
-        bucketed = {k for b in program.param_buckets for k in b.keys}
-        flat = [(key.rpartition(".")[0], s.backward) for key in program.infos if params[key].requires_grad
-                and key not in bucketed for s in program.param_steps.get(key, ())]
-        flat += [("(parameters)", "all_reduce") for _ in program.param_buckets]  # then one node per bucketed group
-        def recorder() -> tuple[ModuleClock, CollectiveRecorder]:
-            clock = ModuleClock({b.planned.fqn for b in program.boundaries})
-            return clock, CollectiveRecorder(clock, axes, flat, torch._C._autograd._get_sequence_nr())
-
-        clock, rec = recorder()
-
-        @contextlib.contextmanager
-        def recording():
-            with clock, rec:
-                yield
-
-        try:
-            if backward:
-                try:
-                    step = measure_step(apply_fn, params, args, kwargs, opt, blocks, around=recording)
-                    result.memory = dataclasses.replace(result.memory, step=step)
-                except Exception as exc:  # noqa: BLE001 - the step's accounting failed: record the schedule alone
-                    result.memory_error = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    clock, rec = recorder()
-                    with recording():
-                        loss = scalar_loss(apply_fn(params, *args, **kwargs), who="apply_fn")
-                        if loss.requires_grad:
-                            loss.backward()
-            else:
-                with recording():
-                    apply_fn(params, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported: the static parts stay useful
-            result.schedule_error = f"the forward could not run on these shapes: {type(exc).__name__}: {exc}"
-            return result
-    result.schedule = Schedule(rec.rows)
+        rows = _record_step(apply_fn, params, args, kwargs, result, program=program, opt=opt, blocks=blocks,
+                            backward=backward)
+    if rows is not None:
+        result.schedule = Schedule(rows)
     return result
+
+
+def _sharded(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, fake, *,
+             fsdp: bool | str | tuple[str, ...], remat) -> tuple[Callable, dict, dict[str, ShardInfo], Program, tuple[str, ...]]:
+    """``shard()`` with ``seed=None`` (a meta model stays shapes only), then ``hpf.fsdp`` where asked: the
+    ``apply_fn``, params and infos, ``shard()``'s program (the one ``explain`` renders and whose conversions
+    the recorders attribute) and the recomputable blocks' paths.  Under ``fake`` where there is no (or a fake)
+    process group; under a real one ``shard()`` agrees across ranks with one real collective."""
+    local_only = not dist.is_initialized() or dist.get_backend() == "fake"
+    with fake if local_only else contextlib.nullcontext():
+        apply_fn, params, infos = shard(model, plan, mesh, seed=None, remat=remat)
+        program = apply_fn.program
+        blocks = block_paths(apply_fn.runtime.template)
+        if fsdp is not False:
+            apply_fn, params, infos = fsdp_transform(apply_fn, params, infos, mesh, "dp" if fsdp is True else fsdp)
+    return apply_fn, params, infos, program, blocks
+
+
+def _token_batch(model: nn.Module, batch: int | None, seq: int | None, kwargs: dict) -> dict:
+    """``kwargs`` over HF ``input_ids``/``labels`` of zeros ``[batch, seq]`` when ``batch`` or ``seq`` is given
+    (on the model's device; a model without parameters: the CPU), else ``kwargs`` as they are."""
+    if batch is None and seq is None:
+        return kwargs
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    ids = torch.zeros(batch or 1, seq or 16, dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": ids, **kwargs}
+
+
+def _recorders(program: Program, params: Mapping[str, torch.Tensor]) -> Callable[[], tuple[ModuleClock, CollectiveRecorder]]:
+    """A maker of a fresh (module clock, collective recorder) pair for one step of ``program``, which knows
+    the parameter conversions' backward nodes: they run first, one autograd node per step of a parameter
+    needing grad, then one node per bucketed group."""
+    axes = {g.group_name: axis for axis, g in program.groups.items()}
+    bucketed = {k for b in program.param_buckets for k in b.keys}
+    flat = [(key.rpartition(".")[0], s.backward) for key in program.infos if params[key].requires_grad
+            and key not in bucketed for s in program.param_steps.get(key, ())]
+    flat += [("(parameters)", "all_reduce") for _ in program.param_buckets]
+
+    def recorder() -> tuple[ModuleClock, CollectiveRecorder]:
+        clock = ModuleClock({b.planned.fqn for b in program.boundaries})
+        return clock, CollectiveRecorder(clock, axes, flat, torch._C._autograd._get_sequence_nr())
+
+    return recorder
+
+
+def _record_step(apply_fn, params: dict, args: tuple, kwargs: dict, result: Explanation, *, program: Program, opt,
+                 blocks: tuple[str, ...], backward: bool) -> list[ScheduleRow] | None:
+    """Run one step (forward; with ``backward``, the backward and ``opt``'s update, measuring its memory into
+    ``result.memory``) under the recorders, and return the collectives recorded.  Where the step's accounting
+    fails, the forward and backward are recorded alone (``result.memory_error`` says why); where the forward
+    cannot run, None (``result.schedule_error`` says why): the static parts stay useful."""
+    recorder = _recorders(program, params)
+    clock, rec = recorder()
+
+    @contextlib.contextmanager
+    def recording():
+        with clock, rec:
+            yield
+
+    try:
+        if backward:
+            try:
+                step = measure_step(apply_fn, params, args, kwargs, opt, blocks, around=recording)
+                result.memory = dataclasses.replace(result.memory, step=step)
+            except Exception as exc:  # noqa: BLE001 - the step's accounting failed: record the schedule alone
+                result.memory_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                clock, rec = recorder()
+                with recording():
+                    loss = scalar_loss(apply_fn(params, *args, **kwargs), who="apply_fn")
+                    if loss.requires_grad:
+                        loss.backward()
+        else:
+            with recording():
+                apply_fn(params, *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported: the static parts stay useful
+        result.schedule_error = f"the forward could not run on these shapes: {type(exc).__name__}: {exc}"
+        return None
+    return rec.rows

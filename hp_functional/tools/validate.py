@@ -243,12 +243,7 @@ def _replicas(grads: dict[str, Tensor], program: Program, check: list[str]) -> l
 
 
 def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) -> ValidationReport:
-    try:
-        ref = copy.deepcopy(model)  # the reference: hooks and gradients land here, never on the user's model
-    except Exception as exc:
-        raise PlanError(f"validate: cannot copy {type(model).__name__}: {exc}") from exc
-    for p in ref.parameters():
-        p.grad = None
+    ref = _reference_copy(model)
     rec = OutputRecorder()
     replication: list[ReplicationError] = []
     plan = _checking_locals(plan, replication.append)
@@ -272,7 +267,31 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
     device = next((t.device for t in grads.values()), torch.device(mesh.device_type))
     _agree_on_structure(entries, grads, check, groups, axes, device)
 
-    rows: list[tuple[str, str, _Measured]] = []
+    modules = _module_rows(entries, axes, groups, tol, atol)
+    rows = modules + _grad_rows(ref, unshard(grads, infos), infos, tol, atol)
+    replicas = _replicas(grads, program, check)
+    return _worst_report(rows, len(modules), entries, replicas, groups, axes, device, tol,
+                         replication=list(dict.fromkeys(str(e) for e in replication)))
+
+
+def _reference_copy(model: nn.Module) -> nn.Module:
+    """The reference: a deep copy of ``model`` with no gradients, where hooks and gradients land (never on the user's)."""
+    try:
+        ref = copy.deepcopy(model)
+    except Exception as exc:
+        raise PlanError(f"validate: cannot copy {type(model).__name__}: {exc}") from exc
+    for p in ref.parameters():
+        p.grad = None
+    return ref
+
+
+#: a compared tensor on this rank: (module or parameter, what of it, measured)
+_Row = tuple[str, str, _Measured]
+
+
+def _module_rows(entries: list[_Entry], axes: list[str], groups, tol: float, atol: float) -> list[_Row]:
+    """Per recorded module output: its full value (made from its placements) against the reference's."""
+    rows: list[_Row] = []
     for e in entries:
         if not e.compared:
             rows.append((e.fqn, e.what, _Measured(0.0, 0.0, True, e.note)))
@@ -282,7 +301,12 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
             m = _diff(to_full(e.local, [e.placements.get(a, Replicate()) for a in axes], [groups[a] for a in axes]),
                       e.reference, tol, atol)
             rows.append((e.fqn, e.what, m._replace(note=m.note or e.note)))
-    n_modules, full = len(rows), unshard(grads, infos)
+    return rows
+
+
+def _grad_rows(ref: nn.Module, full: Mapping[str, Tensor], infos, tol: float, atol: float) -> list[_Row]:
+    """Per parameter: its ``full`` (gathered) gradient against the reference's; a gradient on one side only fails."""
+    rows: list[_Row] = []
     for key in infos:
         g_ref = ref.get_parameter(key).grad
         if key in full and g_ref is not None:
@@ -292,9 +316,13 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
             same = key not in full and g_ref is None
             why = "" if same else f"gradient only in the {'sharded run' if g_ref is None else 'reference'}"
             rows.append((key, "grad", _Measured(0.0 if same else math.inf, 0.0 if same else math.inf, same, why)))
-    replicas = _replicas(grads, program, check)
+    return rows
 
-    # every rank gets the worst value over the mesh, so the report (and raising) is the same everywhere
+
+def _worst_report(rows: list[_Row], n_modules: int, entries: list[_Entry], replicas: list[_Replica], groups,
+                  axes: list[str], device, tol: float, *, replication: list[str]) -> ValidationReport:
+    """The report of the worst value over the mesh of each row and replica (one gather), so the report (and
+    raising) is the same on every rank: the first ``n_modules`` rows are module outputs, the rest gradients."""
     values = torch.tensor([[m.max_abs, m.max_rel, float(not m.ok)] for _, _, m in rows]
                           + [[r.max_abs, r.differs, 0.0] for r in replicas], dtype=torch.float64, device=device).reshape(-1, 3)
     worst = _mesh_gather(values, groups, axes).amax(0).tolist()
@@ -306,7 +334,7 @@ def _numeric(model, plan, mesh, args, kwargs, loss_fn, tol, atol, check_axes) ->
     prms = sorted(prms, key=lambda d: (d.ok, -d.max_rel))
     bad = [ReplicaMismatch(r.param, r.axis, w[0]) for r, w in zip(replicas, worst[len(rows):], strict=True) if w[1]]
     return ValidationReport(mods, prms, sorted(bad, key=lambda r: -r.max_abs), mode="numeric", tolerance=tol,
-                            replication=list(dict.fromkeys(str(e) for e in replication)))
+                            replication=replication)
 
 
 def _checking_locals(plan: ShardingPlan, on_mismatch: Callable[[ReplicationError], None]) -> ShardingPlan:

@@ -105,28 +105,15 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
     >>> step = hpf.gpipe(apply_fn, stage, mesh, causal_lm_loss, 4, hidden_size=config.hidden_size)
     >>> grads = torch.func.grad(step)(params, ids, ids)          # every stage: its own gradients
     """
-    if not (isinstance(microbatches, int) and microbatches > 0):
-        raise PlanError(f"gpipe: microbatches must be a positive int, got {microbatches!r}")
-    group = AxisGroup.from_mesh(mesh, pp_axis)
-    if group.rank != stage.index:
-        raise PlanError(f"gpipe: this rank is stage {group.rank} of mesh axis {pp_axis!r}, but its stage is {stage.index}")
+    group = _stage_group(mesh, pp_axis, stage, microbatches)
     name = "input_ids" if stage.is_first else "inputs_embeds"
     pp_group = mesh.get_group(pp_axis)
 
     def step(params: Mapping[str, Tensor], inputs: Tensor, target: Tensor) -> Tensor:
-        if inputs.dim() < 2 or inputs.shape[0] % microbatches:
-            raise PlanError(f"gpipe: inputs {tuple(inputs.shape)} must be [batch, seq, ...] with the batch divisible "
-                            f"into {microbatches} micro-batches")
-        if not isinstance(target, Tensor) or target.shape[0] != inputs.shape[0]:
-            raise PlanError(f"gpipe: target must be a tensor with the batch of inputs ({inputs.shape[0]}), got "
-                            f"{tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__}")
+        _check_batch(inputs, target, microbatches)
         mb, seq = inputs.shape[0] // microbatches, inputs.shape[1]
-        transformed, carry = _transformed(), None
-        if transformed:
-            carry = _carry(params, inputs, target)
-            _agree_levels(carry, pp_group, stage)
-        elif torch.is_grad_enabled() and not stage.is_last:
-            carry = _anchor(params)  # the token reached by a double backward (.backward(create_graph=True))
+        transformed = _transformed()
+        carry = _carry_of(params, inputs, target, transformed, pp_group, stage)
         anchor = None if stage.is_first else _anchor(params) if carry is None else carry
         act = dtype or (None if anchor is None else anchor.dtype)
         chunks = inputs.chunk(microbatches) if stage.is_first else [None] * microbatches
@@ -139,12 +126,56 @@ def gpipe(apply_fn: Callable, stage: Stage, mesh: DeviceMesh, loss_fn: Callable[
             out = out if isinstance(out, Tensor) else out[0]
             if stage.is_last:
                 term = loss_fn(out, y) / microbatches
-            elif carry is None:
-                term = send_to(out, stage.index + 1, group)
             else:
-                sent = out + carry.to(out.dtype) if transformed else out
-                term = send_to(sent, stage.index + 1, group) * (1 + carry)
+                term = _send(out, stage, group, carry, transformed)
             total = term if total is None else total + term
         return total
 
     return step
+
+
+def _stage_group(mesh: DeviceMesh, pp_axis: str, stage: Stage, microbatches: int) -> AxisGroup:
+    """The pipeline axis' group, once ``microbatches`` is a positive int and ``stage`` is this rank's
+    coordinate on ``pp_axis`` (else a ``PlanError``, raised when ``gpipe`` is called)."""
+    if not (isinstance(microbatches, int) and microbatches > 0):
+        raise PlanError(f"gpipe: microbatches must be a positive int, got {microbatches!r}")
+    group = AxisGroup.from_mesh(mesh, pp_axis)
+    if group.rank != stage.index:
+        raise PlanError(f"gpipe: this rank is stage {group.rank} of mesh axis {pp_axis!r}, but its stage is {stage.index}")
+    return group
+
+
+def _check_batch(inputs: Tensor, target: Tensor, microbatches: int) -> None:
+    """A ``PlanError`` on every stage, before any transfer, unless ``inputs`` is ``[batch, seq, ...]`` with the
+    batch divisible into ``microbatches`` and ``target`` a tensor with the same batch."""
+    if inputs.dim() < 2 or inputs.shape[0] % microbatches:
+        raise PlanError(f"gpipe: inputs {tuple(inputs.shape)} must be [batch, seq, ...] with the batch divisible "
+                        f"into {microbatches} micro-batches")
+    if not isinstance(target, Tensor) or target.shape[0] != inputs.shape[0]:
+        raise PlanError(f"gpipe: target must be a tensor with the batch of inputs ({inputs.shape[0]}), got "
+                        f"{tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__}")
+
+
+def _carry_of(params: Mapping[str, Tensor], inputs: Tensor, target: Tensor, transformed: bool, pp_group,
+              stage: Stage) -> Tensor | None:
+    """What the stage's transfers carry: under ``torch.func`` (``transformed``) every transform level of the
+    params, ``inputs`` and ``target`` (``_carry``; the stages agree on the levels first); else, where a backward
+    will run and the stage sends, the anchor that a double backward (``.backward(create_graph=True)``)
+    reaches through the token; else None."""
+    if transformed:
+        carry = _carry(params, inputs, target)
+        _agree_levels(carry, pp_group, stage)
+        return carry
+    if torch.is_grad_enabled() and not stage.is_last:
+        return _anchor(params)
+    return None
+
+
+def _send(out: Tensor, stage: Stage, group: AxisGroup, carry: Tensor | None, transformed: bool) -> Tensor:
+    """This micro-batch's send to the next stage, as its token; with a ``carry`` the token is multiplied by
+    ``1 + carry`` (so the backward's receive is anchored on it), and under ``torch.func`` (``transformed``) the
+    activations sent add it too (``_carry``)."""
+    if carry is None:
+        return send_to(out, stage.index + 1, group)
+    sent = out + carry.to(out.dtype) if transformed else out
+    return send_to(sent, stage.index + 1, group) * (1 + carry)

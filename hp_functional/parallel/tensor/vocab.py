@@ -121,27 +121,12 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     g = mesh if isinstance(mesh, C.AxisGroup) else C.AxisGroup.from_mesh(mesh, tp_axis)
     v_local = local_logits.shape[-1]
-    if vocab_start is None:
-        sizes = C.raw_all_gather(torch.tensor([v_local], device=local_logits.device), 0, g).tolist()
-        vocab_start, vocab_size = sum(sizes[: g.rank]), sum(sizes)
-    else:
-        vocab_size = None
+    vocab_start, vocab_size = _vocab_range(v_local, vocab_start, g, local_logits.device)
     logits = local_logits if local_logits.dtype == torch.float64 else local_logits.float()  # fp32 at least
 
-    # The row max is agreed across ranks by a detached all-gather (any common shift is exact); the sum of
-    # exponentials and the target logit (fetched by the rank that owns it, zero elsewhere) are summed with
-    # reduce_from: the loss is replicated, so each rank's partial term receives the full gradient.  Only public
-    # collectives, so this works under .backward(), torch.func.grad and vmap.
-    local_max = logits.detach().amax(-1, keepdim=True)
-    shift = C.all_gather(local_max, -1, g).amax(-1)  # detached: the same constant on every rank
-    sum_exp = C.reduce_from(torch.exp(logits - shift.unsqueeze(-1)).sum(-1), g)
-    lse = torch.log(sum_exp) + shift
-
-    local_label = labels - vocab_start
-    owned = (local_label >= 0) & (local_label < v_local)
-    picked = logits.gather(-1, torch.where(owned, local_label, 0).unsqueeze(-1)).squeeze(-1)
-    ones = owned.to(picked.dtype)
-    target, owners = C.reduce_from(torch.stack([picked * ones, ones]), g).unbind(0)  # one collective for both
+    # Only public collectives, so this works under .backward(), torch.func.grad and vmap.
+    lse = _log_sum_exp(logits, g)
+    target, owners = _target_logit(logits, labels - vocab_start, g)
     loss = lse - target
     # a label no rank owns (outside [0, V), not ignore_index) makes its loss NaN: F.cross_entropy raises there, and
     # a check that raised would need a host sync (no vmap, no torch.compile graph); a NaN cannot go unnoticed
@@ -159,6 +144,35 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / valid.sum()
+
+
+def _vocab_range(v_local: int, vocab_start: int | None, g: C.AxisGroup, device: torch.device) -> tuple[int, int | None]:
+    """(this rank's first global id, the whole vocabulary's size): both from one tiny all-gather of the
+    slices' sizes when ``vocab_start`` is None; else ``vocab_start`` as given and None (not needed yet)."""
+    if vocab_start is not None:
+        return vocab_start, None
+    sizes = C.raw_all_gather(torch.tensor([v_local], device=device), 0, g).tolist()
+    return sum(sizes[: g.rank]), sum(sizes)
+
+
+def _log_sum_exp(logits: Tensor, g: C.AxisGroup) -> Tensor:
+    """The log-sum-exp over the whole vocabulary, replicated.  The row max is agreed across ranks by a detached
+    all-gather (any common shift is exact); the sum of exponentials is summed with ``reduce_from``: the result
+    is replicated, so each rank's partial term receives the full gradient."""
+    local_max = logits.detach().amax(-1, keepdim=True)
+    shift = C.all_gather(local_max, -1, g).amax(-1)  # detached: the same constant on every rank
+    sum_exp = C.reduce_from(torch.exp(logits - shift.unsqueeze(-1)).sum(-1), g)
+    return torch.log(sum_exp) + shift
+
+
+def _target_logit(logits: Tensor, local_label: Tensor, g: C.AxisGroup) -> tuple[Tensor, Tensor]:
+    """(the label's logit, how many ranks own the label), both replicated: the rank that owns a label (its
+    ``local_label`` in ``[0, V_r)``) fetches the logit, the others give zero, and one ``reduce_from`` sums both."""
+    owned = (local_label >= 0) & (local_label < logits.shape[-1])
+    picked = logits.gather(-1, torch.where(owned, local_label, 0).unsqueeze(-1)).squeeze(-1)
+    ones = owned.to(picked.dtype)
+    target, owners = C.reduce_from(torch.stack([picked * ones, ones]), g).unbind(0)  # one collective for both
+    return target, owners
 
 
 def causal_lm_loss(local_logits: Tensor, labels: Tensor, group: C.AxisGroup, vocab_start: int) -> Tensor:

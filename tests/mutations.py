@@ -517,4 +517,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("a-method-grows-past-60-lines", "hp_functional/runtime/shard.py::Runtime.build",
              '        """A new ``apply_fn`` on a fresh skeleton', "\n" * 60 + '        """A new ``apply_fn`` on a fresh skeleton',
              ("tests/test_function_length.py",), "methods count too: no method in hp_functional is over 60 lines"),
+    # ------------------------------------------------------------ the price of each guarantee
+    Mutation("rng-piece-drawn-at-the-blocks-start", "hp_functional/core/counter_rng.py::_shifted",
+             "o[s:s + k] if isinstance(o, Tensor) else o + s", "o[s:s + k] if isinstance(o, Tensor) else o",
+             ("tests/runtime/test_rng.py::test_draw_by_pieces_is_the_draw_of_the_whole_block",),
+             "randomness drawn piece by piece is the draw of the whole block: each piece at its own global indices"),
 )

@@ -10,14 +10,20 @@ the cosine computed as polynomials of correctly rounded ops only (``+ - * / sqrt
 so that a value is bit-identical whichever vector lane, kernel or device type computes it
 (torch's ``log``/``cos`` are not: a CPU kernel's scalar tail and its vector body may differ in
 the last bit).  See docs/randomness.md.
+
+Speed: the hash is ~25 elementwise int64 ops, memory-bound.  ``draw`` runs them in place on pieces
+small enough that a piece's two int64 buffers stay in a CPU core's L2 cache (``PIECE_CPU``; on an
+accelerator one piece is large, ``CHUNK``, so kernel launches stay few); values never depend on the
+piece size: each is a function of its global index alone.
 """
 
 from __future__ import annotations
 
-__all__ = ["gaussian_like", "global_index", "keep_mask", "normal", "stream_key", "uniform"]
+__all__ = ["draw", "gaussian_like", "stream_key"]
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import xxhash
@@ -29,8 +35,10 @@ from .placement import Box, ShardInfo, boxes
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-#: the most elements drawn at once (bounds the int64 temporaries; values do not depend on it)
+#: the most elements drawn at once on an accelerator (bounds the int64 temporaries)
 CHUNK = 1 << 22
+#: the elements drawn at once on a CPU: two int64 buffers of a piece (512 KiB) stay in L2
+PIECE_CPU = 1 << 15
 
 
 def _signed(z: int) -> int:
@@ -69,19 +77,26 @@ def _lsr(x: Tensor, s: int) -> Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def _fmix_(z: Tensor) -> Tensor:
-    """The SplitMix64 finalizer, in place on int64 words (multiplication wraps modulo 2**64)."""
-    z.bitwise_xor_(_lsr(z, 30)).mul_(_signed(_C1))
-    z.bitwise_xor_(_lsr(z, 27)).mul_(_signed(_C2))
-    return z.bitwise_xor_(_lsr(z, 31))
+def _lsr_into(x: Tensor, s: int, out: Tensor) -> Tensor:
+    """``_lsr(x, s)`` written into ``out`` (no allocation)."""
+    return torch.bitwise_right_shift(x, s, out=out).bitwise_and_((1 << (64 - s)) - 1)
+
+
+def _fmix_(z: Tensor, tmp: Tensor) -> Tensor:
+    """The SplitMix64 finalizer, in place on int64 words (multiplication wraps modulo 2**64);
+    ``tmp``: a scratch buffer shaped like ``z``."""
+    z.bitwise_xor_(_lsr_into(z, 30, tmp)).mul_(_signed(_C1))
+    z.bitwise_xor_(_lsr_into(z, 27, tmp)).mul_(_signed(_C2))
+    return z.bitwise_xor_(_lsr_into(z, 31, tmp))
 
 
 def random_bits(key: int, index: Tensor) -> Tensor:
     """64 random bits (an int64 tensor shaped like ``index``) per element of ``index`` (int64
     global element indices) in stream ``key``."""
     z = index * _signed(_GOLDEN)
+    tmp = torch.empty_like(z)
     z.add_(_signed(key))
-    return _fmix_(_fmix_(z).bitwise_xor_(_signed(_mix(key ^ 0x5851F42D4C957F2D))))
+    return _fmix_(_fmix_(z, tmp).bitwise_xor_(_signed(_mix(key ^ 0x5851F42D4C957F2D))), tmp)
 
 
 _BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
@@ -179,14 +194,45 @@ def global_index(local_shape: Sequence[int], global_shape: Sequence[int], offset
     return index.expand(*local_shape) if n else index.reshape(())
 
 
-def _pieces(box: Box) -> list[Box]:
-    """``box`` cut along its first dim into boxes of at most ``CHUNK`` elements (one row at least)."""
-    if not box.size:
-        return [box]
-    row = math.prod(box.size[1:])
-    rows = max(1, CHUNK // max(row, 1))
-    return [Box((box.start[0] + i, *box.start[1:]), (box.local[0] + i, *box.local[1:]),
-                (min(rows, box.size[0] - i), *box.size[1:])) for i in range(0, box.size[0], rows)]
+def _piece_boxes(shape: Sequence[int], piece: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(start, size)`` boxes tiling a tensor of ``shape`` in row-major order, each of at most
+    ``piece`` elements where the last dim allows (a box of one index in the leading dims and a run
+    of rows of the first dim whose trailing block fits)."""
+    n = len(shape)
+    cut = next(d for d in range(n + 1) if math.prod(shape[d:]) <= piece)  # dims >= cut: whole in a box
+    if cut == 0:
+        yield (0,) * n, tuple(shape)
+        return
+    c = cut - 1  # the dim cut into runs of rows
+    rows = max(1, piece // max(math.prod(shape[cut:]), 1))
+    for lead in itertools.product(*(range(k) for k in shape[:c])):
+        for r in range(0, shape[c], rows):
+            yield (*lead, r, *(0,) * (n - cut)), (*(1,) * c, min(rows, shape[c] - r), *shape[cut:])
+
+
+def _shifted(offset: Sequence[int | Tensor], start: Sequence[int], size: Sequence[int]) -> tuple[int | Tensor, ...]:
+    """The per-dim global offsets (``global_index``'s) of the box ``start``/``size`` of a block at ``offset``."""
+    return tuple(o[s:s + k] if isinstance(o, Tensor) else o + s for o, s, k in zip(offset, start, size, strict=True))
+
+
+def draw(kind: str, key: int, local: Sequence[int], glob: Sequence[int], offset: Sequence[int | Tensor],
+         device: torch.device | str, dtype: torch.dtype = torch.float32, p: float = 0.0) -> Tensor:
+    """Stream ``key``'s values at the global index of every element of a local block (``global_index``'s
+    arguments), shaped ``local``: ``"keep"`` (dropout's keep mask with drop probability ``p``, bool),
+    ``"dropout"`` (that mask as ``dtype`` divided by ``1 - p``: dropout's multiplier), ``"uniform"`` or
+    ``"normal"`` (of ``dtype``).  The same values as ``keep_mask``/``uniform``/``normal`` over
+    ``global_index(local, glob, offset)``, drawn piece by piece (module docstring)."""
+    fn = {"keep": lambda idx: keep_mask(key, idx, p),
+          "dropout": lambda idx: keep_mask(key, idx, p).to(dtype).div_(1 - p),
+          "uniform": lambda idx: uniform(key, idx, dtype), "normal": lambda idx: normal(key, idx, dtype)}[kind]
+    out = torch.empty(tuple(local), dtype=torch.bool if kind == "keep" else dtype, device=device)
+    piece = PIECE_CPU if torch.device(device).type == "cpu" else CHUNK
+    for start, size in _piece_boxes(tuple(local), piece):
+        if 0 in size:
+            continue
+        where = tuple(slice(s, s + k) for s, k in zip(start, size, strict=True))
+        out[where] = fn(global_index(size, glob, _shifted(offset, start, size), device))
+    return out
 
 
 def gaussian_like(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo] | None = None,
@@ -232,11 +278,9 @@ def gaussian_like(params: Mapping[str, Tensor], shard_info: Mapping[str, ShardIn
         scale = float(std[name] if isinstance(std, Mapping) else std)
         key = stream_key(seed, name_stream(name))
         noise = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-        for box in (piece for b in parts for piece in _pieces(b)):
-            if 0 in box.size:
-                continue
-            z = normal(key, global_index(box.size, glob, box.start, p.device), torch.float64 if p.dtype == torch.float64
-                       else torch.float32)
-            box.of_local(noise).copy_(z * scale)
+        compute = torch.float64 if p.dtype == torch.float64 else torch.float32
+        for box in parts:
+            if 0 not in box.size:
+                box.of_local(noise).copy_(draw("normal", key, box.size, glob, box.start, p.device, compute).mul_(scale))
         out[name] = noise
     return out

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.counter_rng import global_index, keep_mask, normal, uniform
+from ..core.counter_rng import draw
 
 
 class Draw(NamedTuple):
@@ -35,17 +35,18 @@ class Source:
     def __init__(self, key: int, local: Sequence[int], glob: Sequence[int], offset: Sequence[int | Tensor]):
         self.key, self.local, self.glob, self.offset = key, tuple(local), tuple(glob), tuple(offset)
 
-    def index(self, device) -> Tensor:
-        return global_index(self.local, self.glob, self.offset, device)
-
     def uniform(self, dtype: torch.dtype, device) -> Tensor:
-        return uniform(self.key, self.index(device), dtype)
+        return draw("uniform", self.key, self.local, self.glob, self.offset, device, dtype)
 
     def normal(self, dtype: torch.dtype, device) -> Tensor:
-        return normal(self.key, self.index(device), dtype)
+        return draw("normal", self.key, self.local, self.glob, self.offset, device, dtype)
 
     def keep(self, p: float, device) -> Tensor:
-        return keep_mask(self.key, self.index(device), p)
+        return draw("keep", self.key, self.local, self.glob, self.offset, device, p=p)
+
+    def dropout(self, p: float, dtype: torch.dtype, device) -> Tensor:
+        """Dropout's multiplier: ``keep(p).to(dtype).div_(1 - p)``, drawn piece by piece."""
+        return draw("dropout", self.key, self.local, self.glob, self.offset, device, dtype, p=p)
 
 
 Run = Callable[[Source], object]
@@ -83,7 +84,7 @@ def _dropout(stub: Callable, torch_form: bool) -> Handler:
             return None, None  # eval, p 0 (identity) or 1 (zeros), or torch's own error: torch's dropout
 
         def run(src: Source):
-            noise = src.keep(p, x.device).to(x.dtype).div_(1 - p)
+            noise = src.dropout(p, x.dtype, x.device)
             return x.mul_(noise) if inplace else x * noise
         return Draw("dropout", tuple(x.shape)), run
     return handler
@@ -114,7 +115,7 @@ def _sdpa(args, kwargs):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         probs = torch.softmax(scores, -1)
-        probs = probs * src.keep(p, q.device).to(probs.dtype).div_(1 - p)
+        probs = probs * src.dropout(p, probs.dtype, q.device)
         return probs @ vv
     return Draw("scaled_dot_product_attention", shape), run
 

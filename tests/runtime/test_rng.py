@@ -41,6 +41,29 @@ def test_bits_match_the_reference_and_any_slice():
     assert counter_rng.stream_key(5, 1, 2) != counter_rng.stream_key(5, 2, 1)
 
 
+@pytest.mark.slow
+def test_draw_by_pieces_is_the_draw_of_the_whole_block():
+    """``draw`` computes a block piece by piece (cache-sized on a CPU): the values are those of the
+    whole block's global indices, whatever the cut (a run of rows, a cut inside the last dim, a dim
+    given as positions, an empty block)."""
+    key = counter_rng.stream_key(3, 4)
+    piece = counter_rng.PIECE_CPU
+    cases = [((2, 3, 96, 128), (2, 3, 96, 256), (0, 0, 0, 128)),  # runs of rows of a 4-d block
+             ((2, piece + 77), (4, piece + 77), (2, 0)),  # a row longer than a piece: cut inside the last dim
+             ((2, 5, 7), (2, 10, 7), (0, torch.tensor([9, 1, 3, 0, 5]), 0)), ((0, 4), (3, 4), (1, 0)), ((), (), ())]
+    for local, glob, offset in cases:
+        index = counter_rng.global_index(local, glob, offset, "cpu")
+        assert torch.equal(counter_rng.draw("keep", key, local, glob, offset, "cpu", p=0.3),
+                           counter_rng.keep_mask(key, index, 0.3)), local
+        assert torch.equal(counter_rng.draw("dropout", key, local, glob, offset, "cpu", torch.float32, p=0.3),
+                           counter_rng.keep_mask(key, index, 0.3).to(torch.float32).div_(0.7)), local
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(counter_rng.draw("uniform", key, local, glob, offset, "cpu", dtype),
+                               counter_rng.uniform(key, index, dtype)), local
+        assert torch.equal(counter_rng.draw("normal", key, local, glob, offset, "cpu", torch.float64),
+                           counter_rng.normal(key, index, torch.float64)), local
+
+
 def test_global_index_takes_a_vector_of_positions_per_dim():
     """A dim given as global positions (zigzag sequence chunks: not affine) indexes like a gather of the
     whole tensor's indices; a vector of another length is refused."""

@@ -163,6 +163,40 @@ def _profile_once(variant: Variant, device: str, backend: str) -> StepProfile:
     return result
 
 
+def count_calls(variant: Variant) -> tuple[int, int]:
+    """(Python function calls, aten ops) of one step of ``variant``: counts, not times, so they
+    are the same on a busy machine and a quiet one, and growth of the per-call path shows in them
+    before it shows in the medians.  The Python calls are every ``call`` and ``c_call`` event of
+    ``sys.setprofile`` (the variant's own code, the modelling code, torch's Python wrappers); the
+    aten ops every op the dispatcher reaches below autograd (forward and backward)."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    calls = [0]
+
+    def tally(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls[0] += 1
+    reset(variant)
+    sys.setprofile(tally)
+    try:
+        variant.step()
+    finally:
+        sys.setprofile(None)
+    reset(variant)
+    with Ops():
+        variant.step()
+    return calls[0], Ops.count
+
+
 # ---------------------------------------------------------------- the reports
 def ratio_value(rows: dict, num: str, den: str) -> float | None:
     """``num``'s time over ``den``'s: the median of per-step ratios when both ran in the same

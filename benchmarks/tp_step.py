@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from bench_measure import (
     StepProfile,
+    count_calls,
     median_ms,
     profile_interleaved,
     ratio,
@@ -114,11 +115,13 @@ def measure_size(size: Size, mesh, opts: argparse.Namespace, checkpoint_dir: str
     dist.all_gather_object(per_rank, time_interleaved(runnable, warmup, steps, device))
     times = slowest_rank(per_rank)
     profiles = profile_interleaved(runnable, device, dist.get_backend())
+    counts = {v.key: count_calls(v) for v in runnable}
     rows = {}
     for v in variants:
         row = {"label": v.label, "error": v.error, "note": v.note}
         if v.step is not None:
-            row.update(ms=median_ms(times[v.key]), times=times[v.key], loss_delta=loss_delta[v.key], profile=profiles[v.key])
+            row.update(ms=median_ms(times[v.key]), times=times[v.key], loss_delta=loss_delta[v.key], profile=profiles[v.key],
+                       py_calls=counts[v.key][0], aten_ops=counts[v.key][1])
         rows[v.key] = row
     return {"rows": rows, "compile": compile_info, "steps": steps}
 
@@ -138,6 +141,18 @@ def rank_main(opts: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------- the report
+def _per_call_counts(rows: dict) -> str:
+    """Per step, (a)'s and (e')'s Python calls and aten ops (``bench_measure.count_calls``), and
+    (a)'s extra: apply_fn's own per-call path, counted (the same on a busy machine)."""
+    a, e = rows.get("a", {}), rows.get("e'", {})
+    if "py_calls" not in a or "py_calls" not in e:
+        return "per-step counts: (a) or (e') did not run"
+    return (f"per-step counts: Python calls (a) {a['py_calls']}, (e') {e['py_calls']}, apply_fn's own "
+            f"{a['py_calls'] - e['py_calls']:+d}; aten ops (a) {a['aten_ops']}, (e') {e['aten_ops']}, "
+            f"{a['aten_ops'] - e['aten_ops']:+d}")
+
+
+
 def _fmt_row(key: str, rows: dict) -> str:
     row = rows[key]
     head = f"({key:<2}) {row['label']:<34}"
@@ -182,6 +197,7 @@ def report(results: dict[int, dict], opts: argparse.Namespace) -> None:
             print(f"hp_functional / Megatron = {ratio(rows, 'a', 'e')}")
             by_hand = ratio(rows, "a", "e'")
             print(f"hp_functional / Megatron collectives in HF modules = {by_hand} (apply_fn's own cost)")
+            print(_per_call_counts(rows))
             fg = ratio(rows, "a'", "b")
             print(f"hp_functional f/g plan / DTensor = {fg}")
             if compiled:

@@ -12,6 +12,7 @@ __all__ = ["Explanation", "Memory", "Schedule", "explain"]
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -242,13 +243,15 @@ def _sharded(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, f
 
 def _token_batch(model: nn.Module, batch: int | None, seq: int | None, kwargs: dict) -> dict:
     """``kwargs`` over HF ``input_ids``/``labels`` of zeros ``[batch, seq]`` when ``batch`` or ``seq`` is given
-    (on the model's device; a model without parameters: the CPU), else ``kwargs`` as they are."""
+    (on the model's device; a model without parameters: the CPU), else ``kwargs`` as they are.  A training
+    step builds no KV cache: ``use_cache=False`` where the forward takes it (so remat has none to drop)."""
     if batch is None and seq is None:
         return kwargs
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     ids = torch.zeros(batch or 1, seq or 16, dtype=torch.long, device=device)
-    return {"input_ids": ids, "labels": ids, **kwargs}
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    return {"input_ids": ids, "labels": ids, **no_cache, **kwargs}
 
 
 def _recorders(program: Program, params: Mapping[str, torch.Tensor]) -> Callable[[], tuple[ModuleClock, CollectiveRecorder]]:

@@ -522,4 +522,13 @@ MUTATIONS: tuple[Mutation, ...] = (
              "o[s:s + k] if isinstance(o, Tensor) else o + s", "o[s:s + k] if isinstance(o, Tensor) else o",
              ("tests/runtime/test_rng.py::test_draw_by_pieces_is_the_draw_of_the_whole_block",),
              "randomness drawn piece by piece is the draw of the whole block: each piece at its own global indices"),
+    # ------------------------------------------------------------ false refusals on standard models
+    Mutation("jetmoe-counts-handed-back-as-a-tensor", "hp_functional/parallel/experts/calls.py::SortedCall.run",
+             "counts.tolist() if self.counts_as_list else counts", "counts",
+             ("tests/parallel/test_experts_calls.py::test_jetmoe_counts_as_a_list_and_experts_of_another_width",),
+             "experts taking their per-expert counts as a list of ints (JetMoE) get a list back"),
+    Mutation("experts-output-at-the-hidden-width", "hp_functional/parallel/experts/styles.py::dispatch_combine",
+             "hidden.new_zeros((hidden.shape[0], *weighted.shape[1:]))", "hidden.new_zeros(hidden.shape)",
+             ("tests/parallel/test_experts_calls.py::test_jetmoe_counts_as_a_list_and_experts_of_another_width",),
+             "experts whose output width differs from their input's (JetMoE's attention experts) combine at their width"),
 )

@@ -208,3 +208,20 @@ def test_tp_inside_fused_experts_dims_come_from_the_shapes_and_ambiguity_is_refu
         style.spec(interleaved, "experts", "ep")
     with pytest.raises(hpf.PlanError, match=r"experts\.down_proj_bias \(4, 8\): a per-expert bias"):
         style.spec(Transposed(bias=True), "experts", "ep")
+
+
+def case_jetmoe():
+    from hp_functional.tools.sweep import check_family
+
+    return check_family("jetmoe", mesh())
+
+
+@pytest.mark.slow
+def test_jetmoe_counts_as_a_list_and_experts_of_another_width():
+    """JetMoE's ``ParallelExperts`` takes its per-expert counts as a list of ints and its attention experts
+    map the hidden size to another width: ``auto_plan`` plans them expert parallel and the model is exact
+    (loss and every gradient, ``.backward()`` and ``torch.func``) against the unsharded HF model at tp 2."""
+    from hp_functional.tools.sweep import EXACT, combine
+
+    row = combine(get_pool(2).run(case_jetmoe))
+    assert row["outcome"] == EXACT, row

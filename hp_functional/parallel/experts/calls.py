@@ -52,6 +52,11 @@ class ExpertsCall:
         module (``RoutedCall`` reads its weights' shapes for TP inside)."""
         return self
 
+    def for_call(self, args: tuple) -> ExpertsCall:
+        """This convention for one call's arguments: itself, unless their kinds change how the module is
+        called back (``SortedCall``: counts given as a list are handed back as a list)."""
+        return self
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -197,6 +202,7 @@ class SortedCall(ExpertsCall):
 
     def routing(self, args, offset, total):
         x, counts = args[0], args[1]
+        counts = counts if isinstance(counts, Tensor) else torch.as_tensor(counts, device=x.device)
         experts = torch.arange(counts.shape[0], device=counts.device)
         ids = torch.repeat_interleave(experts, counts.long(), output_size=total)[offset:offset + x.shape[0]]
         return x, ids[:, None], x.new_ones((x.shape[0], 1), dtype=torch.float32)
@@ -205,8 +211,15 @@ class SortedCall(ExpertsCall):
         flat = ids[:, 0]
         order = torch.argsort(flat, stable=True)  # rows arrive by source rank, then expert: group them by expert
         counts = flat.new_zeros(module.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
-        out = type(module).forward(module, rows[order], counts)
+        out = type(module).forward(module, rows[order], counts.tolist() if self.counts_as_list else counts)
         return out[torch.argsort(order)]
+
+    #: whether the module takes its per-expert counts as a list of ints (JetMoE's ``ParallelExperts``
+    #: splits its rows by them) rather than a tensor (torchtitan's ``GroupedExperts``)
+    counts_as_list = False
+
+    def for_call(self, args: tuple) -> ExpertsCall:
+        return _SortedListCall() if isinstance(args[1], (list, tuple)) else self
 
     def tp_layouts(self, names, fqn):
         roles = {"w1": (Shard(1), 1), "w3": (Shard(1), 1), "w2": (Shard(2), 1)}
@@ -219,6 +232,12 @@ class SortedCall(ExpertsCall):
 
 #: The built-in conventions by name (``Experts(call="sorted")``).
 CALLS: dict[str, ExpertsCall] = {"routed": RoutedCall(), "sorted": SortedCall()}
+
+
+class _SortedListCall(SortedCall):
+    """``SortedCall`` for a module whose counts argument is a list of ints (JetMoE's ``ParallelExperts``)."""
+
+    counts_as_list = True
 
 
 def experts_call(module: nn.Module, call: str | ExpertsCall | None, fqn: str) -> ExpertsCall:

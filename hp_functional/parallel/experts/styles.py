@@ -187,7 +187,7 @@ def dispatch_combine(module: nn.Module, axes: Mapping[str, AxisGroup], hidden: T
         out = _connected(call.run(module, rows, ids, ones), rows, module)
     back = C.all_to_all_v(out, 0, recv, send, g)
     weighted = (back * weight[:, None]).to(hidden.dtype)
-    return hidden.new_zeros(hidden.shape).index_add(0, token, weighted)
+    return hidden.new_zeros((hidden.shape[0], *weighted.shape[1:])).index_add(0, token, weighted)  # (width: the experts')
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ def _dispatch_call(module: nn.Module, axes: Mapping[str, AxisGroup], *args: Tens
     """``dispatch_combine`` on the routing ``call`` reads from the forward's arguments.  With
     ``split`` (the ep ranks hold the same tokens) rank ``r`` routes tokens ``[r·c, (r+1)·c)`` of
     the ``T`` (``c = ⌈T/ep⌉``, the last chunks shorter or empty), and the results are gathered back."""
-    g = axes[axis]
+    g, call = axes[axis], call.for_call(args)
     total = args[call.token_args[0]].shape[0]
     if not split:
         return dispatch_combine(module, axes, *call.routing(args, 0, total), axis=axis, call=call, **kwargs)

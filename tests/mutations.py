@@ -531,4 +531,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "hidden.new_zeros((hidden.shape[0], *weighted.shape[1:]))", "hidden.new_zeros(hidden.shape)",
              ("tests/parallel/test_experts_calls.py::test_jetmoe_counts_as_a_list_and_experts_of_another_width",),
              "experts whose output width differs from their input's (JetMoE's attention experts) combine at their width"),
+    Mutation("probe-convolutions-scaled-by-kernel-width", "hp_functional/runtime/probe.py::_unit_scale",
+             "fan_in = math.prod(p.shape[1:]) if convolution else p.shape[-1]", "fan_in = p.shape[-1]",
+             ("tests/parallel/test_conv_channels.py::test_hf_mobilenet_v2_split_convolutions_is_proved_exact",),
+             "the probe's random copy of a deep ConvNet keeps unit-scale activations, so an exact plan is not refused"),
 )

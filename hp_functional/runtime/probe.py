@@ -15,6 +15,7 @@ from __future__ import annotations
 __all__ = ["ProbeCache", "Verdict", "probe_copy_or_reason", "probe_inputs", "probe_key", "probe_varying_uses",
            "run_probe"]
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from ..compile.reduced_copy import Reduced, reduced_copy
 from ..core.errors import PlanError
 from ..core.facets import SummedOver
 from ..core.gather import unshard
+from ..core.module_kinds import CONVS
 from ..core.placement import splits
 from ..core.signature import arg_slots
 from .loss import scalar_loss
@@ -63,16 +65,27 @@ def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping
     buffers |= recompute_buffers(twin, missing, device)
     twin = twin.to_empty(device=device)
     gen = torch.Generator().manual_seed(seed)
+    convolved = {id(m.weight) for m in twin.modules() if isinstance(m, CONVS)}
     with torch.no_grad():
         for p in twin.parameters():
-            values = torch.rand(p.shape, generator=gen) + 0.5 if p.dim() < 2 else \
-                torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5
-            p.copy_(values.to(p.dtype))
+            p.copy_(_unit_scale(p, gen, id(p) in convolved).to(p.dtype))
             p.requires_grad_(True)
         for name, b in buffers.items():
             owner, _, attr = name.rpartition(".")
             twin.get_submodule(owner)._buffers[attr] = b
     return Reduced(twin, probe.names, probe.renames)
+
+
+def _unit_scale(p: Tensor, gen: torch.Generator, convolution: bool) -> Tensor:
+    """Random values that keep activations at unit scale: a vector (norms, biases) in [0.5, 1.5), a
+    matrix normal over the square root of its fan-in: the last dim (a Linear's inputs), or a
+    convolution's every dim but the first (in-channels per group times the kernel's size; its last
+    dim alone, the kernel's width, would let a deep ConvNet's activations grow past what float32
+    resolves, and rounding then differs between the sharded and the unsharded copy)."""
+    if p.dim() < 2:
+        return torch.rand(p.shape, generator=gen) + 0.5
+    fan_in = math.prod(p.shape[1:]) if convolution else p.shape[-1]
+    return torch.randn(p.shape, generator=gen) / max(fan_in, 1) ** 0.5
 
 
 @dataclass(frozen=True)

@@ -308,3 +308,21 @@ def test_style_refuses_by_name(style, module, words):
         style.spec(module, "blk.conv", "tp")
     for w in words:
         assert w in str(err.value), (w, str(err.value))
+
+
+def case_mobilenet_v2():
+    from hp_functional.tools.sweep import check_family
+
+    return check_family("mobilenet_v2", mesh())
+
+
+@pytest.mark.slow
+def test_hf_mobilenet_v2_split_convolutions_is_proved_exact():
+    """MobileNet-v2 (16 inverted-residual blocks, up to 960 channels) under
+    ``auto_plan(split_convolutions=True)``: the shard-time probe's random copy keeps its activations
+    at unit scale (a convolution's weights scaled by their whole fan-in), so the plan is proved and
+    accepted, and exact against the unsharded HF model (loss and every gradient)."""
+    from hp_functional.tools.sweep import EXACT, combine
+
+    row = combine(get_pool(2).run(case_mobilenet_v2))
+    assert row["outcome"] == EXACT and row["share"] < 0.65, row

@@ -83,6 +83,17 @@ def test_every_module_belongs_to_a_layer():
     assert not strays, f"modules outside the layers {LAYERS}: {strays}"
 
 
+def test_each_layers_docstring_names_its_number():
+    """Each layer package's docstring starts ``Layer N:`` with N its place in ``LAYERS`` (from 1), as the
+    root's docstring and docs/architecture.md count them."""
+    wrong = {}
+    for i, name in enumerate(LAYERS, start=1):
+        doc = ast.get_docstring(_tree(PACKAGE / name / "__init__.py")) or ""
+        if not doc.startswith(f"Layer {i}:"):
+            wrong[name] = (i, doc[:20])
+    assert not wrong, f"layer docstrings that disagree with LAYERS (package: (its number, its docstring)): {wrong}"
+
+
 def test_imports_go_only_downward():
     upward = []
     for module, deps in _graph(types=True).items():  # a type-only import names a layer too

@@ -13,7 +13,7 @@ mixed precision.  The why of each choice is in the docs page, not repeated here.
 
 from __future__ import annotations
 
-__all__ = ["fsdp"]
+__all__ = ["fsdp", "split_info"]
 
 import contextlib
 import dataclasses

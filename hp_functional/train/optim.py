@@ -12,9 +12,9 @@ docs/plan-language.md#patterns).  See docs/training.md#optimizers (and why not t
 from __future__ import annotations
 
 __all__ = [
-    "AdamWState", "Grads", "Mask", "Optimizer", "Params", "PartitionState", "PatternMask", "SGDState", "Schedule",
-    "adamw", "constant", "decay_mask", "linear_warmup", "partition", "replicated_info", "sgd", "state_info",
-    "warmup_cosine"
+    "AdamWState", "Grads", "Mask", "MuonState", "Optimizer", "Params", "PartitionState", "PatternMask", "SGDState",
+    "Schedule", "ZeroState", "adamw", "constant", "decay_mask", "linear_warmup", "muon", "partition", "replicated_info", "sgd",
+    "state_info", "warmup_cosine", "zero", "zero_info"
 ]
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,11 +25,15 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Replicate
 
+from ..core.buckets import BUCKET_BYTES
+from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, ShapeError
 from ..core.paths import most_specific_patterns
 from ..core.placement import ShardInfo
 from .optim_masks import Mask, PatternMask, decay_mask, mask_fn
+from .optim_muon import NS_COEFFICIENTS, adjusted_lr, check_muon, is_matrix, orthogonalized
 from .optim_schedules import Schedule, check_lr, constant, linear_warmup, lr_at, warmup_cosine
+from .optim_zero import gather_rows, row_infos, rows_of, scatter_rows
 
 Params = Mapping[str, Tensor]
 Grads = Mapping[str, Tensor | None]
@@ -64,6 +68,22 @@ class SGDState(NamedTuple):
 
     step: Tensor
     momentum: dict[str, Tensor]
+
+
+class MuonState(NamedTuple):
+    """``step``: updates taken (0-dim int64, CPU); ``momentum``: Muon's buffers of the matrix leaves,
+    keyed like the params; ``rest``: the state of the optimizer of the other leaves (``muon``'s ``rest``)."""
+
+    step: Tensor
+    momentum: dict[str, Tensor]
+    rest: Any
+
+
+class ZeroState(NamedTuple):
+    """``over``: ``{axis: the inner optimizer's state over this rank's rows of every leaf}`` (the axis a
+    key, so the pytree says where the state sits: ``state_info`` reads it)."""
+
+    over: dict[str, Any]
 
 
 class PartitionState(NamedTuple):
@@ -244,6 +264,175 @@ def sgd(
     return Optimizer(init, update)
 
 
+# ---------------------------------------------------------------- Muon
+def muon(
+    lr: float | Tensor | Schedule = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7, ns_steps: int = 5,
+    adjust_lr_fn: str | None = None, *, shard_info: Mapping[str, ShardInfo] | None = None, mask: Mask = None,
+    rest: Optimizer | None = None, bucket_bytes: int = BUCKET_BYTES,
+) -> Optimizer:
+    """Muon on the matrix leaves, equal to ``torch.optim.Muon`` with the same arguments, and ``rest``
+    (default ``adamw(lr, weight_decay=weight_decay)``, Moonlight's pairing) on the others.
+
+    Each matrix's Newton–Schulz step runs on the whole matrix at one owner rank, chosen among the
+    ranks holding part of it to balance the work, gathered and scattered back in buckets of
+    ``bucket_bytes`` (one all-to-all each way per bucket: ``core.owner_gather``), so any layout of
+    ``shard_info`` (``shard()``'s or ``hpf.fsdp``'s: TP, FSDP, EP, and their products) steps exactly as
+    one device would; ``shard_info=None`` is one device.  The momentum, the weight decay and the
+    update are elementwise on the local shards.  ``update`` is a collective over the mesh (every rank
+    calls it; the first call decides the owners, one small all-gather); a matrix's gradient must be
+    ``None`` on every rank or on none.  Not differentiable: the update runs without autograd.
+    ``mask``: the leaves that take Muon (patterns or ``fqn -> bool``; each must be 2-D, or a 3-D stack
+    under an ``experts`` module, member by member); by default every such leaf but embeddings and the
+    output head (``optim_muon.is_matrix``).  ``lr`` as in ``adamw`` (a tensor is read as a float)."""
+    if not callable(lr):
+        check_lr(lr, "muon")
+    check_muon(momentum, weight_decay, ns_coefficients, ns_steps, eps, adjust_lr_fn)
+    chosen = None if mask is None else mask_fn(mask, "muon")
+    rest = adamw(lr, weight_decay=weight_decay) if rest is None else rest
+    if not isinstance(rest, Optimizer):
+        raise TypeError(f"muon: rest must be an hpf.optim Optimizer (adamw(...)), got {type(rest).__name__}")
+    plans: dict = {}
+    hyper = _MuonHyper(momentum, nesterov, weight_decay, adjust_lr_fn, (tuple(ns_coefficients), ns_steps, eps), bucket_bytes)
+
+    def init(params: Params) -> MuonState:
+        mat, others = _muon_split(params, shard_info, chosen)
+        return MuonState(_new_step(0), {k: torch.zeros_like(params[k]) for k in mat}, rest.init({k: params[k] for k in others}))
+
+    def update(grads: Grads, state: MuonState, params: Params) -> tuple[dict[str, Tensor], MuonState]:
+        _state_type(state, MuonState, "muon.update")
+        _check("muon.update", grads, params)
+        mat, others = _muon_split(params, shard_info, chosen)
+        _check("muon.update", {k: grads[k] for k in mat}, {k: params[k] for k in mat}, **{"state.momentum": state.momentum})
+        k = _step_of(state.step)
+        lr_k = float(lr_at(lr, k, "muon"))
+        new_p, bufs = _muon_matrices({n: grads[n] for n in mat}, state.momentum, {n: params[n] for n in mat}, lr_k,
+                                     hyper, shard_info, plans)
+        rest_p, rest_state = rest.update({n: grads[n] for n in others}, state.rest, {n: params[n] for n in others})
+        new_p.update(rest_p)
+        return {n: new_p[n] for n in params}, MuonState(_new_step(k + 1), bufs, rest_state)
+
+    return Optimizer(init, update)
+
+
+class _MuonHyper(NamedTuple):
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    adjust_lr_fn: str | None
+    ns: tuple[tuple[float, float, float], int, float]
+    bucket_bytes: int
+
+
+def _muon_split(params: Params, shard_info: Mapping[str, ShardInfo] | None,
+                chosen: Callable[[str], bool] | None) -> tuple[list[str], list[str]]:
+    """(the leaves that take Muon, the others), in ``params`` order, by their global shapes."""
+    if shard_info is not None:
+        missing = [k for k in params if k not in shard_info]
+        if missing:
+            raise PlanError(f"muon: no shard_info for {missing[:5]} (pass shard()'s or hpf.fsdp's shard_info)")
+    mat = [k for k in params if is_matrix(k, shard_info[k].global_shape if shard_info is not None else params[k].shape,
+                                          chosen)]
+    chosen_set = set(mat)
+    return mat, [k for k in params if k not in chosen_set]
+
+
+def _muon_matrices(grads: Grads, bufs: Mapping[str, Tensor], params: Params, lr: float, hyper: _MuonHyper,
+                   shard_info: Mapping[str, ShardInfo] | None, plans: dict) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(new params, new buffers) of the Muon leaves: torch.optim.Muon's step, the Newton–Schulz on
+    whole matrices at their owners, ``param.mul(1 - lr * wd).add(O, alpha=-adjusted_lr)`` on the shards."""
+    with torch.no_grad():
+        new_bufs, updates = _muon_momentum(grads, bufs, hyper.momentum, hyper.nesterov)
+        ortho = orthogonalized(updates, shard_info, plans, hyper.bucket_bytes, hyper.ns)
+        new_p = dict(params)
+        for n in params:
+            if grads[n] is not None:
+                shape = shard_info[n].global_shape if shard_info is not None else params[n].shape
+                step = adjusted_lr(lr, hyper.adjust_lr_fn, shape)
+                new_p[n] = params[n].mul(1 - lr * hyper.weight_decay).add(ortho[n], alpha=-step)
+    return new_p, new_bufs
+
+
+def _muon_momentum(grads: Grads, bufs: Mapping[str, Tensor], momentum: float,
+                   nesterov: bool) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(new buffers, the bf16 updates to orthogonalise): torch.optim.Muon's ``buf.lerp_(grad, 1 - m)``
+    and ``grad.lerp(buf, m)`` (Nesterov) or ``buf``, elementwise on the local shards.  A ``None``
+    gradient keeps its buffer and sends zeros (its parameter is not updated)."""
+    new_bufs, updates = dict(bufs), {}
+    for n, g in grads.items():
+        if g is None:
+            updates[n] = torch.zeros_like(bufs[n], dtype=torch.bfloat16)
+            continue
+        new_bufs[n] = torch.lerp(bufs[n], g, 1 - momentum)
+        updates[n] = (g.lerp(new_bufs[n], momentum) if nesterov else new_bufs[n]).bfloat16()
+    return new_bufs, updates
+
+
+# ---------------------------------------------------------------- state sharded over dp (ZeRO-1/2)
+def zero_info(shard_info: Mapping[str, ShardInfo], mesh, axis: str = "dp") -> dict[str, ShardInfo]:
+    """Where a ``zero(...)`` optimizer's per-leaf state sits: each leaf's rows chunked over ``axis``
+    (``hpf.fsdp``'s layout).  ``state_info(state, zero_info(...))`` describes its state for
+    ``hpf.save``/``hpf.load``/``hpf.reshard``."""
+    return row_infos(shard_info, mesh, axis)
+
+
+def zero(inner: Optimizer, shard_info: Mapping[str, ShardInfo], mesh, axis: str = "dp", *, stage: int = 1,
+         bucket_bytes: int = BUCKET_BYTES) -> Optimizer:
+    """``inner`` (an elementwise optimizer: ``adamw``, ``sgd``) with its state sharded over ``axis``,
+    where the params are replicated (plain data parallel): each rank updates its rows of every leaf
+    (``zero_info``), then the updated rows are all-gathered, one all-gather per bucket of
+    ``bucket_bytes``; equal to ``inner`` on the whole leaves, and ``1/dp`` of its state per rank.
+
+    ``stage=1`` (ZeRO-1): ``grads`` are already reduced over ``axis`` (``hpf.reduce_gradients``), alike
+    on its ranks; each rank reads its rows.  ``stage=2`` (ZeRO-2): ``grads`` are each rank's own,
+    unreduced; one reduce-scatter per bucket gives each rank its rows of their mean (instead of an
+    all-reduce of everything).  A collective over ``axis``; a leaf's ``None`` gradient must be so on
+    every rank (it keeps its parameter).  Inverse view: ``state_info(state, zero_info(...))``."""
+    if not isinstance(inner, Optimizer):
+        raise TypeError(f"zero: inner must be an hpf.optim Optimizer, got {type(inner).__name__}")
+    if stage not in (1, 2):
+        raise ValueError(f"zero: stage must be 1 (sharded state) or 2 (and reduce-scattered gradients), got {stage!r}")
+    infos = row_infos(shard_info, mesh, axis)
+    group = AxisGroup.from_mesh(mesh, axis)
+
+    def keys(params: Params, where: str) -> None:
+        missing = [k for k in params if k not in infos]
+        if missing:
+            raise PlanError(f"{where}: no shard_info for {missing[:5]} (zero was given another shard_info)")
+
+    def init(params: Params) -> ZeroState:
+        _check("zero.init", dict.fromkeys(params), params)
+        keys(params, "zero.init")
+        return ZeroState({axis: _elementwise(inner.init(rows_of(params, infos)))})
+
+    def update(grads: Grads, state: ZeroState, params: Params) -> tuple[dict[str, Tensor], ZeroState]:
+        _state_type(state, ZeroState, "zero.update")
+        _check("zero.update", grads, params)
+        keys(params, "zero.update")
+        if list(state.over) != [axis]:
+            raise PlanError(f"zero.update: the state is sharded over {list(state.over)}, this optimizer over {axis!r}")
+        with torch.no_grad():
+            rows = rows_of(grads, infos) if stage == 1 else scatter_rows(grads, infos, group, bucket_bytes)
+        new_rows, new_state = inner.update(rows, state.over[axis], rows_of(params, infos))
+        with torch.no_grad():
+            stepped = [k for k in params if grads[k] is not None]
+            full = gather_rows(new_rows, infos, stepped, group, bucket_bytes)
+        return {k: full.get(k, params[k]) for k in params}, ZeroState({axis: new_state})
+
+    return Optimizer(init, update)
+
+
+def _elementwise(state: Any) -> Any:
+    """``state``, unless it is (or holds) the state of an optimizer that is not elementwise over a
+    leaf's rows (``muon``: whole matrices; ``zero`` again): a PlanError, as its rows would step wrong."""
+    nodes = optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, (MuonState, ZeroState)))
+    bad = next((type(x).__name__ for x in nodes if isinstance(x, (MuonState, ZeroState))), None)
+    if bad is not None:
+        raise PlanError(f"zero: the inner optimizer's state is a {bad}: zero shards elementwise optimizers (adamw, "
+                        "sgd) by rows; Muon needs whole matrices (hpf.optim.muon(shard_info=...) shards its own work)")
+    return state
+
+
 # ---------------------------------------------------------------- per-leaf groups
 def partition(optimizers: Mapping[str, Optimizer]) -> Optimizer:
     """One optimizer per group of leaves: ``{pattern: optimizer}``, FQN patterns under the package's
@@ -321,24 +510,33 @@ def state_info(state: Any, shard_info: Mapping[str, ShardInfo]) -> Any:
     and loading optimizer state sharded like the params).  A leaf stored under a dict key (a moment,
     a momentum buffer: ``state.mu[fqn]``) is that parameter's local shard's twin and gets
     ``shard_info[fqn]``; any other leaf (a NamedTuple field: ``step``) is replicated on the mesh of
-    the first parameter.  A PlanError names a key missing from ``shard_info``, a ShapeError a leaf
-    whose shape is not its parameter's local shape."""
-    paths, leaves, treespec = optree.tree_flatten_with_path(state)
+    the first parameter; a ``ZeroState``'s leaves sit as ``zero_info`` says (rows over its axis).
+    A PlanError names a key missing from ``shard_info``, a ShapeError a leaf whose shape is not its
+    parameter's local shape."""
+    paths, leaves, treespec = optree.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, ZeroState))
     mesh = next((i.mesh for i in shard_info.values()), None)
     infos = []
     for path, leaf in zip(paths, leaves, strict=True):
         where = "state" + "".join(f"[{e!r}]" for e in path)
-        key = path[-1] if path else None
-        if isinstance(key, str):
-            if key not in shard_info:
-                raise PlanError(f"state_info: {where}: {key!r} is not in shard_info")
-            info = shard_info[key]
-            if tuple(leaf.shape) != tuple(info.local_shape):
-                raise ShapeError(f"state_info: {where} has shape {tuple(leaf.shape)} but {key}'s local shape is "
-                                 f"{tuple(info.local_shape)}")
-            infos.append(info)
-        else:
+        if isinstance(leaf, ZeroState):
             if mesh is None:
-                raise PlanError(f"state_info: {where} is replicated, but shard_info is empty (no mesh to place it on)")
-            infos.append(replicated_info(leaf.shape, mesh))
+                raise PlanError(f"state_info: {where} is a ZeroState, but shard_info is empty (no mesh)")
+            infos.append(ZeroState({a: state_info(inner, row_infos(shard_info, mesh, a)) for a, inner in leaf.over.items()}))
+        else:
+            infos.append(_leaf_info(leaf, path, where, shard_info, mesh))
     return optree.tree_unflatten(treespec, infos)
+
+
+def _leaf_info(leaf: Tensor, path: tuple, where: str, shard_info: Mapping[str, ShardInfo], mesh) -> ShardInfo:
+    key = path[-1] if path else None
+    if isinstance(key, str):
+        if key not in shard_info:
+            raise PlanError(f"state_info: {where}: {key!r} is not in shard_info")
+        info = shard_info[key]
+        if tuple(leaf.shape) != tuple(info.local_shape):
+            raise ShapeError(f"state_info: {where} has shape {tuple(leaf.shape)} but {key}'s local shape is "
+                             f"{tuple(info.local_shape)}")
+        return info
+    if mesh is None:
+        raise PlanError(f"state_info: {where} is replicated, but shard_info is empty (no mesh to place it on)")
+    return replicated_info(leaf.shape, mesh)

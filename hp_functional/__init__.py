@@ -106,6 +106,7 @@ if TYPE_CHECKING:  # the one export table (`name as name`: an explicit re-export
     )
     from .train.export import export_hf as export_hf
     from .train.export_peft import export_peft as export_peft
+    from .train.fault_tolerance import FaultTolerant as FaultTolerant
     from .train.fsdp import fsdp as fsdp
     from .train.generate import generate as generate
     from .train.module import as_module as as_module

@@ -1,14 +1,17 @@
 """Per-example gradient clipping, DP-SGD's core, at any layout: ``shard()`` (TP), ``hpf.fsdp`` over
 it (FSDP × TP), and plain data parallel (``dp_axis=``).  See docs/training.md#per-example-clipping-dp-sgd.
 
-Two passes.  Pass 1 takes ``vmap(grad)`` of the loss over chunks of examples against the TP-local
-parameters and reduces each chunk's per-example gradients to squared norms at once (local sums of
-squares, one all-reduce per model axis per chunk), so at most ``chunk_size`` per-example gradients
-exist at a time.  Pass 2 is one ordinary gradient of ``sum_i c_i loss_i / B``: the clipped mean
-comes out of a plain backward.  Under FSDP both passes run on the inner ``shard()`` apply_fn over
-the bucket-gathered (TP-local) parameters, so no per-example gradient passes through FSDP's
-reduce-scatter (which would add example i of one dp rank to example i of another); the pass-2
-gradient goes back through the same buckets' backward, FSDP's reduce-scatter (the dp mean).
+Two methods, one result.  ``"ghost"`` (``train.ghost_norms``): one forward per block of examples
+serves both passes; its backward to a zero per example gives each example's squared norm from the
+layers' inputs and output gradients (a per-example zero added to the leaves without a rule), and the
+clipped mean is booked from the same output gradients, without a second backward.  ``"vmap"``: pass 1
+takes ``vmap(grad)`` of the loss over chunks of examples and reduces each chunk's per-example
+gradients to squared norms at once; pass 2 is one ordinary gradient of ``sum_i c_i loss_i / B``.
+Either way the local squared norms are summed with one all-reduce per model axis per block.  Under
+FSDP both run on the inner ``shard()`` apply_fn over the bucket-gathered (TP-local) parameters, so no
+per-example gradient passes through FSDP's reduce-scatter (which would add example i of one dp rank to
+example i of another); the clipped gradient goes back through the same buckets' backward, FSDP's
+reduce-scatter (the dp mean).
 """
 
 from __future__ import annotations
@@ -33,14 +36,17 @@ from ..core.raw_collectives import mesh_device, raw_all_reduce
 from ..runtime.apply_fn import ApplyFn
 from .data_parallel import reduce_gradients
 from .fsdp_bucket import Bucket, Sync
+from .ghost_norms import GhostRun, ghost_batches
 
 WHERE = "clip_per_example"
+METHODS = ("vmap", "ghost")
 LossFn = Callable[[Callable, Mapping[str, Tensor], object], Tensor]
 
 
 def clip_per_example(
     loss_fn: LossFn, apply_fn: ApplyFn, params: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo],
-    batch: object, *, max_norm: float, chunk_size: int = 8, dp_axis: str | None = None,
+    batch: object, *, max_norm: float, chunk_size: int | None = None, dp_axis: str | None = None,
+    method: str = "auto",
 ) -> tuple[dict[str, Tensor], Tensor]:
     """The mean over the global batch of each example's gradient clipped to ``max_norm`` (DP-SGD
     without the noise), and this rank's per-example norms; as Opacus' ``DPOptimizer`` with
@@ -61,11 +67,19 @@ def clip_per_example(
         batch: this rank's examples, a pytree of tensors sharing a leading batch dim: the same on the
             ranks of a model axis (tp), this dp rank's own on the data axes, equal sizes everywhere.
         max_norm: the per-example L2 norm to clip to.
-        chunk_size: examples per ``vmap(grad)`` block in pass 1 (memory: ``chunk_size`` gradients of
-            the TP-local model; one all-reduce of ``chunk_size`` numbers per model axis per block).
+        chunk_size: examples per block (None: the whole batch for ``"ghost"``, 8 for ``"vmap"``).  Ghost:
+            activations of ``chunk_size`` examples at a time, both passes per block; vmap: ``chunk_size``
+            gradients of the TP-local model at a time in pass 1.  One all-reduce of ``chunk_size`` numbers
+            per model axis per block.
         dp_axis: plain data parallel without FSDP: the mesh axis (of ``shard_info``'s mesh) whose ranks
             hold their own examples; the result is averaged over it (``reduce_gradients``).  Under
             ``hpf.fsdp`` the data axis is fsdp's own (leave None, or name it).
+        method: how pass 1 finds the norms. ``"ghost"``: one forward of the chunk shared by both passes;
+            Linear, Embedding, Conv1d/2d, LayerNorm, RMSNorm and HF's Conv1D get their norms from their
+            input and output gradient (``train.ghost_norms``), every other leaf (and one a check finds
+            used twice or outside its layer) from a per-example zero added to it; the same result.
+            ``"vmap"``: ``vmap(grad)`` of the whole model per chunk, then a second forward and backward.
+            ``"auto"`` (default): ghost, or vmap where the apply_fn recomputes blocks (``shard(remat=)``).
 
     Returns:
         ``(grads, norms)``: ``grads`` keyed and laid out like ``params`` (local shards), the clipped
@@ -78,11 +92,14 @@ def clip_per_example(
     """
     plan, error = None, None
     try:  # every local check before the one agreement; a failure is agreed there, not raised alone
-        plan = _Plan.of(loss_fn, apply_fn, params, shard_info, batch, max_norm, chunk_size, dp_axis)
+        plan = _Plan.of(loss_fn, apply_fn, params, shard_info, batch, max_norm, chunk_size, dp_axis, method)
     except (PlanError, ShapeError) as exc:
         error = exc
-    _agree(plan, error, shard_info, (float(chunk_size), float(max_norm)) if plan is not None else (0.0, 0.0))
-    return plan.run(loss_fn, params, batch, max_norm, chunk_size)
+    settings = (float(chunk_size or 0), float(max_norm), float(METHODS.index(plan.method))) if plan else (0.0,) * 3
+    _agree(plan, error, shard_info, settings)
+    if plan.method == "ghost":
+        return plan.run_ghost(loss_fn, params, batch, max_norm, chunk_size or plan.size)
+    return plan.run(loss_fn, params, batch, max_norm, chunk_size or 8)
 
 
 # ---------------------------------------------------------------- the checks
@@ -101,9 +118,10 @@ class _Plan:
     outer_mesh: DeviceMesh  # shard_info's mesh: the agreement's, and plain dp's
     size: int  # local batch size
     dp_axis: str | None
+    method: str  # "ghost" or "vmap"
 
     @classmethod
-    def of(cls, loss_fn, apply_fn, params, shard_info, batch, max_norm, chunk_size, dp_axis) -> _Plan:
+    def of(cls, loss_fn, apply_fn, params, shard_info, batch, max_norm, chunk_size, dp_axis, method) -> _Plan:
         if not callable(loss_fn):
             raise PlanError(f"{WHERE}: loss_fn must be callable as loss_fn(apply_fn, params, example), got "
                             f"{type(loss_fn).__name__}")
@@ -112,8 +130,9 @@ class _Plan:
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0 \
                 or not math.isfinite(max_norm):
             raise PlanError(f"{WHERE}: max_norm must be a positive finite number, got {max_norm!r}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise PlanError(f"{WHERE}: chunk_size must be a positive int, got {chunk_size!r}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise PlanError(f"{WHERE}: chunk_size must be a positive int or None, got {chunk_size!r}")
+        method = _method(method, apply_fn)
         _check_params(params, shard_info)
         size = _batch_size(batch)
         outer = next(iter(shard_info.values())).mesh
@@ -150,7 +169,7 @@ class _Plan:
         _check_data_axes(runtime.program, infos, data)
         _check_model(runtime.template)
         norm_axes = tuple(n for d, n in enumerate(names) if n not in data and model_mesh.size(d) > 1)
-        return cls(apply_fn, infos, model_mesh, data, norm_axes, outer, size, dp_axis)
+        return cls(apply_fn, infos, model_mesh, data, norm_axes, outer, size, dp_axis, method)
 
     # ---------------------------------------------------------------- the two passes
 
@@ -204,12 +223,86 @@ class _Plan:
         _check_versions(inner, versions)
         return {k: grads[k] for k in params}, norms_t.to(torch.float32)
 
+    def run_ghost(self, loss_fn: LossFn, params: Mapping[str, Tensor], batch, max_norm: float, chunk_size: int):
+        """Both passes over one forward per chunk (``train.ghost_norms``); a leaf that a check sends to
+        the delta path starts the call again on a new skeleton (at most once per such leaf)."""
+        local, scatter = self._local(params)
+        owned = frozenset(k for k in self.infos if self._owned(self.infos[k]))
+        excluded: frozenset[str] = frozenset()
+        with torch.enable_grad():
+            while True:
+                run = GhostRun(self.apply_fn.runtime, self.infos, owned, excluded)
+                versions = _versions(run.apply_fn)
+                out = self._ghost_chunks(run, loss_fn, local, batch, max_norm, chunk_size)
+                if isinstance(out, frozenset):
+                    if out <= excluded:  # a delta leaf is never flagged: a second pass over the same set would loop
+                        raise RuntimeError(f"{WHERE}: the ghost checks flagged delta leaves {sorted(out)[:3]}")
+                    excluded |= out
+                    continue
+                break
+        grads, norms = out
+        _check_versions(run.apply_fn, versions)
+        return self._finish(grads, scatter, params), norms.to(torch.float32)
+
+    def _ghost_chunks(self, run: GhostRun, loss_fn: LossFn, local: dict[str, Tensor], batch, max_norm: float,
+                      chunk_size: int) -> tuple[dict[str, Tensor], Tensor] | frozenset[str]:
+        """Per chunk: one forward, the squared norms (one backward, reduced over the model axes), the
+        clipped gradient; or the ghost leaves a check sends to the delta path (the call starts again)."""
+        acc = torch.float64 if next(iter(local.values())).device.type == "cpu" else torch.float32
+        groups = [AxisGroup.from_mesh(self.model_mesh, a) for a in self.norm_axes]
+        total, norms = None, []
+        for chunk, n in ghost_batches(batch, self.size, chunk_size):
+            c = _guarded(lambda chunk=chunk, n=n: run.forward(loss_fn, local, chunk, n, acc))
+            if run.reread():
+                return run.reread()
+            sq, outside, per_example = _guarded(lambda c=c, n=n: run.squared_norms(c, n))
+            del c
+            if outside:
+                return outside
+            for g in groups:  # one small all-reduce per model axis per chunk, whatever the parameter count
+                sq = raw_all_reduce(sq, g)
+            norms.append(sq.sqrt())
+            coef = (max_norm / (norms[-1] + 1e-6)).clamp(max=1.0)  # Opacus 1.6's DPOptimizer.clip_and_accumulate
+            grads = run.clipped(per_example, local, coef / self.size)
+            total = grads if total is None else {k: total[k] + grads[k] for k in total}
+        return total, torch.cat(norms)
+
+    def _local(self, params: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], Callable | None]:
+        """Pass 1's leaves (TP-local, requiring grad) and, under FSDP, the gather's backward (its reduce-scatter)."""
+        scatter = None
+        if self.apply_fn.fsdp is not None:  # the TP-local parameters, gathered by fsdp's buckets without its conversions
+            buckets = [_raw_bucket(b) for b in self.apply_fn.fsdp.buckets]
+            rows = {k: v.detach() for k, v in params.items()}
+            local, scatter = torch.func.vjp(lambda r: _gather(buckets, r), rows)
+        else:
+            local = params
+        return {k: v.detach().requires_grad_() for k, v in local.items()}, scatter
+
+    def _finish(self, grads: dict[str, Tensor], scatter: Callable | None, params: Mapping[str, Tensor]):
+        """The clipped mean of this rank's examples, reduced over the data axes as the layout does."""
+        if scatter is not None:  # FSDP's reduce-scatter (the buckets' backward): the dp mean of sum_i c_i g_i / B_local
+            grads = scatter(grads)[0]
+        elif self.dp_axis is not None:
+            grads = reduce_gradients(grads, self.infos, self.outer_mesh, self.dp_axis, "mean")
+        return {k: grads[k].detach() for k in params}
+
     def _owned(self, info: ShardInfo) -> bool:
         """Whether this rank counts the leaf in the per-example norm: on the model axes, every
         shard and the first replica (the data axes hold other examples: no masking there)."""
         coord = self.model_mesh.get_coordinate()
         names = self.model_mesh.mesh_dim_names
         return all(owns(p, c) for n, c, p in zip(names, coord, info.placements, strict=True) if n not in self.data_axes)
+
+
+def _method(method: object, apply_fn: ApplyFn) -> str:
+    """``"ghost"`` or ``"vmap"``: ``"auto"`` is ghost unless blocks are recomputed (a recomputed tap
+    would run outside the examples' vmap)."""
+    if method not in ("auto", *METHODS):
+        raise PlanError(f"{WHERE}: method must be 'auto', 'ghost' or 'vmap', got {method!r}")
+    if apply_fn.remat_blocks and method == "ghost":
+        raise PlanError(f"{WHERE}: method='ghost' with recomputed blocks ({next(iter(apply_fn.remat_blocks))}): "
+                        "use method='vmap' (or 'auto'), or shard() without remat")
+    return "vmap" if method == "vmap" or apply_fn.remat_blocks else "ghost"
 
 
 def _check_params(params, shard_info) -> None:
@@ -281,7 +374,7 @@ def _check_model(template: nn.Module) -> None:
                             "mode; a buffer updated in the forward has no per-example meaning; eval() it")
 
 
-def _agree(plan: _Plan | None, error: Exception | None, shard_info, settings: tuple[float, float]) -> None:
+def _agree(plan: _Plan | None, error: Exception | None, shard_info, settings: tuple[float, ...]) -> None:
     """One all-gather of [failed, batch size, chunk_size, max_norm] over shard_info's mesh: every
     rank passed its local checks, holds as many examples (tp ranks the same ones, dp ranks their
     own) and passed the same settings (another chunk_size would pair other all-reduces)."""
@@ -303,7 +396,7 @@ def _agree(plan: _Plan | None, error: Exception | None, shard_info, settings: tu
         seen = ", ".join(f"rank {r}: {s}" for r, s in zip(order, sizes, strict=True))
         raise PlanError(f"{WHERE}: ranks hold different numbers of examples ({seen}); the global mean needs equal "
                         "local batch sizes (pad or drop examples; tp ranks pass the same examples)")
-    for col, name in ((2, "chunk_size"), (3, "max_norm")):
+    for col, name in ((2, "chunk_size"), (3, "max_norm"), (4, "method (0: vmap, 1: ghost)")):
         values = rows[:, col].tolist()
         if len(set(values)) > 1:
             seen = ", ".join(f"rank {r}: {v:g}" for r, v in zip(order, values, strict=True))
@@ -349,6 +442,11 @@ def _check_versions(apply_fn: ApplyFn, before: Mapping[str, tuple[int, int]]) ->
     example: refused (the same on every rank, after the same collectives)."""
     after = _versions(apply_fn)
     changed = [k for k, v in after.items() if before.get(k) != v]
+    in_place = [k for k in changed if before.get(k, (None,))[0] == after[k][0]]
+    if in_place:  # the ghost path's forward is not under torch.func.grad, which refuses this one itself
+        raise PlanError(f"{WHERE}: the forward updates a buffer in place ({in_place[0]}: a running statistic or a "
+                        "counter): under vmap it is updated per chunk of examples, not per example; such models are "
+                        "refused")
     if changed:
         raise PlanError(f"{WHERE}: the forward updated the buffer {changed[0]} (a running statistic or a counter): "
                         "under vmap it is updated per chunk of examples, not per example; such models are refused")

@@ -55,6 +55,36 @@ def reference_step(model, ids, max_norm: float, std: float, seed: int, lr: float
     return torch.stack(norms)
 
 
+def train(mesh, steps: int = 3, batch: int = 8, seq: int = 16, max_norm: float = 5.0, noise: float = 1.0,
+          lr: float = 0.05, chunk_size: int | None = None, log=print) -> tuple[float, float]:
+    """``steps`` DP-SGD steps at ``mesh`` (axes ``dp``, ``tp``) and the same steps on one device: the
+    largest parameter difference after them and the largest per-example norm difference."""
+    dp, tp = mesh["dp"], mesh["tp"].size()
+    model = build_model(tiny_config("llama"), seed=0)  # the same weights on every rank
+    plan = hpf.ShardingPlan.from_hf(model) if tp > 1 else hpf.ShardingPlan({})
+    apply_fn, params, shard_info = hpf.fsdp(*hpf.shard(model, plan, mesh), mesh, "dp")
+    params = {k: p.detach() for k, p in params.items()}
+    std = noise * max_norm / batch  # Opacus: noise_multiplier * max_grad_norm, then / batch size
+
+    data = torch.randint(0, model.config.vocab_size, (steps, batch, seq), generator=torch.Generator().manual_seed(1))
+    worst_norm = 0.0
+    for step in range(steps):
+        ids = data[step]
+        local = ids.chunk(dp.size())[dp.get_local_rank()]  # this dp rank's examples; tp ranks share them
+        grads, norms = hpf.clip_per_example(loss_fn, apply_fn, params, shard_info, local, max_norm=max_norm,
+                                            chunk_size=chunk_size)
+        drawn = hpf.gaussian_like(params, shard_info, std=std, seed=step)  # local: no communication
+        params = {k: p - lr * (grads[k] + drawn[k]) for k, p in params.items()}
+
+        ref_norms = reference_step(model, ids, max_norm, std, step, lr)
+        mine = ref_norms.chunk(dp.size())[dp.get_local_rank()]
+        worst_norm = max(worst_norm, (norms.double() - mine).abs().max().item())
+        clipped = int((ref_norms > max_norm).sum())
+        log(f"step {step}: per-example norms {[round(n, 2) for n in ref_norms.tolist()]}, {clipped} of {batch} clipped")
+    full = hpf.unshard(params, shard_info)
+    return max((full[k] - p.detach()).abs().max().item() for k, p in model.named_parameters()), worst_norm
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tp", type=int, default=2)
@@ -64,43 +94,18 @@ def main() -> int:
     parser.add_argument("--max-norm", type=float, default=5.0, help="per-example clipping norm C")
     parser.add_argument("--noise", type=float, default=1.0, help="noise multiplier sigma (0: no noise)")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--chunk-size", type=int, default=2, help="examples per vmap(grad) block (memory)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="examples per block (None: the method's default)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-    dp, rank0 = mesh["dp"], dist.get_rank() == 0
-
-    model = build_model(tiny_config("llama"), seed=0)  # the same weights on every rank
-    plan = hpf.ShardingPlan.from_hf(model) if args.tp > 1 else hpf.ShardingPlan({})
-    apply_fn, params, shard_info = hpf.fsdp(*hpf.shard(model, plan, mesh), mesh, "dp")
-    params = {k: p.detach() for k, p in params.items()}
-    std = args.noise * args.max_norm / args.batch  # Opacus: noise_multiplier * max_grad_norm, then / batch size
-
-    data = torch.randint(0, model.config.vocab_size, (args.steps, args.batch, args.seq),
-                         generator=torch.Generator().manual_seed(1))
-    worst_norm = 0.0
-    for step in range(args.steps):
-        ids = data[step]
-        local = ids.chunk(dp.size())[dp.get_local_rank()]  # this dp rank's examples; tp ranks share them
-        grads, norms = hpf.clip_per_example(loss_fn, apply_fn, params, shard_info, local, max_norm=args.max_norm,
-                                            chunk_size=args.chunk_size)
-        noise = hpf.gaussian_like(params, shard_info, std=std, seed=step)  # local: no communication
-        params = {k: p - args.lr * (grads[k] + noise[k]) for k, p in params.items()}
-
-        ref_norms = reference_step(model, ids, args.max_norm, std, step, args.lr)
-        mine = ref_norms.chunk(dp.size())[dp.get_local_rank()]
-        worst_norm = max(worst_norm, (norms.double() - mine).abs().max().item())
-        if rank0:
-            clipped = int((ref_norms > args.max_norm).sum())
-            print(f"step {step}: per-example norms {[round(n, 2) for n in ref_norms.tolist()]}, {clipped} of "
-                  f"{args.batch} clipped", flush=True)
-    full = hpf.unshard(params, shard_info)
-    drift = max((full[k] - p.detach()).abs().max().item() for k, p in model.named_parameters())
+    rank0 = dist.get_rank() == 0
+    drift, worst_norm = train(mesh, args.steps, args.batch, args.seq, args.max_norm, args.noise, args.lr, args.chunk_size,
+                              log=lambda line: print(line, flush=True) if rank0 else None)
     if rank0:
-        print(f"DP-SGD dp {dp.size()} x tp {args.tp}, noise {args.noise}: max |param diff| vs one device {drift:.2e}, "
-              f"max |norm diff| {worst_norm:.2e}")
+        print(f"DP-SGD dp {world // args.tp} x tp {args.tp}, noise {args.noise}: max |param diff| vs one device "
+              f"{drift:.2e}, max |norm diff| {worst_norm:.2e}")
     dist.destroy_process_group()
     return 0 if drift < 1e-5 and worst_norm < 1e-4 else 1
 

@@ -88,3 +88,20 @@ def test_grpo_example_equals_the_loop_on_one_device():
     for out in get_pool(4).run(case_grpo_example):
         assert out["tokens_equal"] and out["param_diff"] < 1e-3, out
         assert len(out["mean_reward"]) == 3
+
+
+def case_dp_sgd_example():
+    """examples/dp_sgd.py's steps in the rank pool at dp 2 x tp 2 (ghost norms, FSDP x TP, noise by global index)."""
+    from tests.support.helpers import mesh
+
+    return _example("dp_sgd").train(mesh((2, 2), ("dp", "tp")), steps=2, log=lambda line: None)
+
+
+@pytest.mark.slow
+def test_dp_sgd_example_equals_the_steps_on_one_device():
+    """DP-SGD at dp 2 x tp 2 (per-example clipping, noise): the parameters after 2 steps and every per-example
+    norm equal the same steps on one device (a padded lookup of a vocab-parallel embedding included)."""
+    from tests.conftest import get_pool
+
+    for drift, worst_norm in get_pool(4).run(case_dp_sgd_example):
+        assert drift < 1e-5 and worst_norm < 1e-4, (drift, worst_norm)

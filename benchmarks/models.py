@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hp_functional.tools.sweep import CRASH, EXACT, HANG, OUTCOMES, UNBUILDABLE, WRONG, combine, heads_allow  # noqa: E402
+from hp_functional.tools.sweep import CRASH, EXACT, HANG, LITTLE, OUTCOMES, UNBUILDABLE, UNPROVED, WRONG, combine, heads_allow  # noqa: E402
 
 #: a row meets the goal where it is exact and no rank holds this share of the parameters or more.
 GOAL_SHARE = 0.65
@@ -209,9 +209,14 @@ def head(name: str, extras: dict) -> str:
 
 
 def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, jobs: int = 1,
-          log=print) -> dict[str, dict[int, dict]]:
+          log=print, checkpoint: Path | None = None, base: dict | None = None,
+          label: str | None = None) -> dict[str, dict[int, dict]]:
     """``{model type: {tp: row}}`` in ``types`` order; tp > 2 runs only where tp 2 built and the
-    heads divide.  ``jobs``: families run at the same time (each job its own ranks)."""
+    heads divide.  ``jobs``: families run at the same time (each job its own ranks).  ``checkpoint``:
+    a JSON file rewritten with the rows so far after each type (an interrupted run keeps them), laid
+    over ``base`` (the table an ``--update`` merges into: the file never holds less than it), each new row
+    labelled ``run``: ``label`` where given."""
+    lock = threading.Lock()
     todo: queue.Queue = queue.Queue()
     for i, t in enumerate(types):
         todo.put((i, t))
@@ -233,9 +238,15 @@ def sweep(types: list[str], tps: list[int], timeout: float, functional: bool, jo
                     row = table[t][tp] = pools[tp].run(t, functional)
                     if "category" not in row:  # a hang or a dead rank: the parent names it
                         row.update(category=category(t, extras), task=head(t, extras))
+                    if label:
+                        row["run"] = label
                     log(f"[{i + 1}/{len(types)}] {t:28s} tp {tp}: {row['outcome']:20s} {row.get('task', ''):22s} "
                         f"{row.get('plan', ''):9s} "
                         f"{row['reason'][:110]}  ({row.get('seconds', 0):.1f} s)", flush=True)
+                if checkpoint is not None:
+                    with lock:
+                        done = {k: v for k, v in table.items() if v}
+                        checkpoint.write_text(json.dumps({**(base or {}), **done}, indent=1, default=str))
         finally:
             for p in pools.values():
                 p.close()
@@ -253,12 +264,26 @@ def counts(table: dict[str, dict[int, dict]], tp: int, cat: str | None = None) -
                    if tp in rows and (cat is None or rows[tp].get("category") == cat))
 
 
+def _category_of_row(rows: dict[int, dict]) -> str:
+    return next((r["category"] for r in rows.values() if r.get("category")), "")
+
+
 def goal(table: dict[str, dict[int, dict]], tp: int, cat: str | None = None) -> tuple[int, int]:
-    """(rows exact with every rank below ``GOAL_SHARE`` of the parameters, buildable rows) at ``tp``."""
-    rows = [r[tp] for r in table.values() if tp in r and (cat is None or r[tp].get("category") == cat)]
-    built = [r for r in rows if r["outcome"] != UNBUILDABLE]
-    met = [r for r in built if r["outcome"] == EXACT and (r.get("share") or 1.0) < GOAL_SHARE]
-    return len(met), len(built)
+    """(types exact at ``tp`` with every rank below ``GOAL_SHARE`` of the parameters, every type):
+    over **all** types (of ``cat``), a type not buildable or not run at ``tp`` counting as missed."""
+    types = [rows for rows in table.values() if cat is None or _category_of_row(rows) == cat]
+    met = [rows for rows in types
+           if tp in rows and rows[tp]["outcome"] == EXACT and (rows[tp].get("share") or 1.0) < GOAL_SHARE]
+    return len(met), len(types)
+
+
+def proofs(table: dict[str, dict[int, dict]], tp: int) -> tuple[Counter, int]:
+    """(how the exact rows at ``tp`` were proved: ``{label: rows}``, the rows that ran — exact, sharded
+    little or wrong — with no proof: must be 0)."""
+    ran = [rows[tp] for rows in table.values() if tp in rows and rows[tp]["outcome"] in (EXACT, LITTLE, WRONG)]
+    by = Counter(r.get("proof") or UNPROVED for r in ran if r["outcome"] == EXACT)
+    unproved = sum(1 for r in ran if (r.get("proof") or UNPROVED) == UNPROVED)
+    return by, unproved
 
 
 def _pct(met: int, of: int) -> str:
@@ -290,29 +315,74 @@ EXPECT = [
     "(tiles, patch grids, packed patches, as each model takes them) or audio; the few types whose media inputs the "
     "sweep cannot build run on text only (the `inputs` of their row say which).",
     "- **Diffusion transformers and timm** (optional extras): [diffusion and timm](diffusion-and-timm.md).",
-    "- **Refused** rows name the module and the fix; **not buildable tiny** rows are the sweep's own limits "
-    "(the tiny config or its inputs), not the library's.",
+    "- **Refused** rows name the module and the fix. **Not buildable tiny** rows say why: a library the type "
+    "needs that is not installed here (timm, PIL, natten, detectron2, torchaudio), a model with no forward over a "
+    "batch of tensors (video tracking sessions, generation-only composites: `sweep_tasks.NOT_TINY`), or the sweep's "
+    "own limits (a tiny config or input the type's own validation or modeling code rejects), not the library's.",
 ]
 
 
 def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path, seconds: float) -> None:
     """``docs/models.md``: versions, the goal metric, counts overall and per category, one row per type."""
-    import torch
-    import transformers
-
     from hp_functional.tools.sweep_tasks import CATEGORIES
 
     found = {r.get("category") for rows in table.values() for r in rows.values()} - {None, ""}
     cats = [c for c in CATEGORIES if c in found] + sorted(found - set(CATEGORIES))  # extras may bring their own
-    lines = [
+    lines = [*_header(table, tps, seconds), *_count_lines(table, tps, cats), "", *EXPECT]
+    lines += ["", "Reproduce one type: `python benchmarks/models.py --only <model type>`.", "",
+              "| model type | category | head | " + " | ".join(f"tp {tp}" for tp in tps) + " | plan | proof | reason |",
+              "|---|---|---|" + "---|" * len(tps) + "---|---|---|"]
+    lines += [_type_line(t, rows, tps) for t, rows in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _provenance(table: dict[str, dict[int, dict]], seconds: float) -> str:
+    """Which run each row comes from: one full run, or a full run with rows rerun by ``--update``
+    (each rerun's label, ``row["run"]``, and its types: consecutive ones in the table as ``first … last``);
+    the types no run reached (no row), where there are any."""
+    reruns: dict[str, list[list[str]]] = {}
+    previous = None
+    for t, rows in table.items():
+        label = next((r["run"] for r in rows.values() if r.get("run")), None) if rows else "never run"
+        if label is not None:
+            spans = reruns.setdefault(label, [])
+            if previous == label:
+                spans[-1].append(t)
+            else:
+                spans.append([t])
+        previous = label
+    missed = reruns.pop("never run", [])
+    if not reruns and not missed:
+        return (f"{seconds / 60:.0f} min on this machine." if seconds else
+                "an earlier full run (`--json`) with rows rerun and merged by `--update`.")
+    text = "an earlier full run (`--json`)" + ("; every row comes from it except these, rerun on the code of the time "
+                                             "and merged by `--update`: " if reruns else ".") + "; ".join(
+        f"{label}: {_spans(spans)}" for label, spans in reruns.items()) + ("." if reruns else "")
+    return text + (f" **Not run** (no run reached them: `–` in every column, counted as missed): {_spans(missed)}."
+                   if missed else "")
+
+
+def _spans(spans: list[list[str]]) -> str:
+    """``N types (a, b … c (k in a row))``: runs of consecutive types."""
+    return f"{sum(map(len, spans))} types (" + ", ".join(
+        s[0] if len(s) == 1 else f"{s[0]} … {s[-1]} ({len(s)} in a row)" for s in spans) + ")"
+
+
+def _header(table: dict[str, dict[int, dict]], tps: list[int], seconds: float) -> list[str]:
+    """The table's title, how it was made, the outcomes, the goal and proof lines."""
+    import torch
+    import transformers
+
+    return [
         "# Support table: every model type of transformers",
         "",
         f"Generated by `python benchmarks/models.py` on {datetime.date.today().isoformat()}: transformers "
         f"{transformers.__version__}, torch {torch.__version__}, {len(table)} model types (every type with a "
         "PyTorch model: `MODEL_MAPPING_NAMES` and every head mapping of `transformers.models.auto.modeling_auto`, "
-        "plus the extra families of `hp_functional.tools.sweep_extras`), CPU gloo ranks, "
-        + (f"{seconds / 60:.0f} min on this machine." if seconds else
-           "an earlier full run (`--json`) with rows rerun and merged by `--update`."),
+        "plus the extra families of `hp_functional.tools.sweep_extras`"
+        + ("" if any(r.get("task") == "extra" for rows in table.values() for r in rows.values()) else
+           ": none in this run, neither diffusers nor timm being installed") + "), CPU gloo ranks, "
+        + _provenance(table, seconds),
         "",
         "Each type: its main head (`hp_functional.tools.sweep_tasks.task_for`: causal LM where it has one (an "
         "encoder-decoder's seq2seq head first), then "
@@ -321,9 +391,11 @@ def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path
         "classification, else the bare base model), a tiny config from "
         "`hp_functional.tools.model_configs.tiny_config_for` (hidden 64, 4 heads of 16, 2 KV heads at tp 2 and 4 "
         "at tp 4, vocabulary 128, 2 to 4 layers, 4 experts, images 32 × 32 in patches of 8, a 2-layer audio "
-        "feature extractor, 3 labels), eager attention, random weights, inputs built from the config "
+        "feature extractor, 3 labels; nested configs, backbones, necks and codecs shrunk alike; per-type fixes in "
+        "`model_configs.FAMILY`), eager attention, random weights, inputs built from the config "
         "(`hp_functional.tools.sweep_inputs`: batch 2 × 8 tokens, pixels, 400 audio samples or mel features, "
-        "labels); the loss is the model's own, else the mean square of its main output. The plan is "
+        "labels; what no modality builds — time series, trajectories, prompts — per type in `EXTRA_INPUTS`); "
+        "the loss is the model's own, else the mean square of its main output. The plan is "
         "`hpf.auto_plan(model, mesh, example_inputs=inputs, base=ShardingPlan.from_hf(model))` where HF "
         "declares a TP plan (HF's entries kept, what they leave out planned by dataflow; `from_hf` alone where "
         "auto_plan refuses the rest) and `hpf.auto_plan(model, mesh, example_inputs=inputs)` otherwise "
@@ -338,12 +410,24 @@ def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path
         "**hang** (timeout); **not buildable tiny** (the tiny config or the unsharded model failed, or a rank ran over "
         "the sweep's per-rank memory cap).",
         "",
-        f"Goal: of the buildable types, exact with no rank holding {GOAL_SHARE:.0%} or more of the parameters: "
+        f"Goal: of **all** types (one not buildable, or not run at a tp, counts as missed), exact with no rank "
+        f"holding {GOAL_SHARE:.0%} or more of the parameters: "
         + "; ".join(f"tp {tp}: **{_pct(*goal(table, tp))}**" for tp in tps) + ".",
         "",
-        "| outcome | " + " | ".join(f"tp {tp}" for tp in tps) + " |",
-        "|---|" + "---:|" * len(tps),
+        "Proof (`apply_fn.runtime.checks[\"proof\"]`, [the proof obligation](guarantees.md#the-proof-obligation): "
+        "`shard()` accepts a plan only where the probe compared the loss and every gradient on its reduced copy, or "
+        "the dataflow pass traced the forward with no planned module running a function of its own; the `proof` "
+        "column says which: `both`, `probe`, `dataflow`): "
+        + "; ".join(f"tp {tp}: " + ", ".join(f"{label} {n}" for label, n in proofs(table, tp)[0].most_common())
+                    + f" of the exact rows, **{proofs(table, tp)[1]} unproved**" for tp in tps)
+        + " (a row that ran with no proof would be a crash: shard()'s obligation broken).",
+        "",
     ]
+
+
+def _count_lines(table: dict[str, dict[int, dict]], tps: list[int], cats: list[str]) -> list[str]:
+    """The outcome counts per tp, then per category with each category's goal."""
+    lines = ["| outcome | " + " | ".join(f"tp {tp}" for tp in tps) + " |", "|---|" + "---:|" * len(tps)]
     per_tp = {tp: counts(table, tp) for tp in tps}
     for outcome in reversed(OUTCOMES):
         lines.append(f"| {outcome} | " + " | ".join(str(per_tp[tp].get(outcome, 0)) for tp in tps) + " |")
@@ -358,22 +442,23 @@ def write_markdown(table: dict[str, dict[int, dict]], tps: list[int], path: Path
         cells = [" / ".join(str(per[tp].get(o, 0)) for tp in tps) for o in reversed(OUTCOMES)]
         lines.append(f"| {cat} | {n} | " + " | ".join(cells) + " | "
                      + " ; ".join(_pct(*goal(table, tp, cat)) for tp in tps) + " |")
-    lines += ["", *EXPECT]
-    lines += ["", "Reproduce one type: `python benchmarks/models.py --only <model type>`.", "",
-              "| model type | category | head | " + " | ".join(f"tp {tp}" for tp in tps) + " | plan | reason |",
-              "|---|---|---|" + "---|" * len(tps) + "---|---|"]
-    for t, rows in table.items():
-        cells = [rows[tp]["outcome"] if tp in rows else "–" for tp in tps]
-        plan = next((r["plan"] for r in rows.values() if r.get("plan")), "")
-        cat = next((r["category"] for r in rows.values() if r.get("category")), "")
-        task = next((r["task"] for r in rows.values() if r.get("task")), "")
-        reasons = []
-        for tp in tps:
-            if tp in rows and rows[tp]["reason"] and rows[tp]["reason"] not in reasons:
-                reasons.append(rows[tp]["reason"] if not reasons else f"tp {tp}: {rows[tp]['reason']}")
-        reason = " ; ".join(reasons).replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {t} | {cat} | {task} | " + " | ".join(cells) + f" | {plan} | {reason} |")
-    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def _type_line(t: str, rows: dict[int, dict], tps: list[int]) -> str:
+    """One type's row: its outcome per tp, plan, proof (per tp where they differ) and reasons."""
+    cells = [rows[tp]["outcome"] if tp in rows else "–" for tp in tps]
+    plan = next((r["plan"] for r in rows.values() if r.get("plan")), "")
+    cat = next((r["category"] for r in rows.values() if r.get("category")), "")
+    task = next((r["task"] for r in rows.values() if r.get("task")), "")
+    reasons = []
+    for tp in tps:
+        if tp in rows and rows[tp]["reason"] and rows[tp]["reason"] not in reasons:
+            reasons.append(rows[tp]["reason"] if not reasons else f"tp {tp}: {rows[tp]['reason']}")
+    reason = " ; ".join(reasons).replace("|", "\\|").replace("\n", " ")
+    proved = [rows[tp].get("proof") or "" for tp in tps if tp in rows and rows[tp]["outcome"] in (EXACT, LITTLE, WRONG)]
+    proof = " / ".join(proved) if len(set(proved)) > 1 else proved[0] if proved else ""
+    return f"| {t} | {cat} | {task} | " + " | ".join(cells) + f" | {plan} | {proof} | {reason} |"
 
 
 def build_only(types: list[str], timeout: float, memory_gb: float = 8.0, log=print) -> dict[str, dict[int, dict]]:
@@ -417,6 +502,21 @@ def build_only(types: list[str], timeout: float, memory_gb: float = 8.0, log=pri
     return table
 
 
+def update(path: Path, only: list[str], tps: list[int], args, order: list[str]) -> dict[str, dict[int, dict]]:
+    """A full run's table (``path``, its ``--json``) with ``only``'s types (default: its crashes, hangs
+    and wrong rows) rerun and merged in, each rerun row labelled ``run`` (the table's header names
+    them), in the full ``order``; the checkpoint (``args.json``) holds the merged table throughout."""
+    table = {t: {int(tp): row for tp, row in rows.items()} for t, rows in json.loads(path.read_text()).items()}
+    redo = only or [t for t, rows in table.items() if any(r["outcome"] in (CRASH, HANG, WRONG) for r in rows.values())]
+    print(f"rerunning {len(redo)}: {', '.join(redo)}")
+    label = f"rerun of {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+    rerun = sweep(redo, tps, args.timeout, not args.no_func_grad, args.jobs,
+                  checkpoint=Path(args.json) if args.json else None, base=table, label=label)
+    index = {t: i for i, t in enumerate(order)}
+    missing = {t: {} for t in order if t not in table and t not in rerun}  # never run: shown, counted as missed
+    return dict(sorted({**missing, **table, **rerun}.items(), key=lambda kv: index.get(kv[0], len(index))))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated model types (default: all); the table is not written")
@@ -450,14 +550,11 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{cat} {n}" for cat, n in Counter(r[2].get("category", "") for r in table.values()
                                                              if r[2]["outcome"] == UNBUILDABLE).most_common()))
     elif args.update:
-        table = {t: {int(tp): row for tp, row in rows.items()} for t, rows in json.loads(Path(args.update).read_text()).items()}
-        redo = [t for t in args.only.split(",") if t] or [
-            t for t, rows in table.items() if any(r["outcome"] in (CRASH, HANG, WRONG) for r in rows.values())]
-        print(f"rerunning {len(redo)}: {', '.join(redo)}")
-        table.update(sweep(redo, tps, args.timeout, not args.no_func_grad, args.jobs))
+        table = update(Path(args.update), [t for t in args.only.split(",") if t], tps, args, model_types() + sorted(extras))
         args.only = args.category = ""  # the merged table is a full one
     else:
-        table = sweep(types, tps, args.timeout, not args.no_func_grad, args.jobs)
+        table = sweep(types, tps, args.timeout, not args.no_func_grad, args.jobs,
+                      checkpoint=Path(args.json) if args.json else None)
         for tp in tps:
             c = counts(table, tp)
             print(f"tp {tp}: " + ", ".join(f"{o} {c[o]}" for o in reversed(OUTCOMES) if c.get(o))

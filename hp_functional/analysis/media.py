@@ -69,7 +69,7 @@ AUDIO_MASKS = {"input_features": ("feature_attention_mask", "input_features_mask
                "audio_input_ids": ("audio_input_ids_mask",)}
 #: masks that select by boolean indexing (a long mask would gather rows 0 and 1 instead)
 _BOOL = ("audio_input_ids_mask",)
-_GRID = ("image_grid_thw", "image_grid_hw")
+_GRID = ("image_grid_thw", "image_grid_hw", "grid_thw")  # grid_thw: a Qwen-VL-style tower's own forward
 _MERGE = ("spatial_merge_size", "merge_kernel_size", "merge_size")
 
 
@@ -135,8 +135,8 @@ def image_inputs(model, config, params, key: str, gen: torch.Generator, video: b
         values = torch.randn((BATCH, rows * cols, width), generator=gen)
         yield {key: torch.cat([index.expand(BATCH, -1, -1), values], dim=-1)}
         return
-    if key == "pixel_values" and any(g in params for g in _GRID):
-        yield from _grid(config, params, gen)
+    if key in ("pixel_values", "hidden_states") and any(g in params for g in _GRID):  # hidden_states: a tower's own
+        yield from _grid(config, params, gen, key)
     if key == "pixel_values" and "target_sizes" in params:  # MiniCPM-V: NaViT-packed, every patch side by side
         rows, cols = h // patch, w // patch
         yield {key: torch.randn((1, channels, patch, BATCH * rows * cols * patch), generator=gen),
@@ -176,23 +176,24 @@ def image_inputs(model, config, params, key: str, gen: torch.Generator, video: b
         yield {key: torch.randn((BATCH * (h // patch) * (w // patch), temporal, patch, patch, channels), generator=gen)}
 
 
-def _grid(config, params, gen: torch.Generator) -> Iterator[dict[str, Any]]:
+def _grid(config, params, gen: torch.Generator, key: str = "pixel_values") -> Iterator[dict[str, Any]]:
     """Flattened patches and their grid: one image per sample, ``side x side`` patches (a multiple
     of the spatial merge), each row ``channels x temporal_patch_size x patch_size²`` values."""
     vision = _vision(config)
     channels, patch, (h, w) = _channels(config), _patch(config), _image_size(config)
-    temporal = _int(find(vision, "temporal_patch_size")) or 1
+    temporal = _int(find(vision, "temporal_patch_size", "patch_temporal")) or 1
     merge = _int(find(vision, *_MERGE)) or _int(find(config, *_MERGE)) or 2
     rows, cols = (-(-max(h // patch, merge) // merge) * merge, -(-max(w // patch, merge) // merge) * merge)
     grid_key = next(g for g in _GRID if g in params)
     grid = [1, rows, cols] if grid_key.endswith("thw") else [rows, cols]
-    out: dict[str, Any] = {"image_grid_thw" if grid_key.endswith("thw") else grid_key: torch.tensor([grid] * BATCH)}
-    if "image_merge_sizes" in params:  # VideoLLaMA3: the merge per image
-        out["image_merge_sizes"] = torch.tensor([merge] * BATCH)
+    out: dict[str, Any] = {grid_key: torch.tensor([grid] * BATCH)}
+    for name in ("image_merge_sizes", "merge_sizes"):  # VideoLLaMA3 (and its tower): the merge per image
+        if name in params:
+            out[name] = torch.tensor([merge] * BATCH)
     n = BATCH * rows * cols
     for width in dict.fromkeys((channels * temporal * patch * patch, channels * patch * patch)):
-        yield {"pixel_values": torch.randn((n, width), generator=gen), **out}
-    yield {"pixel_values": torch.randn((n, channels, patch, patch), generator=gen), **out}  # a Conv2d per patch
+        yield {key: torch.randn((n, width), generator=gen), **out}
+    yield {key: torch.randn((n, channels, patch, patch), generator=gen), **out}  # a Conv2d per patch
 
 
 def _anyres_tiles(model, config, size: tuple[int, int]) -> int | None:
@@ -246,6 +247,7 @@ def _audio_tensors(config, key: str, gen: torch.Generator) -> Iterator[tuple[tor
         yield torch.randn((BATCH, mel, 2 * window), generator=gen), 2
     feat = find(config, "input_feat_per_channel")
     feat = feat * (find(config, "input_channels") or 1) if feat else mel or find(config, "hidden_size") or 80
+    feat = find(config, "feature_projection_input_dim") or feat  # W2V-BERT: stacked mel frames
     # a CTC head needs more frames left after the encoder's subsampling (Parakeet's 8x) than label tokens
     frames = FRAMES * (4 if find(config, "ctc_loss_reduction") is not None else 1)
     yield torch.randn((BATCH, frames, feat), generator=gen), 1

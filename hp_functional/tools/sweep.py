@@ -45,10 +45,36 @@ LITTLE_SHARE = 0.8
 BATCH, SEQ = 2, 8
 
 
+#: ``apply_fn.runtime.checks["proof"]`` (``shard()``'s proof obligation) -> the row's short ``proof``
+PROOFS = {"the probe and the dataflow pass": "both", "the probe": "probe", "the dataflow pass": "dataflow",
+          "nothing to prove": "nothing to prove"}
+#: the ``proof`` of a row that ran with no proof (``unproved``, ``not asked``): never accepted by the table
+UNPROVED = "unproved"
+
+
+def proof_label(proof: str) -> str:
+    """The short label of what proved an accepted plan (``PROOFS``): ``both``, ``probe``,
+    ``dataflow``, ``nothing to prove``; anything else (``unproved (allow_unproved=True): ...``,
+    ``not asked ...``, an empty string) is ``UNPROVED``."""
+    return next((label for text, label in PROOFS.items() if proof == text or proof.startswith(text + ":")), UNPROVED)
+
+
+def unbuildable(model_type: str, exc: BaseException) -> str:
+    """The reason a type's tiny model cannot be built: why, where ``sweep_tasks.NOT_TINY`` knows, then the error."""
+    from .sweep_tasks import NOT_TINY
+
+    known = NOT_TINY.get(model_type)
+    return f"{known} ({first_line(exc)})"[:300] if known else first_line(exc)
+
+
 def first_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` (at most 200 characters)."""
+    """``Type: first line of the message`` (at most 200 characters); where that line only announces
+    its cause (a config validator's ``...: ``), the cause's first line after it."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+    line = f"{type(exc).__name__}: {text[0] if text else ''}"
+    if line.endswith(":") and exc.__cause__ is not None:
+        return f"{line} {first_line(exc.__cause__)}"[:200]
+    return line[:200]
 
 
 def site(exc: BaseException) -> str:
@@ -167,6 +193,7 @@ def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, func
     from ..runtime.shard import shard
 
     apply_fn, params, info = shard(model, plan, mesh, example_inputs=inputs)
+    proof = apply_fn.runtime.checks.get("proof", "")
     out = apply_fn(params, **inputs)
     loss = loss_fn(out)
     loss.backward()
@@ -208,7 +235,7 @@ def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, func
             worst["grad"] = max(worst["grad"], d)
     held = sum(p.numel() for p in params.values())
     total = sum(p.numel() for p in model.parameters())
-    return {"ok": ok, **worst, "share": held / max(total, 1)}
+    return {"ok": ok, **worst, "share": held / max(total, 1), "proof": proof}
 
 
 def _functional_works(model, inputs: dict[str, Any], loss_fn=loss_of) -> bool:
@@ -272,7 +299,7 @@ def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -
     from ..core.errors import CheckpointError, CollectiveError, PlanError, ReplicationError
 
     t0 = time.perf_counter()
-    row.update(plan="", reason="", share=None)
+    row.update(plan="", reason="", share=None, proof="")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if mesh is None:
@@ -281,7 +308,8 @@ def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -
         try:
             model, inputs, ref_loss, ref_grads = make(mesh.size())
         except Exception as exc:  # noqa: BLE001 - the family cannot be built or run unsharded at tiny size
-            return {**row, "outcome": UNBUILDABLE, "reason": first_line(exc), "seconds": time.perf_counter() - t0}
+            return {**row, "outcome": UNBUILDABLE, "reason": unbuildable(row["model_type"], exc),
+                    "seconds": time.perf_counter() - t0}
         row["plan"] = plan_source(model)
         row["inputs"] = ", ".join(inputs)
         try:
@@ -304,9 +332,11 @@ def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -
             if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc):  # the sweep's own cap, not a bug
                 row.update(outcome=UNBUILDABLE, reason=f"{MEMORY_CAP} ({first_line(exc)[:80]})")
         else:
-            row["share"] = res["share"]
+            row["share"], row["proof"] = res["share"], proof_label(res["proof"])
             if not res["ok"]:
                 row.update(outcome=WRONG, reason=f"loss {res['loss']:.2g}, grad {res['grad']:.2g} ({res['where']})")
+            elif row["proof"] == UNPROVED:  # shard()'s obligation broken (verify=True, allow_unproved=False): a bug
+                row.update(outcome=CRASH, reason=f"shard() accepted the plan unproved ({res['proof'][:120]})")
             elif res["share"] >= LITTLE_SHARE:
                 row.update(outcome=LITTLE, reason=f"a rank holds {res['share']:.0%} of the parameters")
             else:
@@ -331,7 +361,7 @@ def build_only(model_type: str, tp: int = 2, seed: int = 0) -> dict[str, Any]:
             row["task"] = task_for(model_type).name
             model, inputs, ref_loss, _ = build(model_type, tp, seed)
         except Exception as exc:  # noqa: BLE001 - not buildable: its reason is the row
-            return {**row, "outcome": UNBUILDABLE, "reason": first_line(exc), "seconds": time.perf_counter() - t0}
+            return {**row, "outcome": UNBUILDABLE, "reason": unbuildable(model_type, exc), "seconds": time.perf_counter() - t0}
     total = sum(p.numel() for p in model.parameters())
     return {**row, "outcome": "built", "plan": plan_source(model), "inputs": ", ".join(inputs),
             "reason": f"loss {ref_loss.item():.3g}, {total} parameters", "seconds": time.perf_counter() - t0}
@@ -350,7 +380,8 @@ def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def heads_allow(model_type: str, tp: int) -> bool:
-    """Whether the tiny config at ``tp`` has attention heads divisible by ``tp``."""
+    """Whether the tiny config at ``tp`` has attention heads divisible by ``tp``, or none to divide
+    (a ConvNet, a codec: its channels are what a plan splits)."""
     from .model_configs import tiny_config_for
 
     try:
@@ -360,4 +391,4 @@ def heads_allow(model_type: str, tp: int) -> bool:
     config = getattr(config, "text_config", None) or config
     heads = next((getattr(config, k) for k in ("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads",
                                                 "n_heads") if isinstance(getattr(config, k, None), int)), None)
-    return heads is not None and heads % tp == 0
+    return heads is None or heads % tp == 0

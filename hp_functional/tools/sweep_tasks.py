@@ -11,7 +11,7 @@ made is ``sweep_inputs``.
 
 from __future__ import annotations
 
-__all__ = ["Task", "category_of", "instantiate", "task_for"]
+__all__ = ["NOT_TINY", "Task", "category_of", "instantiate", "task_for"]
 
 import inspect
 from dataclasses import dataclass, replace
@@ -34,10 +34,10 @@ class Task:
 TASKS: tuple[Task, ...] = (
     Task("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "tokens"),
     Task("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "target", ("text", "audio")),
-    Task("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "tokens"),
+    Task("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "tokens", ("text",)),  # ("text": Perceiver's main is inputs)
     Task("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "tokens", ("text", "image")),
     Task("multimodal-lm", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", "tokens", ("text", "image", "audio")),
-    Task("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "target"),
+    Task("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "target", ("audio",)),  # (SpeechEncoderDecoder's: inputs)
     # a dual encoder's own objective (CLIP, SigLIP, CLAP): the base model where its forward takes return_loss
     Task("contrastive", "MODEL_MAPPING_NAMES", "contrastive", ("text", "image", "audio")),
     Task("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "class"),
@@ -46,6 +46,23 @@ TASKS: tuple[Task, ...] = (
     Task("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "class"),
     Task("base", "MODEL_MAPPING_NAMES", "none", ("text",)),
 )
+
+#: types no tiny model of the sweep can run, and why (the row's reason starts with it; the error follows)
+NOT_TINY: dict[str, str] = {
+    "bark": "generation only: BarkModel has no forward (its three sub-models are generated in turn)",
+    **{t: f"generation only: its composite has no forward (its thinker is the row {t}_thinker)" for t in (
+        "qwen2_5_omni", "qwen3_omni_moe")},
+    **{t: "its forward tracks objects through a video inference session, not a batch of tensors" for t in (
+        "sam2_video", "sam3_video", "sam3_tracker_video", "edgetam_video")},
+    "reformer": "its reversible layers' backward runs in train mode only (the sweep compares models in eval mode)",
+    "voxtral_realtime_text": "its auto mapping names a class transformers does not define",
+    "chameleon": "its image-token vocabulary map comes with a checkpoint (the config's default is None)",
+    **{t: "a drafter: its forward runs on the KV states its target model shares with it" for t in (
+        "gemma4_assistant", "gemma4_unified_assistant")},
+    "muse_glimmer_assistant": "a block drafter: its forward runs on its target model's hidden states and block masks",
+    "glm_image_vqmodel": "no forward: GLM-Image's VQ-VAE runs through its encode/decode methods only",
+    "wavtokenizer_encoder": "an encoder to discrete codes: its output holds no floating-point tensor to differentiate",
+}
 
 CATEGORIES = ("decoder LM", "encoder", "encoder-decoder", "vision", "speech", "dual encoder", "vision-language",
               "other")
@@ -182,9 +199,13 @@ def _category_by_input(model_type: str) -> str:
     if model_type not in _mapping("MODEL_MAPPING_NAMES"):
         return "other"
     try:
-        main = getattr(_model_class(model_type, "MODEL_MAPPING_NAMES"), "main_input_name", None)
-    except ImportError:  # a placeholder class of a missing library
+        cls = _model_class(model_type, "MODEL_MAPPING_NAMES")
+        main = getattr(cls, "main_input_name", None)
+        params = inspect.signature(cls.forward).parameters if cls is not None else {}
+    except (ImportError, TypeError, ValueError):  # a placeholder class of a missing library
         return "other"
+    if "grid_thw" in params:  # a Qwen-VL-style vision tower: patches and their grid (main_input_name says input_ids)
+        return "vision"
     if main in ("pixel_values", "pixel_values_videos"):
         return "vision"
     if main in ("input_features", "input_values", "audio_values"):
@@ -212,10 +233,23 @@ def _auto_classes() -> dict[str, type]:
 def instantiate(model_type: str, task: Task, config) -> nn.Module:
     """The model of ``task`` for ``config``: through the mapping's Auto class (which picks the text
     sub-config where the class wants it), else the mapped class itself."""
-    auto = _auto_classes().get(task.mapping)
-    if auto is not None:
-        return auto.from_config(config)
     cls = _model_class(model_type, task.mapping)
+    sub = _sub_config_for(cls, config)
+    if sub is not None:  # a composite's head over one of its parts (MusicGen's causal LM: its decoder's config)
+        return cls._from_config(sub)
+    auto = _auto_classes().get(task.mapping)
+    if auto is not None and (cls is None or type(config) in auto._model_mapping):  # else the Auto class refuses it
+        return auto.from_config(config)
     if cls is None:
         raise KeyError(f"transformers has no class {_class_name(model_type, task.mapping)}")
     return cls._from_config(config)
+
+
+def _sub_config_for(cls, config):
+    """The sub-config of ``config`` that ``cls`` is made from, where ``cls`` takes not ``config``'s own
+    class but one of its sub-configs' (else None)."""
+    want = getattr(cls, "config_class", None)
+    if not isinstance(want, type) or isinstance(config, want):
+        return None
+    children = (getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {})
+    return next((child for child in children if type(child) is want), None)

@@ -10,6 +10,7 @@ from hp_functional.tools.model_configs import tiny_config_for
 from hp_functional.tools.sweep import (
     EXACT,
     LITTLE,
+    PROOFS,
     REFUSED,
     UNBUILDABLE,
     check_family,
@@ -40,6 +41,7 @@ def test_family_matches_unsharded(pool, family):
         assert row["plan"] == "from_hf+auto_plan", row
     if row["outcome"] == EXACT:
         assert row["share"] < 0.8, row
+    assert row["proof"] in PROOFS.values(), row  # shard() accepted it: something proved it (docs/guarantees.md)
 
 
 #: one type per category beyond the decoder LMs -> (its category, its head)
@@ -63,6 +65,7 @@ def test_every_category_is_exact_or_refused_by_name():
         row = combine([rows[i] for rows in per_rank])
         assert (row["category"], row["task"]) == (category, head), row
         assert row["outcome"] == EXACT and row["share"] < 0.65, row
+        assert row["proof"] in ("both", "probe", "dataflow"), row
 
 
 def test_tiny_configs_follow_the_family_rules():

@@ -9,12 +9,14 @@ import inspect
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from hp_functional.analysis.media import image_inputs
 from hp_functional.tools.model_configs import HIDDEN, tiny_config_for
-from hp_functional.tools.sweep import EXACT, UNBUILDABLE, UNPROVED, proof_label
+from hp_functional.tools.sweep import EXACT, UNBUILDABLE, UNPROVED, build, first_line, proof_label, unbuildable
 from hp_functional.tools.sweep_inputs import EXTRA_INPUTS
+from hp_functional.tools.sweep_tasks import NOT_TINY, instantiate, task_for
 
 _SPEC = importlib.util.spec_from_file_location("support_table", Path(__file__).resolve().parents[2] / "benchmarks" / "models.py")
 _TABLE = importlib.util.module_from_spec(_SPEC)
@@ -47,6 +49,7 @@ def test_the_goal_counts_every_type_and_the_unproved_rows():
     assert proofs(table, 4) == ({"dataflow": 1}, 0)
 
 
+@pytest.mark.slow
 def test_a_backbone_keeps_as_many_outputs_as_its_default_within_the_tiny_layers():
     """Depth Anything's DINOv2 reads layers 9-12 of 12 (a DPT neck takes four): the tiny backbone
     keeps four layers and reads them all; VitPose's one output is its last layer."""
@@ -89,3 +92,52 @@ def test_per_type_inputs_are_built_from_the_config():
     config = tiny_config_for("decision_transformer")
     trajectory = EXTRA_INPUTS["decision_transformer"](config, gen)
     assert trajectory["states"].shape[-1] == config.state_dim and trajectory["actions"].shape[-1] == config.act_dim
+
+
+def test_a_family_fix_is_merged_into_its_sub_config_key_by_key():
+    """ERNIE 4.5-VL's fix sets only the rope sections of its text config: the rope theta and the
+    rest of the shrunk text config stay."""
+    text = tiny_config_for("ernie4_5_vl_moe").text_config
+    assert text.rope_parameters["mrope_section"] == [3, 3, 2] and text.rope_parameters["rope_theta"] > 0
+    assert text.hidden_size == HIDDEN
+
+
+def test_a_validator_error_names_its_cause_and_a_known_limit_says_why():
+    """A config validator's error announces its cause (``...: ``): the row's reason carries the
+    cause too; a type no tiny model can run (a composite with no forward) says so first."""
+    try:
+        try:
+            raise ValueError("hidden_size should be equal to the last value in out_features")
+        except ValueError as cause:
+            raise RuntimeError("Class validation error for validator 'validate_architecture':") from cause
+    except RuntimeError as exc:
+        line = first_line(exc)
+    assert line.startswith("RuntimeError: Class validation") and "ValueError: hidden_size should be" in line
+    assert first_line(RuntimeError("plain")) == "RuntimeError: plain"
+    reason = unbuildable("qwen3_omni_moe", TypeError("no forward"))
+    assert reason.startswith(NOT_TINY["qwen3_omni_moe"]) and reason.endswith("(TypeError: no forward)")
+    assert unbuildable("llama", TypeError("no forward")) == "TypeError: no forward"
+
+
+def test_a_merged_table_names_the_rows_each_rerun_brought():
+    """``--update``'s rows carry their run's label: the header lists each rerun with its types; a
+    table of one run says how long it took."""
+    row = {"outcome": EXACT, "share": 0.5, "category": "decoder LM", "reason": "", "plan": "auto_plan", "proof": "both"}
+    rerun = {**row, "run": "rerun of X"}
+    table = {"a": {2: row}, "b": {2: rerun, 4: rerun}, "c": {}, "d": {2: rerun}, "e": {2: rerun}, "f": {2: rerun}}
+    text = _TABLE._provenance(table, 0.0)
+    assert "rerun of X: 4 types (b, d … f (3 in a row))" in text and "every row comes from it except these" in text
+    assert "**Not run** (no run reached them: `–` in every column, counted as missed): 1 types (c)" in text
+    assert _TABLE._provenance({"a": {2: row}}, 120.0) == "2 min on this machine."
+    assert _TABLE._type_line("c", {}, [2, 4]).startswith("| c |  |  | – | – |")  # never run: shown, not dropped
+
+
+@pytest.mark.slow
+def test_a_composite_head_is_built_from_its_part_with_the_labels_it_takes():
+    """MusicGen's causal LM takes its decoder's config (not the composite's) and labels per codebook
+    (``EXTRA_INPUTS`` over the task's own): built and run unsharded."""
+    config = tiny_config_for("musicgen")
+    model = instantiate("musicgen", task_for("musicgen"), config)
+    assert type(model.config) is type(config.decoder)
+    _, inputs, loss, _ = build("musicgen", 2)
+    assert inputs["labels"].shape == (2, 8, config.decoder.num_codebooks) and torch.isfinite(loss)

@@ -661,4 +661,9 @@ MUTATIONS: tuple[Mutation, ...] = (
              "_merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value", "value",
              ("tests/tools/test_sweep_configs.py::test_a_family_fix_is_merged_into_its_sub_config_key_by_key",),
              "a family fix is merged into a sub-config key by key"),
+    Mutation("head-taken-from-a-module-list", "hp_functional/planner/auto.py::_Generator._head",
+             "        if path is not None and not B.is_projection(self.modules[path]):\n            path = None",
+             "        if False:\n            path = None",
+             ("tests/planner/test_auto_plan.py::test_an_output_embedding_that_is_no_projection_is_not_taken_for_the_head",),
+             "an output embedding that is no projection (MusicGen's per-codebook heads) is not planned as the head"),
 )

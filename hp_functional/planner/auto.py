@@ -392,7 +392,9 @@ class _Generator:
             path = self._path_of(get()) if get else None
         except (NotImplementedError, AttributeError):
             path = None
-        if (path is None or not B.is_projection(self.modules[path])) and embed is not None:
+        if path is not None and not B.is_projection(self.modules[path]):
+            path = None  # not one projection (MusicGen's ModuleList of per-codebook heads): its parts are planned as found
+        if path is None and embed is not None:
             vocab = self.modules[embed].num_embeddings  # a projection the model returns, as wide as the vocabulary
             returned = self.trace.calls[""].outputs if "" in self.trace.calls else set()
             path = next((p for p in sorted(returned) if B.is_projection(self.modules.get(p))

@@ -716,3 +716,20 @@ def test_a_base_plans_parameters_are_listed_as_the_bases():
     for fqn in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         assert rows[fqn].role == "planned by the base plan" and rows[fqn].sharded, rows[fqn]
     assert rows["model.norm.weight"].role == "norm (replicated)"
+
+
+def case_musicgen():
+    from hp_functional.tools.sweep import check_family
+
+    return check_family("musicgen", mesh())
+
+
+@pytest.mark.slow
+def test_an_output_embedding_that_is_no_projection_is_not_taken_for_the_head():
+    """MusicGen's ``get_output_embeddings()`` is a ModuleList of per-codebook heads: auto_plan plans its parts
+    as it finds them instead of failing on the list, and the model is exact at tp 2 (loss, every gradient)."""
+    from hp_functional.tools.sweep import EXACT, combine
+    from tests.conftest import get_pool
+
+    row = combine(get_pool(2).run(case_musicgen))
+    assert row["outcome"] == EXACT, row

@@ -64,10 +64,7 @@ def _check_params(params: Params, opt_state: Any, shard_info: Mapping[str, Shard
     if missing or extra:
         raise PlanError(f"FaultTolerant: params and shard_info have different keys: missing from params {missing[:5]}, "
                         f"not in shard_info {extra[:5]}")
-    for k, p in params.items():
-        if tuple(p.shape) != tuple(shard_info[k].local_shape):
-            raise ShapeError(f"FaultTolerant: params[{k!r}] has shape {tuple(p.shape)} but its local shape is "
-                             f"{tuple(shard_info[k].local_shape)}")
+    _same_shapes("FaultTolerant: params", params, {k: i.local_shape for k, i in shard_info.items()}, "its local shape")
     paths, leaves, _ = optree.tree_flatten_with_path(opt_state)
     bad = next((p for p, leaf in zip(paths, leaves, strict=True) if not isinstance(leaf, Tensor)), None)
     if bad is not None:
@@ -81,10 +78,14 @@ def _check_grads(grads: Mapping[str, Tensor | None], params: Params) -> None:
     if missing or extra:
         raise PlanError(f"FaultTolerant.commit: every parameter needs a gradient (the replicas all-reduce the same "
                         f"buckets; pass zeros for a frozen one): none for {missing[:5]}, not a parameter {extra[:5]}")
-    for k, g in grads.items():
-        if tuple(g.shape) != tuple(params[k].shape):
-            raise ShapeError(f"FaultTolerant.commit: grads[{k!r}] has shape {tuple(g.shape)} but params[{k!r}] has "
-                             f"{tuple(params[k].shape)}")
+    _same_shapes("FaultTolerant.commit: grads", grads, {k: p.shape for k, p in params.items()}, "params' shape")
+
+
+def _same_shapes(what: str, tensors: Mapping[str, Tensor], shapes: Mapping[str, Any], whose: str) -> None:
+    """A ``ShapeError`` naming the first of ``tensors`` whose shape is not ``shapes[key]``."""
+    for k, t in tensors.items():
+        if tuple(t.shape) != tuple(shapes[k]):
+            raise ShapeError(f"{what}[{k!r}] has shape {tuple(t.shape)} but {whose} is {tuple(shapes[k])}")
 
 
 def probe_lighthouse(address: str, connect_timeout: timedelta) -> None:

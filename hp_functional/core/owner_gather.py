@@ -5,17 +5,20 @@ Newton–Schulz step, which needs a whole matrix where TP, FSDP or EP leave each
 rank owns each matrix (a *unit*: a 2-D leaf, or one member of a stacked 3-D leaf such as MoE experts)
 and which rank sends each piece.  The owner is chosen among the ranks that hold part of the matrix,
 largest matrices first, each to the least loaded such rank (ties: the lowest rank), so the work is
-balanced and a matrix one rank holds whole never moves.  Per bucket of leaves, ``gather_to_owners``
-is one variable-split all-to-all of bytes (each rank sends its pieces to their owners) and
-``scatter_from_owners`` one more (each owner sends every holder its pieces of the result); either
-is skipped where no piece would leave its rank (a bucket of experts each held whole by one rank
-issues none; a replicated matrix, held whole by its owner, only the scatter to its replicas).  Peak memory: the owned matrices
-of one bucket.
+balanced and a matrix one rank holds whole never moves.  ``agree_flags`` gives every rank every
+other rank's flags, a bool per matrix (``muon``'s: which have no gradient), by one all-gather of a
+byte each; on the call that decides the plan they ride in ``plan_owners``' all-gather
+(``OwnerPlan.flags``).  So a caller can refuse alike on every rank before any gather.  Per bucket of
+leaves, ``gather_to_owners`` is one variable-split all-to-all of bytes (each rank sends its pieces
+to their owners) and ``scatter_from_owners`` one more (each owner sends every holder its pieces of
+the result); either is skipped where no piece would leave its rank (a bucket of experts each held
+whole by one rank issues none; a replicated matrix, held whole by its owner, only the scatter to its
+replicas).  Peak memory: the owned matrices of one bucket.
 """
 
 from __future__ import annotations
 
-__all__ = ["OwnerPlan", "gather_to_owners", "plan_owners", "scatter_from_owners"]
+__all__ = ["OwnerPlan", "agree_flags", "gather_to_owners", "plan_owners", "scatter_from_owners"]
 
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +48,8 @@ class Unit(NamedTuple):
 class OwnerPlan:
     """What ``plan_owners`` decided, alike on every rank.  ``held[r][u]``: group rank ``r``'s boxes of
     unit ``u`` (``start`` relative to the unit); ``sends[r][u]``: which of them ``r`` sends to the
-    owner; ``owners[u]``: the owner's group rank; ``buckets``: unit indices, whole leaves per bucket."""
+    owner; ``owners[u]``: the owner's group rank; ``buckets``: unit indices, whole leaves per bucket;
+    ``flags[r]``: the ``flags`` group rank ``r`` gave ``plan_owners`` (``agree_flags`` of that call)."""
 
     exchange: Exchange
     units: tuple[Unit, ...]
@@ -53,6 +57,7 @@ class OwnerPlan:
     held: tuple[tuple[tuple[Box, ...], ...], ...]
     sends: tuple[tuple[tuple[bool, ...], ...], ...]
     buckets: tuple[tuple[int, ...], ...]
+    flags: tuple[tuple[bool, ...], ...] = ()
 
     def owned(self, bucket: int) -> list[int]:
         """The units of ``bucket`` this rank owns."""
@@ -112,13 +117,14 @@ def _sends(units: Sequence[Unit], held, owners: Sequence[int], coords, replicate
 
 
 def plan_owners(shard_info: Mapping[str, ShardInfo], keys: Sequence[str], stacked: Callable[[str], bool],
-                bucket_bytes: int, what: str) -> OwnerPlan:
+                bucket_bytes: int, what: str, flags: Sequence[bool] = ()) -> OwnerPlan:
     """The ``OwnerPlan`` of the matrices of ``keys`` (all on one mesh; ``stacked(key)``: a 3-D leaf
     is a stack of matrices along dim 0), buckets of at most ``bucket_bytes`` of whole leaves (at 4
-    bytes an element).  A collective over the mesh: one all-gather of every rank's boxes."""
+    bytes an element), and every rank's ``flags`` (``OwnerPlan.flags``: ``agree_flags`` at no
+    collective of its own).  A collective over the mesh: one all-gather of every rank's boxes."""
     mesh = shard_info[keys[0]].mesh
     exchange = exchange_over([mesh], what)
-    mine = (exchange.index, tuple(mesh.get_coordinate()), {k: boxes(shard_info[k]) for k in keys})
+    mine = (exchange.index, tuple(mesh.get_coordinate()), {k: boxes(shard_info[k]) for k in keys}, tuple(flags))
     rows = sorted(gather_objects(mine, mesh), key=lambda row: row[0])
     units = _units(shard_info, keys, stacked)
     held = tuple(tuple(_unit_boxes(row[2][u.key], u) for u in units) for row in rows)
@@ -130,7 +136,15 @@ def plan_owners(shard_info: Mapping[str, ShardInfo], keys: Sequence[str], stacke
     for u, unit in enumerate(units):
         by_key.setdefault(unit.key, []).append(u)
     buckets = tuple(tuple(u for k in b for u in by_key[k]) for b in plan_buckets(sizes, bucket_bytes))
-    return OwnerPlan(exchange, tuple(units), tuple(owners), held, tuple(tuple(s) for s in sends), buckets)
+    return OwnerPlan(exchange, tuple(units), tuple(owners), held, tuple(tuple(s) for s in sends), buckets,
+                     tuple(tuple(bool(f) for f in row[3]) for row in rows))
+
+
+def agree_flags(plan: OwnerPlan, flags: Sequence[bool]) -> tuple[tuple[bool, ...], ...]:
+    """Every group rank's ``flags`` (one bool per matrix leaf, alike in length on every rank), in
+    group rank order: one all-gather of a byte each over ``plan``'s group."""
+    every = plan.exchange.all_gather(torch.tensor([bool(f) for f in flags], dtype=torch.uint8))
+    return tuple(tuple(bool(f) for f in row) for row in every.cpu().tolist())
 
 
 def _bytes(parts: Sequence[Tensor]) -> Tensor:

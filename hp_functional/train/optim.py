@@ -281,7 +281,8 @@ def muon(
     one device would; ``shard_info=None`` is one device.  The momentum, the weight decay and the
     update are elementwise on the local shards.  ``update`` is a collective over the mesh (every rank
     calls it; the first call decides the owners, one small all-gather); a matrix's gradient must be
-    ``None`` on every rank or on none.  Not differentiable: the update runs without autograd.
+    ``None`` on every rank or on none (else a PlanError on every rank: one small all-gather a step
+    checks it).  Not differentiable: the update runs without autograd.
     ``mask``: the leaves that take Muon (patterns or ``fqn -> bool``; each must be 2-D, or a 3-D stack
     under an ``experts`` module, member by member); by default every such leaf but embeddings and the
     output head (``optim_muon.is_matrix``).  ``lr`` as in ``adamw`` (a tensor is read as a float)."""
@@ -343,7 +344,7 @@ def _muon_matrices(grads: Grads, bufs: Mapping[str, Tensor], params: Params, lr:
     whole matrices at their owners, ``param.mul(1 - lr * wd).add(O, alpha=-adjusted_lr)`` on the shards."""
     with torch.no_grad():
         new_bufs, updates = _muon_momentum(grads, bufs, hyper.momentum, hyper.nesterov)
-        ortho = orthogonalized(updates, shard_info, plans, hyper.bucket_bytes, hyper.ns)
+        ortho = orthogonalized(updates, shard_info, plans, hyper.bucket_bytes, hyper.ns, [n for n in grads if grads[n] is None])
         new_p = dict(params)
         for n in params:
             if grads[n] is not None:

@@ -8,13 +8,13 @@ from __future__ import annotations
 __all__ = ["NS_COEFFICIENTS", "adjusted_lr", "check_muon", "is_matrix", "orthogonalized"]
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from ..core.errors import PlanError
-from ..core.owner_gather import OwnerPlan, gather_to_owners, plan_owners, scatter_from_owners
+from ..core.owner_gather import OwnerPlan, agree_flags, gather_to_owners, plan_owners, scatter_from_owners
 from ..core.placement import ShardInfo
 
 #: Keller Jordan's quintic coefficients, torch.optim.Muon's defaults
@@ -93,19 +93,18 @@ def _local(updates: Mapping[str, Tensor], coefficients, steps: int, eps: float) 
 
 def orthogonalized(updates: Mapping[str, Tensor], shard_info: Mapping[str, ShardInfo] | None,
                    plans: dict[tuple[str, ...], OwnerPlan], bucket_bytes: int,
-                   ns: tuple[tuple[float, float, float], int, float]) -> dict[str, Tensor]:
+                   ns: tuple[tuple[float, float, float], int, float], absent: Collection[str] = ()) -> dict[str, Tensor]:
     """The Newton–Schulz result (bf16, local shards) of each matrix leaf's local ``updates``, each
     matrix orthogonalised whole at its owner; ``plans`` (the caller's cache, keyed by the leaves)
     keeps the ownership decided on the first call.  A collective over the leaves' mesh unless
-    ``shard_info`` is None (one device)."""
+    ``shard_info`` is None (one device).  ``absent``: the leaves whose gradient is ``None`` on this
+    rank (zeros in ``updates``); one that is so on some ranks only is a ``PlanError`` on every rank,
+    before any gather (``_agree_absent``: one small all-gather, ``plan_owners``' on the first call)."""
     coefficients, steps, eps = ns
     if shard_info is None or not updates:
         return _local(updates, coefficients, steps, eps)
     keys = tuple(updates)
-    if keys not in plans:
-        plans[keys] = plan_owners(shard_info, keys, lambda k: len(shard_info[k].global_shape) == 3,
-                                  bucket_bytes, "muon")
-    plan = plans[keys]
+    plan = _agree_absent(keys, shard_info, plans, bucket_bytes, absent)
     device = next(iter(updates.values())).device
     out: dict[str, Tensor] = {}
     for bucket in range(len(plan.buckets)):
@@ -113,6 +112,31 @@ def orthogonalized(updates: Mapping[str, Tensor], shard_info: Mapping[str, Shard
         results = {u: _orthogonal(m, coefficients, steps, eps) for u, m in whole.items()}
         out |= scatter_from_owners(plan, bucket, results, {k: updates[k].shape for k in updates}, torch.bfloat16, device)
     return {k: out[k] for k in keys}
+
+
+def _agree_absent(keys: tuple[str, ...], shard_info: Mapping[str, ShardInfo], plans: dict[tuple[str, ...], OwnerPlan],
+                  bucket_bytes: int, absent: Collection[str]) -> OwnerPlan:
+    """The owner plan of ``keys`` (decided on the first call, kept in ``plans``), once every rank agrees
+    which of them have no gradient: a matrix whose gradient is ``None`` on some ranks and not on others
+    would be orthogonalised from zeros where it is missing while some of its shards stay put, so it is a
+    ``PlanError`` naming it, alike on every rank."""
+    missing = set(absent)
+    flags = [k in missing for k in keys]
+    if keys in plans:
+        every = agree_flags(plans[keys], flags)
+    else:
+        plans[keys] = plan_owners(shard_info, keys, lambda k: len(shard_info[k].global_shape) == 3, bucket_bytes,
+                                  "muon", flags)
+        every = plans[keys].flags
+    ranks = plans[keys].exchange.ranks
+    split = [i for i in range(len(keys)) if len({row[i] for row in every}) > 1]
+    if split:
+        none = [ranks[r] for r, row in enumerate(every) if row[split[0]]]
+        also = f" (likewise {[keys[i] for i in split[1:6]]})" if len(split) > 1 else ""
+        raise PlanError(f"muon: the gradient of {keys[split[0]]!r} is None on rank(s) {none} and not on the others of "
+                        f"{list(ranks)}{also}; Muon orthogonalises each matrix whole, so its gradient must be None on "
+                        "every rank or on none (give it a zero gradient where it is unused, or leave it to rest with mask=)")
+    return plans[keys]
 
 
 def _orthogonal(matrix: Tensor, coefficients, steps: int, eps: float) -> Tensor:

@@ -1,15 +1,20 @@
 """hpf.optim.muon at every layout equals torch.optim.Muon (+ torch.optim.AdamW on the other leaves)
-on the unsharded model, bit for bit, over 3 steps: TP 2, FSDP dp 2, EP 2 (a Mixtral's stacked
-experts) at 2 ranks; FSDP x TP and replicated dp x TP (dp 2 x tp 2), EP x TP at 4.  The gradients
-are random full tensors sliced to each layout (the optimizer is a function of grads and params; the
-sharded gradients themselves are tested elsewhere), and Muon's momentum, gathered through
-``state_info``, equals torch's buffers.  Also: one all-to-all each way per bucket, the
-owners balanced, nothing the caller passed is mutated, and bad input refused by name."""
+on the unsharded model, bit for bit, over 3 steps of a warm-up lr schedule: TP 2, FSDP dp 2, EP 2
+(a Mixtral's stacked experts) at 2 ranks; FSDP x TP and replicated dp x TP (dp 2 x tp 2), EP x TP
+at 4.  The gradients are random full tensors sliced to each layout (the optimizer is a function of
+grads and params; the sharded gradients themselves are tested elsewhere), and Muon's momentum,
+gathered through ``state_info``, equals torch's buffers.  The TP run's params and Muon state saved
+after 2 steps (``hpf.save``) and loaded into a fresh optimizer at TP 2 and at FSDP dp 2
+(``hpf.load`` reshards) take step 3 bit for bit as the uninterrupted run.  Also: one all-to-all each
+way per bucket, the owners balanced, nothing the caller passed is mutated, a matrix's gradient
+``None`` on one rank only refused on every rank before any all-to-all, and bad input refused by name."""
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_functional as hpf
@@ -21,6 +26,12 @@ from tests.support.helpers import mesh
 from tests.support.models import build_llama, make_llama_state
 
 STEPS, LR, WD = 3, 0.02, 0.1
+
+
+def warmup(k: int) -> float:
+    """The lr of update ``k`` (``torch.optim.lr_scheduler.LambdaLR``'s ``base_lr * lambda(k)``, op for op), so
+    that a resumed run must read its step from the state it loaded."""
+    return LR * ((k + 1) / STEPS)
 
 
 def _moe(state=None):
@@ -65,6 +76,7 @@ def torch_reference(full: dict, grads: list[dict], matrices: list[str]) -> tuple
     muon = torch.optim.Muon([p for k in matrices for p in (members[k] if k in members else [ref[k]])], lr=LR,
                             weight_decay=WD)
     adamw = torch.optim.AdamW([ref[k] for k in full if k not in matrices], lr=LR, weight_decay=WD)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: (k + 1) / STEPS) for o in (muon, adamw)]
     for g in grads:
         for k, p in ref.items():
             p.grad = g[k].clone()
@@ -73,6 +85,8 @@ def torch_reference(full: dict, grads: list[dict], matrices: list[str]) -> tuple
                 p.grad = g[k][i].clone()
         muon.step()
         adamw.step()
+        for schedule in schedules:
+            schedule.step()
     def whole(k, of):
         return torch.stack([of(p) for p in members[k]]) if k in members else of(ref[k])
     return ({k: whole(k, lambda p: p.detach()) for k in full},
@@ -95,31 +109,76 @@ def _layout(kind: str, model):
     return hpf.shard(model, hpf.ShardingPlan.from_hf(model, ep_axis="ep"), m)[1:]
 
 
-def case_layout(state, kind: str):
+def case_layout(state, kind: str, root: str | None = None):
     """3 Muon steps at layout ``kind`` against torch's on the full tensors: per leaf, whether bitwise
-    equal and the worst difference; the all-to-alls of step 1; the buckets; the owners' loads."""
+    equal and the worst difference; the all-to-alls of step 1; the buckets; the owners' loads.  With
+    ``root`` (TP and FSDP at 2 ranks): the TP run saves after 2 steps, and each resumes from it."""
     model = _moe(state) if kind.startswith("ep") else build_llama(state)
     params, info = _layout(kind, model)
     full = dict(model.named_parameters())
     grads = _grads(full, 1)
-    opt = hpf.optim.muon(LR, weight_decay=WD, shard_info=info, bucket_bytes=32 * 1024)
+    opt = hpf.optim.muon(warmup, weight_decay=WD, shard_info=info, bucket_bytes=32 * 1024)
     first, given = params, {k: p.clone() for k, p in params.items()}
     state_ = opt.init(params)
     counts = []
-    for g in grads:
+    for step, g in enumerate(grads):
         local = {k: hpf.slice_local(g[k], info[k]) for k in params}
         kept = {k: t.clone() for k, t in local.items()}
         with AllToAlls() as counted:
             params, state_ = opt.update(local, state_, params)
         counts.append(counted.count)
         assert all(torch.equal(kept[k], t) for k, t in local.items()), "muon.update changed the grads"
+        if root is not None and kind == "tp" and step == 1:
+            hpf.save(f"{root}/tp", params, info, opt_state=state_).wait()
     assert list(first) == list(given) and all(torch.equal(first[k], given[k]) for k in given), "params mutated"
     ours = hpf.unshard(params, info)
     ref, bufs = torch_reference(full, grads, list(state_.momentum))
     diffs = {k: (torch.equal(ours[k], ref[k]), (ours[k] - ref[k]).abs().max().item()) for k in ref}
     momentum = hpf.unshard(state_.momentum, state_info(state_, info).momentum)  # the state laid out as state_info says
     diffs |= {f"momentum {k}": (torch.equal(momentum[k], bufs[k]), 0.0) for k in bufs}
-    return diffs, counts, sorted(state_.momentum), _plan_summary(opt, info, state_), _experts_only(kind, params, info)
+    if root is not None:
+        diffs |= {f"resumed {k}": (False, 0.0) for k in _resumed(root, info, first, grads[-1], params, state_)}
+    refused = _partial_none(first, info) if kind == "tp" else None
+    return (diffs, counts, sorted(state_.momentum), _plan_summary(opt, info, state_), _experts_only(kind, params, info),
+            refused)
+
+
+def _resumed(root: str, info, first, grads: dict, params, state_) -> list[str]:
+    """The TP run's checkpoint (2 steps) loaded at ``info``'s layout into a fresh optimizer, step 3 with
+    ``grads``: the params and state leaves not bitwise those of the uninterrupted run (``params``, ``state_``)."""
+    opt = hpf.optim.muon(warmup, weight_decay=WD, shard_info=info, bucket_bytes=32 * 1024)
+    loaded = hpf.load(f"{root}/tp", info, opt_state=opt.init(first), params=first)
+    assert int(loaded.opt_state.step) == 2 and int(loaded.opt_state.rest.step) == 2
+    new, new_state = opt.update({k: hpf.slice_local(grads[k], info[k]) for k in first}, loaded.opt_state, loaded.params)
+    bad = [k for k in params if not torch.equal(new[k], params[k])]
+    paths, leaves, spec = optree.tree_flatten_with_path(new_state)
+    assert spec == optree.tree_structure(state_)
+    return bad + [str(p) for p, a, b in zip(paths, leaves, optree.tree_leaves(state_), strict=True) if not torch.equal(a, b)]
+
+
+def _partial_none(params, info) -> list:
+    """Muon with a matrix's gradient ``None`` on rank 1 only, on the call that decides the owners and on
+    a later one: each call's error (or "accepted") and all-to-alls; then ``None`` on every rank, and a
+    full step: accepted (the parameter kept where ``None``)."""
+    key = "model.layers.0.mlp.down_proj.weight"
+    opt = hpf.optim.muon(LR, shard_info=info)
+    state_ = opt.init(params)
+    grads = {k: torch.ones_like(p) for k, p in params.items()}
+    out: list = []
+    for _ in range(2):
+        with AllToAlls() as counted:
+            try:
+                opt.update({**grads, key: None} if dist.get_rank() == 1 else grads, state_, params)
+                out.append("accepted")
+            except PlanError as e:
+                out.append(str(e))
+        out.append(counted.count)
+    new, _ = opt.update({**grads, key: None}, state_, params)
+    out.append(new[key] is params[key] and not torch.equal(new["model.layers.0.mlp.up_proj.weight"],
+                                                            params["model.layers.0.mlp.up_proj.weight"]))
+    new, _ = opt.update(grads, state_, params)
+    out.append(not torch.equal(new[key], params[key]))
+    return out
 
 
 def _experts_only(kind: str, params, info) -> int | None:
@@ -147,9 +206,14 @@ def _plan_summary(opt, info, state_) -> tuple[int, list[int]]:
 
 
 def _check(results, layout: str):
-    diffs, counts, matrices, (buckets, load), experts_only = results[0]
+    diffs, counts, matrices, (buckets, load), experts_only, _ = results[0]
     for r in results[1:]:
         assert r[0] == diffs, f"{layout}: ranks disagree"
+    for r in results if layout == "tp" else ():  # refused on every rank, before any all-to-all, then usable
+        first, n_first, later, n_later, kept, stepped = r[5]
+        for message in (first, later):
+            assert "'model.layers.0.mlp.down_proj.weight'" in message and "None on rank(s) [1]" in message, r[5]
+        assert n_first == n_later == 0 and kept and stepped, r[5]
     not_bitwise = {k: d for k, (same, d) in diffs.items() if not same}
     assert not not_bitwise, f"{layout}: differs from torch.optim.Muon/AdamW: {not_bitwise}"
     assert any("q_proj" in k or "experts" in k for k in matrices) and not any("embed" in k for k in matrices)
@@ -162,11 +226,11 @@ def _check(results, layout: str):
 
 
 @pytest.mark.slow
-def test_muon_matches_torch_at_two_ranks():
+def test_muon_matches_torch_at_two_ranks(tmp_path):
     pool = get_pool(2)
     llama, moe = make_llama_state(), _moe().state_dict()
-    for kind, state in (("tp", llama), ("fsdp", llama), ("ep", moe)):
-        _check(pool.run(case_layout, state, kind), kind)
+    for kind, state, root in (("tp", llama, str(tmp_path)), ("fsdp", llama, str(tmp_path)), ("ep", moe, None)):
+        _check(pool.run(case_layout, state, kind, root), kind)
 
 
 @pytest.mark.slow

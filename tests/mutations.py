@@ -689,4 +689,9 @@ MUTATIONS: tuple[Mutation, ...] = (
              "        if False:\n            path = None",
              ("tests/planner/test_auto_plan.py::test_an_output_embedding_that_is_no_projection_is_not_taken_for_the_head",),
              "an output embedding that is no projection (MusicGen's per-codebook heads) is not planned as the head"),
+    Mutation("vocab-lookup-bypasses-the-forward", "hp_functional/parallel/tensor/vocab.py::vocab_parallel_lookup",
+             "out = (forward or partial(type(module).forward, module))(torch.where(keep, shifted, 0))",
+             "out = type(module).forward(module, torch.where(keep, shifted, 0))",
+             ("tests/train/test_ghost_norms.py::test_ghost_equals_the_definition_and_the_vmap_path_at_tp_2",),
+             "the vocab-parallel lookup runs the forward it is handed (ghost norms' tap: no per-example delta)"),
 )

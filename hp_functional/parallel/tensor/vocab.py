@@ -13,7 +13,7 @@ from __future__ import annotations
 
 __all__ = ["VocabEmbedding", "loss_parallel_root", "vocab_parallel_cross_entropy"]
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,12 +38,14 @@ def _localise_table(module: nn.Embedding, axes: Mapping[str, AxisGroup], *, axis
     module.padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
 
 
-def vocab_parallel_lookup(module: nn.Embedding, axes: Mapping[str, AxisGroup], ids: Tensor, *, axis: str) -> Tensor:
-    """This rank's partial rows: the ids in its range through the module's own forward, the rest zeroed."""
+def vocab_parallel_lookup(module: nn.Embedding, axes: Mapping[str, AxisGroup], ids: Tensor, *, axis: str,
+                          forward: Callable | None = None) -> Tensor:
+    """This rank's partial rows: the ids in its range through ``forward`` (the module's forward as the
+    skeleton holds it — ghost norms' tapped one; None: its class's), the rest zeroed."""
     rows = module.num_embeddings  # already local (``_localise_table``)
     shifted = ids - axes[axis].rank * rows
     keep = (shifted >= 0) & (shifted < rows)
-    out = type(module).forward(module, torch.where(keep, shifted, 0))
+    out = (forward or partial(type(module).forward, module))(torch.where(keep, shifted, 0))
     return out * keep.unsqueeze(-1).to(out.dtype)
 
 
@@ -56,9 +58,9 @@ class VocabEmbedding(Style):
     output_layout: Placement = Replicate()
     axis: str | None = None
 
-    def local(self, axis: str) -> Local:
-        """The ``Local`` this style is."""
-        return Local(partial(vocab_parallel_lookup, axis=axis), params={"weight": Shard(0)},
+    def local(self, axis: str, forward: Callable | None = None) -> Local:
+        """The ``Local`` this style is (``forward``: the one its lookup runs, ``vocab_parallel_lookup``)."""
+        return Local(partial(vocab_parallel_lookup, axis=axis, forward=forward), params={"weight": Shard(0)},
                      out_src={"output": Partial()}, out_dst={"output": self.output_layout},
                      setup=partial(_localise_table, axis=axis))
 
@@ -69,7 +71,7 @@ class VocabEmbedding(Style):
         return self.local(axis).spec(module, fqn, axis)
 
     def local_forward(self, module, forward, *, fqn, axis, axes):
-        return self.local(axis).local_forward(module, forward, fqn=fqn, axis=axis, axes=axes)
+        return self.local(axis, forward).local_forward(module, forward, fqn=fqn, axis=axis, axes=axes)
 
 
 @dataclass(frozen=True)

@@ -399,9 +399,13 @@ def _header(table: dict[str, dict[int, dict]], tps: list[int], seconds: float) -
         "`hpf.auto_plan(model, mesh, example_inputs=inputs, base=ShardingPlan.from_hf(model))` where HF "
         "declares a TP plan (HF's entries kept, what they leave out planned by dataflow; `from_hf` alone where "
         "auto_plan refuses the rest) and `hpf.auto_plan(model, mesh, example_inputs=inputs)` otherwise "
-        "(`hp_functional.tools.sweep.plan_for`); `shard()` on a 1-D `tp` mesh, the loss and every gradient "
-        "(`.backward()` and `torch.func.grad`, gathered with `hpf.unshard`) against the unsharded model in the "
-        "same process (`hp_functional.tools.sweep.check_family`). tp 4 runs where tp 2 built and the heads "
+        "(`hp_functional.tools.sweep.plan_for`); where `shard()` refuses that plan, the next a user would try: "
+        "HF's alone, then `auto_plan` alone (`plans_in_turn`); `shard()` on a 1-D `tp` mesh, the loss and every "
+        "gradient (`.backward()` and `torch.func.grad`, gathered with `hpf.unshard`) against the unsharded model "
+        "in the same process (`hp_functional.tools.sweep.check_family`); a row whose float32 difference exceeds "
+        "1e-5 is rerun in float64 and judged there (1e-9: a loss that amplifies rounding, CTC's or a "
+        "contrastive temperature's, is exact there; a wrong plan is not). Every forward starts from torch's "
+        "global generator seeded alike (a model that draws from it). tp 4 runs where tp 2 built and the heads "
         "divide by 4.",
         "",
         "Outcomes: **exact** (within 1e-5 and a rank holds < 80 % of the parameters); **ran, sharded little** "

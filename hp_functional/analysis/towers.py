@@ -156,4 +156,5 @@ def _merged(a: ModelTrace, b: ModelTrace) -> ModelTrace:
             mine.main | call.main, mine.args, mine.kwargs, mine.count + call.count, mine.routed or call.routed,
             mine.opaque or call.opaque)
     return ModelTrace(calls, [*a.shape_calls, *b.shape_calls], a.output, [*a.assumed, *b.assumed],
-                      [*a.routes, *b.routes], a.dispatch | b.dispatch)
+                      [*a.routes, *b.routes], a.dispatch | b.dispatch, [*a.mixes, *b.mixes],
+                      {k: a.param_users.get(k, set()) | b.param_users.get(k, set()) for k in {*a.param_users, *b.param_users}})

@@ -42,6 +42,19 @@ ROUTING_OPS = {torch.topk: "topk", Tensor.topk: "topk", torch.argmax: "argmax", 
                torch.argsort: "argsort", Tensor.argsort: "argsort", torch.sort: "sort", Tensor.sort: "sort"}
 #: factories whose ints are a shape (``torch.zeros((1, self.n_heads, q, k))``: T5's position bias).
 FACTORIES = {torch.zeros: "zeros", torch.ones: "ones", torch.empty: "empty", torch.full: "full", torch.arange: "arange"}
+#: ops that combine the entries of a dim (by name: where its ``dim`` argument sits, None: always the last
+#: dim): a colwise projection's output split there cannot pass through one (Granite Speech's CTC head:
+#: ``softmax(out(h))`` fed to ``out_mid``).  Normalisation ops always combine the last dim.
+MIXING_OPS = {
+    **{f: ("softmax", 1) for f in (torch.softmax, Tensor.softmax, torch.nn.functional.softmax, torch.log_softmax,
+                                   Tensor.log_softmax, torch.nn.functional.log_softmax)},
+    **{f: ("reduce", 1) for f in (torch.sum, Tensor.sum, torch.mean, Tensor.mean, torch.amax, Tensor.amax,
+                                  torch.logsumexp, Tensor.logsumexp, torch.cumsum, Tensor.cumsum, torch.var,
+                                  Tensor.var, torch.std, Tensor.std)},
+    torch.nn.functional.normalize: ("normalize", 2),
+    **{f: ("norm", None) for f in (torch.nn.functional.layer_norm, torch.nn.functional.rms_norm,
+                                   torch.nn.functional.group_norm)},
+}
 RESHAPES = ("view", "reshape", "unflatten")  # calls whose ints are a shape
 SPLITS = RESHAPES + ("split", "chunk")  # calls whose attribute ints must be local on the skeleton
 
@@ -151,6 +164,9 @@ class _Tracer(TorchFunctionMode):
         self.routes: list[RouteOp] = []
         self.dispatch: set[str] = set()  # modules in which an op took routed data
         self.failed_routed: str | None = None  # where the last op that raised took routed data
+        self.mixes: list[ShapeCall] = []  # ops that combined the entries of their input's last dim
+        self.param_names: dict[int, list[str]] = {}  # id of each traced parameter -> its FQNs (set by ``_trace``)
+        self.param_users: dict[str, set[str]] = {}  # parameter FQN -> the innermost modules of the ops that took it
 
     def src(self, obj) -> frozenset[str]:
         return frozenset().union(*(self.sources.get(id(t), ()) for t in _leaves(obj) if isinstance(t, Tensor)))
@@ -173,6 +189,9 @@ class _Tracer(TorchFunctionMode):
             self.failed_routed = (self.stack[-1] if self.stack else "") if routed else None
             raise
         sources = self.src((args, kwargs))
+        for t in _leaves((args, kwargs)):
+            for name in self.param_names.get(id(t), ()) if isinstance(t, nn.Parameter) else ():
+                self.param_users.setdefault(name, set()).add(self.stack[-1] if self.stack else "")
         outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
         for t in outs:
             self.keep.append(t)
@@ -191,12 +210,30 @@ class _Tracer(TorchFunctionMode):
             if attrs:
                 self.shape_calls.append(ShapeCall(self.stack[-1] if self.stack else "", FACTORIES[func], attrs,
                                                   frozenset(), (), (tuple(outs[0].shape),)))
+        if func in MIXING_OPS and args and isinstance(args[0], Tensor) and _mixes_last(func, args, kwargs):
+            self.mixes.append(ShapeCall(self.stack[-1] if self.stack else "", MIXING_OPS[func][0], frozenset(),
+                                        self.src(args[0]), tuple(args[0].shape), tuple(tuple(t.shape) for t in outs)))
         op = SHAPE_OPS.get(func)
         if op and args and isinstance(args[0], Tensor):
             attrs = frozenset().union(*(x.tags for x in _leaves((args[1:], kwargs)) if isinstance(x, TracedInt)))
             self.shape_calls.append(ShapeCall(self.stack[-1] if self.stack else "", op, attrs, self.src(args[0]),
                                               tuple(args[0].shape), tuple(tuple(t.shape) for t in outs)))
         return out
+
+
+def _mixes_last(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a ``MIXING_OPS`` call combines its input's last dim (its ``dim``: None or the last)."""
+    position = MIXING_OPS[func][1]
+    if position is None:
+        return True
+    dim = kwargs.get("dim", args[position] if len(args) > position else None)
+    if dim is None and func is torch.nn.functional.normalize:
+        dim = 1  # its default
+    if dim is None:
+        return True  # a reduction over every dim
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    ndim = args[0].dim()
+    return any(isinstance(d, int) and ndim and d % ndim == ndim - 1 for d in dims)
 
 
 def _meta_flag(t) -> bool:
@@ -221,6 +258,11 @@ class ModelTrace:
     assumed: list[str] = field(default_factory=list)
     routes: list[RouteOp] = field(default_factory=list)
     dispatch: set[str] = field(default_factory=set)
+    #: the ops that combined the entries of their input's last dim (``MIXING_OPS``), as shape calls
+    mixes: list[ShapeCall] = field(default_factory=list)
+    #: parameter FQN -> the innermost modules running the ops that took it (its own module's forward,
+    #: or another module reading it: a weight read outside its layer cannot be split by its module's style)
+    param_users: dict[str, set[str]] = field(default_factory=dict)
 
     def shape_attrs(self) -> dict[str, frozenset[str]]:
         """Per module path, its integer attributes that fed a view/reshape/unflatten/split/chunk."""
@@ -312,6 +354,8 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str, values: bo
             if type(value) is int:
                 setattr(m, attr, TracedInt(value, {(path, attr)}))
     tracer, calls = _Tracer(), {}
+    for name, prm in twin.named_parameters(remove_duplicate=False):
+        tracer.param_names.setdefault(id(prm), []).append(name)
     aliases: dict[int, list[str]] = {}  # a parameterless module registered under several paths (XLM's one act)
     for path, m in twin.named_modules(remove_duplicate=False):
         if next(m.parameters(), None) is None:
@@ -360,7 +404,8 @@ def _trace(model: nn.Module, inputs: tuple[tuple, dict], device: str, values: bo
         output = run(*args, **kwargs)
     for h in handles:
         h.remove()
-    return ModelTrace(calls, tracer.shape_calls, output, tracer.assumed, tracer.routes, tracer.dispatch)
+    return ModelTrace(calls, tracer.shape_calls, output, tracer.assumed, tracer.routes, tracer.dispatch, tracer.mixes,
+                      tracer.param_users)
 
 
 def _transparent(module: nn.Module) -> bool:

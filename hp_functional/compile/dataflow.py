@@ -167,7 +167,7 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     inputs = inputs or synthesize_inputs(model)
     if inputs is None:
         return Dataflow({}, f"{type(model).__name__} does not start with an embedding or a linear layer: no batch to trace")
-    reduced = Reduced(model, {}) if real else reduced_copy(model, plan_marks(boundaries, infos, leaf_of))
+    reduced = Reduced(model, {}) if real else reduced_copy(model, plan_marks(boundaries, infos, leaf_of), inputs)
     mode = _Taint(_stored_axes(reduced, infos, leaf_of, axes), list(axes))
     args, kwargs = (inputs if real else (to_meta(inputs[0]), to_meta(inputs[1])))
     mode.set((args, kwargs), frozenset())

@@ -13,9 +13,10 @@ __all__ = ["Reduced", "plan_marks", "reduced_copy", "reduced_plan"]
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from ..analysis.copies import meta_copy
+from ..analysis.copies import meta_copy, to_meta
 from ..core.paths import most_specific, path_matches
 from ..core.placement import ShardInfo
 from ..core.program import Boundary
@@ -66,12 +67,64 @@ def _is_block_stack(container: nn.Module) -> bool:
     return len(children) > 1 and all(type(c).__name__.endswith(("Layer", "Block")) for c in children)
 
 
-def reduced_copy(model: nn.Module, marks: Mapping[str, str] | None = None) -> Reduced:
+def reduced_copy(model: nn.Module, marks: Mapping[str, str] | None = None,
+                 inputs: tuple[tuple, dict] | None = None, keep: int | None = 1) -> Reduced:
     """A meta copy of ``model`` whose ``ModuleList``/``ModuleDict`` stacks of blocks (children named
     ``*Layer``/``*Block``) keep the first block of each kind (``block_kind``, ``marks`` from
     ``plan_marks``), in order, without the user's module hooks (those of torch and transformers
-    stay).  ``model`` is only read."""
-    marks = marks or {}
+    stay).  ``model`` is only read.
+
+    Where ``inputs`` (``(args, kwargs)``, a batch the model takes) are given, the reduction is
+    checked on meta tensors: the copy's forward must run and call a stand-in of every module the
+    whole model's forward calls.  A forward whose control flow counts its layers (Granite Speech's
+    CTC head run after layer ``num_hidden_layers // 2``) or that chains blocks of one kind at
+    different widths breaks a one-block copy; then two blocks of each kind are kept, else none is
+    dropped (the checks then cost the whole model's depth).  ``keep``: the blocks of each kind to
+    start from (None: none dropped)."""
+    whole = None if inputs is None or keep is None else called_modules(meta_copy(model), inputs)
+    for level in (1, 2) if keep == 1 else (keep,) if keep else ():
+        reduced = _reduced(model, marks or {}, level)
+        if whole is None or not reduced.renames or _stands_in(reduced, inputs, whole):
+            return reduced
+    return Reduced(meta_copy(model), {name: [name] for name, _ in model.named_parameters(remove_duplicate=False)})
+
+
+def called_modules(model: nn.Module, inputs: tuple[tuple, dict]) -> set[str] | None:
+    """The paths of the modules ``model``'s forward calls on ``inputs`` (as meta tensors; ``model``
+    a meta copy), or None where that forward does not run on meta tensors."""
+    called: set[str] = set()
+    handles = [m.register_forward_pre_hook(lambda *_, path=path: called.add(path)) for path, m in model.named_modules()]
+    try:
+        with torch.no_grad():
+            model(*to_meta(inputs[0]), **to_meta(inputs[1]))
+    except Exception:  # noqa: BLE001 - meta-hostile code (a data-dependent branch): the reduction is not checked
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return called
+
+
+def _stands_in(reduced: Reduced, inputs: tuple[tuple, dict], whole: set[str]) -> bool:
+    """Whether ``reduced``'s forward runs on ``inputs`` and calls the stand-in of every module of ``whole``."""
+    called = called_modules(reduced.model, inputs)
+    if called is None:
+        return False
+    stand_in = {o: copy for copy, originals in reduced.renames for o in originals}
+
+    def in_copy(path: str) -> str:
+        parts = path.split(".")
+        for n in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:n])
+            if prefix in stand_in:
+                return ".".join([stand_in[prefix], *parts[n:]])
+        return path
+
+    return all(in_copy(path) in called for path in whole)
+
+
+def _reduced(model: nn.Module, marks: Mapping[str, str], keep: int) -> Reduced:
+    """``reduced_copy`` keeping the first ``keep`` blocks of each kind, unchecked."""
     twin = meta_copy(model)  # without the user's hooks
     renames: list[tuple[str, tuple[str, ...]]] = []  # (copy prefix, every original prefix it stands for)
     for path, container in list(twin.named_modules()):
@@ -86,18 +139,20 @@ def reduced_copy(model: nn.Module, marks: Mapping[str, str] | None = None) -> Re
         for key, block in container.named_children():
             full = f"{path}.{key}" if path else key
             kinds.setdefault(block_kind(block, _within(marks, full)), []).append(key)
-        kept = [keys for keys in kinds.values()]
+        kept = [(key, keys if i == keep - 1 or i == len(keys) - 1 else [key]) for keys in kinds.values()
+                for i, key in enumerate(keys[:keep])]  # the last kept block of a kind stands for the rest
         if len(kept) == len(container):
             continue
-        blocks = [container.get_submodule(keys[0]) for keys in kept]
+        kept.sort(key=lambda k: list(container._modules).index(k[0]))
+        blocks = [container.get_submodule(key) for key, _ in kept]
         new = nn.ModuleList(blocks) if isinstance(container, nn.ModuleList) else \
             nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
-        for i, keys in enumerate(kept):
+        for i, (_, keys) in enumerate(kept):
             renames.append((f"{path}.{i}" if path else str(i), tuple(f"{path}.{k}" if path else k for k in keys)))
         owner, _, attr = path.rpartition(".")
         setattr(twin.get_submodule(owner), attr, new)
         if isinstance(container, nn.ModuleList):
-            _renumber(twin, path, [int(keys[0]) for keys in kept], len(container))
+            _renumber(twin, path, [int(key) for key, _ in kept], len(container))
     names = {}
     for name, _ in twin.named_parameters(remove_duplicate=False):
         match = next(((prefix, originals) for prefix, originals in renames if name.startswith(prefix + ".")), None)

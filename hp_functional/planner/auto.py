@@ -134,6 +134,7 @@ class _Generator:
         self.covered = covered  # planned by a base plan: left as it is
         self.convolutions = convolutions  # split_convolutions: convolutions pair as projections do
         self.modules = dict(model.named_modules(remove_duplicate=False))
+        self.total = sum(p.numel() for p in model.parameters())
         self.entries: dict[str, Style] = {}
         self.roles: dict[str, str] = {}  # module path -> the rule that decided it
         self.param_roles: dict[str, str] = {}  # parameter FQN -> a reason of its own
@@ -221,8 +222,27 @@ class _Generator:
             pending -= set(roles)
             self._add_block(B.plan_block(self.trace, self.model, scope, roles, between, self.n, self.axis, cache))
         for p in sorted(pending):
-            self.entries[p], self.roles[p] = NoParallel(), "lone projection (replicated: it pairs with no other)"
-            self.notes.append(f"{p}: a lone projection (no colwise/rowwise partner in the traced forward), replicated")
+            self._lone(p)
+
+    def _lone(self, p: str) -> None:
+        """A projection that pairs with no other: ``Colwise(gather_output=True)`` where its output
+        features divide the axis and it is worth an all-gather (``_worth_splitting``): exact for any
+        projection, each rank computing its share of the output features; else replicated."""
+        if B.out_features(self.modules[p]) % self.n == 0 and self._worth_splitting(p):
+            self.entries[p] = Colwise(gather_output=True)
+            self.roles[p] = "lone projection (colwise, output gathered: it pairs with no other)"
+            return
+        self.entries[p], self.roles[p] = NoParallel(), "lone projection (replicated: it pairs with no other)"
+        self.notes.append(f"{p}: a lone projection (no colwise/rowwise partner in the traced forward), replicated")
+
+    def _worth_splitting(self, path: str) -> bool:
+        """Whether ``path``'s own parameters hold 1 % of the model's or more and the traced forward
+        took them in its own forward only (``ModelTrace.param_users``: a weight read elsewhere, tied or
+        sliced by a parent, cannot follow its module's style)."""
+        own = list(self.modules[path].named_parameters(recurse=False))
+        if sum(q.numel() for _, q in own) * 100 < self.total or path not in self.trace.calls:
+            return False
+        return all(self.trace.param_users.get(join(path, n), set()) <= {path} for n, _ in own)
 
     def _replicate_blocks_whose_heads_do_not_split(self) -> None:
         """In a model whose attention blocks differ (a vision pyramid: 1 head in its first stage,
@@ -414,6 +434,14 @@ class _Generator:
                 self.special[fqn], self.param_roles[fqn] = "shard_heads", f"output head bias (tied to {path}.bias)"
         return path
 
+    def _lookup_splits(self, path: str) -> bool:
+        """Whether an ``nn.Embedding`` outside the token table is worth splitting by rows and can be
+        (``VocabEmbedding``: its class's own lookup, no ``max_norm`` or ``scale_grad_by_freq``, rows
+        dividing the axis, ``_worth_splitting``)."""
+        m = self.modules[path]
+        return (type(m).forward is nn.Embedding.forward and m.max_norm is None and not m.scale_grad_by_freq
+                and not m.sparse and m.num_embeddings % self.n == 0 and self._worth_splitting(path))
+
     # -------------------------------------------------------------- rules 5-7
     def _rest(self, skip: list[str]) -> None:
         total = sum(p.numel() for p in self.model.parameters())
@@ -425,8 +453,14 @@ class _Generator:
                 continue
             if B.is_norm(m):
                 self.roles[path] = "norm (replicated)"
+            elif isinstance(m, nn.Embedding) and self._lookup_splits(path):
+                self.entries[path] = VocabEmbedding()
+                self.roles[path] = "auxiliary embedding (rows split, each rank's lookups all-reduced)"
             elif isinstance(m, nn.Embedding):
                 self.roles[path] = "auxiliary embedding (positions, types: replicated)"
+            elif B.is_channel_conv(m) and m.out_channels % self.n == 0 and self._worth_splitting(path):
+                self.entries[path] = Colwise(gather_output=True)
+                self.roles[path] = "convolution (output channels split, gathered: it pairs with no other)"
             elif isinstance(m, nn.modules.conv._ConvNd):
                 self.roles[path] = ("convolution (replicated: split its channels with overrides={...}: Colwise() on it, "
                                     "Channels() on the norm or depthwise convolution after it, Rowwise() on the next one)")

@@ -196,7 +196,7 @@ def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], candid
     roles, unpaired, chained = {}, [], []
     for p in candidates:
         name = p.rpartition(".")[2]
-        col, row = bool(reach[p][0]), p in fed
+        col, row = bool(reach[p][0]) and not _mixed_whole(trace, p, modules[p]), p in fed
         said = "colwise" if name in COL_NAMES else "rowwise" if name in ROW_NAMES else None
         if col and row and said is None and isinstance(modules[p], CONVS):
             chained.append(p)  # a chain of convolutions: alternated below, in call order
@@ -216,6 +216,20 @@ def pair(trace: ModelTrace, block: str, modules: Mapping[str, nn.Module], candid
         unpaired += lone
     between = {m for p, r in roles.items() if r == "colwise" for m in reach[p][1]}
     return roles, between, unpaired
+
+
+def _mixed_whole(trace: ModelTrace, proj: str, module: nn.Module) -> bool:
+    """Whether an op combines the whole width of ``proj``'s output (``ModelTrace.mixes``: a softmax,
+    norm or sum over its last dim, before any view splits it into heads): then no rank may hold a
+    part of it, and ``proj`` cannot be colwise (Granite Speech's ``softmax(out(h))`` fed to ``out_mid``)."""
+    if not isinstance(module, nn.Linear) and not is_conv1d(module):
+        return False
+    call = trace.calls.get(proj)
+    first = next((a for a in (call.args if call else ()) if isinstance(a, Tensor)), None)
+    rank = first.dim() if first is not None else None
+    width = out_features(module)
+    return any(proj in c.sources and c.shape_in and c.shape_in[-1] == width and len(c.shape_in) == rank
+               for c in trace.mixes)
 
 
 def _partners(p: str, role: str, roles: Mapping[str, str], reach) -> list[str]:

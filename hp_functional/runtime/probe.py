@@ -12,12 +12,13 @@ rank (every rank compares the same gathered numbers), naming the worst parameter
 
 from __future__ import annotations
 
-__all__ = ["ProbeCache", "Verdict", "probe_copy_or_reason", "probe_inputs", "probe_key", "probe_varying_uses",
+__all__ = ["ProbeCache", "Verdict", "own_draws", "probe_copy_or_reason", "probe_inputs", "probe_key", "probe_varying_uses",
            "run_probe"]
 
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -46,11 +47,15 @@ TOLERANCE = 1e-4
 
 
 def probe_copy(model: nn.Module, seed: int, device: torch.device, marks: Mapping[str, str],
-               vocab: int | None = PROBE_VOCAB) -> Reduced:
+               vocab: int | None = PROBE_VOCAB, inputs: tuple[tuple, dict] | None = None,
+               keep: int | None = 1) -> Reduced:
     """``compile.reduce.reduced_copy`` of ``model`` (``marks``: how the plan treats each path) on
     ``device`` with seeded random values (unit-scale activations; no module init needed) and its
-    buffers recomputed by their modules' init; its vocabulary shrunk to ``vocab`` (None: kept)."""
-    probe = reduced_copy(model, marks)
+    buffers recomputed by their modules' init; its vocabulary shrunk to ``vocab`` (None: kept).
+    ``inputs``: the batch the probe is fed (None: a synthesized one), on which the reduction is checked;
+    ``keep``: the blocks of each kind it starts from (``compile.reduced_copy``; None: every block)."""
+    probe = reduced_copy(model, marks, inputs if inputs is not None else synthesize_inputs(model, rows=2, length=8),
+                         keep)
     twin = probe.model.eval()  # dropout off: the probe compares functions, not random draws
     if vocab is not None:
         shrink_vocab(twin, vocab)
@@ -253,9 +258,30 @@ def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[s
     every rank calls it.  Gradients are taken even where ``shard`` is called under
     ``torch.no_grad()``; where the unsharded model has no backward here (flex attention on the
     CPU), only the loss is compared."""
-    with torch.enable_grad():
+    with torch.enable_grad(), own_draws(mesh.device_type):
         why = _run_probe(probe, plan, mesh, shard_fn, varying, inputs)
     return Verdict(False, why) if why else EXACT
+
+
+#: the seed of torch's global generators before each forward the probe compares
+DRAW_SEED = 0
+
+
+@contextmanager
+def own_draws(device_type: str):
+    """torch's global generators (the CPU's and the mesh device's current one) forked, and restored
+    on exit: ``shard()``'s private forwards (the probe's, its copy's checks) leave the caller's stream
+    where it was, and a model that draws from them (VibeVoice's diffusion noise) draws the same
+    values in both forwards the probe compares (``_seed_draws`` before each)."""
+    devices = [] if device_type == "cpu" else [torch.get_device_module(device_type).current_device()]
+    with torch.random.fork_rng(devices=devices, device_type=device_type if devices else None):
+        yield
+
+
+def _seed_draws(device: torch.device) -> None:
+    torch.default_generator.manual_seed(DRAW_SEED)
+    if device.type not in ("cpu", "meta"):
+        torch.get_device_module(device.type).manual_seed(DRAW_SEED)
 
 
 def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) -> str:
@@ -283,7 +309,7 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) 
     elif getattr(out, "loss", None) is None and first_shape(out) != first_shape(ref_out):
         return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
     else:
-        loss, ref = scalar_loss(out), scalar_loss(ref_out)
+        loss, ref = probe_loss(out), probe_loss(ref_out)
     return _compare_all(model, probe, mesh, (loss, ref), params, info, no_backward)
 
 
@@ -292,12 +318,15 @@ def _reference(model: nn.Module, batch: tuple[tuple, dict], which: str):
     where each planned-to-be module met a tensor of the batch (``_Calls``); or why it does not run."""
     args, kwargs = batch
     calls = _Calls(model, batch)
+    device = next(model.parameters(), torch.empty(0)).device
     try:
         with calls:
+            _seed_draws(device)
             return model(*args, **kwargs), None, calls
     except Exception as exc:  # noqa: BLE001 - the model itself does not take this batch (a pipeline stage's view)
         try:  # or only not with gradients (flex attention on the CPU)
             with torch.no_grad(), calls:
+                _seed_draws(device)
                 return model(*args, **kwargs), exc, calls
         except Exception:  # noqa: BLE001
             return f"skipped: the model does not take the {which} ({type(exc).__name__}: {str(exc)[:120]})"
@@ -307,6 +336,7 @@ def _sharded_run(apply_fn, params, args: tuple, kwargs: dict, grad: bool, which:
     """``apply_fn``'s output on this rank's part of the batch, or why the plan refuses it."""
     try:
         with torch.set_grad_enabled(grad):
+            _seed_draws(next(iter(params.values()), torch.empty(0)).device)
             return apply_fn(params, *args, **kwargs)
     except PlanError as exc:  # a refusal of this batch (raised alike on every rank, before any collective)
         return f"skipped: the plan refuses the probe's {which} ({str(exc).splitlines()[0][:160]})"
@@ -395,6 +425,16 @@ def _laid_out(batch: tuple[tuple, dict], program, calls: _Calls, mesh) -> tuple[
     return tree_unflatten(leaves, spec)
 
 
+def probe_loss(out: object) -> Tensor:
+    """The scalar the probe differentiates an output by: ``runtime.loss.scalar_loss``, a loss of
+    several entries summed (DAC's per-example commitment loss: any scalar function of the same
+    output compares two computations of it)."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, Tensor) and loss.numel() > 1:
+        return loss.float().sum()
+    return scalar_loss(out)
+
+
 def first_shape(out: object) -> tuple | None:
     t = out if isinstance(out, Tensor) else getattr(out, "logits", None)
     if t is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
@@ -430,20 +470,21 @@ def _compare(loss: Tensor, ref: Tensor, grads: Mapping[str, Tensor], ref_grads: 
 def probe_copy_or_reason(model: nn.Module, seed: int, device: torch.device, marks: Mapping[str, str],
                          inputs: tuple[tuple, dict] | None = None) -> tuple[Reduced | None, str]:
     """``probe_copy``, or why the model cannot be copied and initialised for the probe; ``inputs``:
-    the batch it will be fed (its vocabulary is kept where an integer input indexes beyond
-    ``PROBE_VOCAB``, or where the shrunk copy does not take the batch: CPM-Ant offsets its ids by
-    the vocabulary size it was built with)."""
+    the batch it will be fed.  Where the copy does not take that batch, the next of: its vocabulary
+    kept (an integer input indexes beyond ``PROBE_VOCAB``, or CPM-Ant offsets its ids by the
+    vocabulary size it was built with), then every block kept (a stack whose blocks of one kind the
+    forward chains at different widths: EoMT's upscale blocks; its meta check could not run there)."""
+    tries = [(PROBE_VOCAB, 1), (None, 1), (None, None)] if _fits_vocab(inputs, PROBE_VOCAB) else [(None, 1), (None, None)]
     try:
-        if not _fits_vocab(inputs, PROBE_VOCAB):
-            return probe_copy(model, seed, device, marks, None), ""
-        copy = probe_copy(model, seed, device, marks, PROBE_VOCAB)
-        return (copy if inputs is None or _takes(copy.model, inputs, device)
-                else probe_copy(model, seed, device, marks, None)), ""
+        for i, (vocab, keep) in enumerate(tries):
+            copy = probe_copy(model, seed, device, marks, vocab, inputs, keep)
+            if inputs is None or i == len(tries) - 1 or _takes(copy.model, inputs, device):
+                return copy, ""
     except PlanError as exc:
         return None, f"no probe copy: {exc}"
     except Exception as exc:  # noqa: BLE001 - a model whose init cannot run privately: reported, not probed
         return None, f"no probe copy: {type(exc).__name__}: {str(exc)[:160]}"
-
+    raise AssertionError("unreachable: the last try returns")
 
 
 def _takes(model: nn.Module, inputs: tuple[tuple, dict], device: torch.device) -> bool:

@@ -48,6 +48,7 @@ from .initial_values import InitialValues
 from .probe import (
     ProbeCache,
     Verdict,
+    own_draws,
     probe_copy_or_reason,
     probe_inputs,
     probe_key,
@@ -172,16 +173,17 @@ def shard(
         ``(apply_fn, params, shard_info)``: ``apply_fn(params, *args, **kwargs)`` returns what ``model(*args,
         **kwargs)`` returns; ``params`` maps each parameter FQN (tied groups once) to this rank's local shard;
         ``shard_info`` says where each shard sits (a ``ShardInfo`` per key)."""
-    program, checks, proof = _compile_locally(model, plan, mesh, seed=seed, verify=verify, example_inputs=example_inputs,
-                                              allow_unproved=allow_unproved)
-    proved = None if proof is None or probe_cache is None else probe_cache.lookup(proof.key)
-    agreed = agree_on(model, program, weights=weights, seed=seed, agree_timeout=agree_timeout,
-                      verify_values=verify_values, remat=remat, proved_before=proved is not None)
-    if proof is not None:  # agreed, and before the weights are read: the copy is freed before they are taken
-        _run_proof(model, program, proof, checks, mesh=mesh, proved=proved if agreed.proved_before else None,
-                   probe_cache=probe_cache, agree_timeout=agree_timeout, allowed=allow_unproved)
-        del proof
-    return materialise(model, program, agreed, checks=checks)
+    with own_draws(getattr(mesh, "device_type", "cpu")):  # the checks' forwards leave the caller's generator as it was
+        program, checks, proof = _compile_locally(model, plan, mesh, seed=seed, verify=verify,
+                                                  example_inputs=example_inputs, allow_unproved=allow_unproved)
+        proved = None if proof is None or probe_cache is None else probe_cache.lookup(proof.key)
+        agreed = agree_on(model, program, weights=weights, seed=seed, agree_timeout=agree_timeout,
+                          verify_values=verify_values, remat=remat, proved_before=proved is not None)
+        if proof is not None:  # agreed, and before the weights are read: the copy is freed before they are taken
+            _run_proof(model, program, proof, checks, mesh=mesh, proved=proved if agreed.proved_before else None,
+                       probe_cache=probe_cache, agree_timeout=agree_timeout, allowed=allow_unproved)
+            del proof
+        return materialise(model, program, agreed, checks=checks)
 
 
 def _compile_locally(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *, seed: int | None,

@@ -31,13 +31,15 @@ from typing import Any
 
 import torch
 
-from .sweep_inputs import loss_of
+from .sweep_inputs import FORWARD_SEED, loss_of
 
 EXACT, LITTLE, REFUSED, CRASH, WRONG, HANG, UNBUILDABLE = (
     "exact", "ran, sharded little", "refused", "crash", "wrong", "hang", "not buildable tiny")
 #: worst first: how per-rank outcomes that disagree are combined.
 OUTCOMES = (HANG, CRASH, WRONG, REFUSED, UNBUILDABLE, LITTLE, EXACT)
 TOL = 1e-5
+#: the tolerance of a row rerun in float64 where float32 exceeds ``TOL`` (``rejudged_in_float64``)
+TOL64 = 1e-9
 #: the reason of a row whose rank ran out of the sweep's per-rank memory (``benchmarks/models.py`` caps it).
 MEMORY_CAP = "over the sweep's per-rank memory cap"
 #: a rank holding at least this share of the model's parameters has "sharded little".
@@ -135,35 +137,59 @@ def plan_for(model, mesh, inputs: dict[str, Any] | None = None) -> tuple[Any, st
     convolutions) by ``auto_plan(split_convolutions=True)``; where HF declares a TP plan,
     ``auto_plan(base=ShardingPlan.from_hf(model))`` (HF's entries kept, what they leave out — a
     vision tower, a projector — planned by dataflow), else ``from_hf`` alone where ``auto_plan``
-    refuses the rest (or, in ``_check``, where ``shard()`` refuses the combined plan); ``auto_plan``
-    where HF declares none.  ``auto_plan`` traces ``inputs`` (the keyword arguments the row runs
+    refuses the rest (or, in ``_check``, where ``shard()`` refuses the combined plan, then
+    ``auto_plan`` alone where ``shard()`` refuses HF's: ``plans_in_turn``); ``auto_plan`` where HF
+    declares none.  ``auto_plan`` traces ``inputs`` (the keyword arguments the row runs
     ``apply_fn`` on), without ``labels`` where a model's own label check cannot run on meta tensors
     (CTC's ``labels <= vocab_size``)."""
     from ..core.errors import PlanError
     from ..plan.plan import ShardingPlan
-    from ..planner.auto import auto_plan
-
-    def traced(base, split_convolutions=False):
-        try:
-            return auto_plan(model, mesh, example_inputs=inputs, base=base, split_convolutions=split_convolutions)
-        except PlanError as exc:
-            if not inputs or "labels" not in inputs or "on meta tensors failed" not in str(exc):
-                raise
-            return auto_plan(model, mesh, example_inputs={k: v for k, v in inputs.items() if k != "labels"}, base=base,
-                             split_convolutions=split_convolutions)
 
     if not hf_declares_plan(model):
         if conv_share(model) >= CONV_SHARE:  # a ConvNet: the user asks for its channels split
-            return traced(None, split_convolutions=True), "auto_plan(split_convolutions=True)"
-        return traced(None), "auto_plan"
+            return _auto(model, mesh, inputs, None, split_convolutions=True), "auto_plan(split_convolutions=True)"
+        return _auto(model, mesh, inputs, None), "auto_plan"
     try:
         hf = ShardingPlan.from_hf(model)
     except PlanError:  # a plan of another library's styles (diffusers' own): auto_plan plans it all
-        return traced(None), "auto_plan"
+        return _auto(model, mesh, inputs, None), "auto_plan"
     try:
-        return traced(hf), "from_hf+auto_plan"
+        return _auto(model, mesh, inputs, hf), "from_hf+auto_plan"
     except PlanError:
         return hf, "from_hf"
+
+
+def plans_in_turn(model, mesh, inputs: dict[str, Any], first, source: str):
+    """``(plan, source)`` in the order a user tries them when ``shard()`` refuses one: ``plan_for``'s,
+    then HF's alone (after ``from_hf+auto_plan``), then ``auto_plan`` alone (after HF's: a plan HF
+    declares that is not exact under TP, Gemma 3n's activation sparsity over the split features)."""
+    from ..core.errors import PlanError
+    from ..plan.plan import ShardingPlan
+
+    yield first, source
+    if source == "from_hf+auto_plan":
+        yield ShardingPlan.from_hf(model), "from_hf"
+    if source in ("from_hf+auto_plan", "from_hf"):
+        try:
+            alone = _auto(model, mesh, inputs, None)
+        except PlanError:  # auto_plan refuses it too: HF's refusal stands
+            return
+        yield alone, "auto_plan"
+
+
+def _auto(model, mesh, inputs: dict[str, Any] | None, base, split_convolutions: bool = False):
+    """``auto_plan`` on ``inputs``, retried without ``labels`` where the model's own label check
+    cannot run on meta tensors."""
+    from ..core.errors import PlanError
+    from ..planner.auto import auto_plan
+
+    try:
+        return auto_plan(model, mesh, example_inputs=inputs, base=base, split_convolutions=split_convolutions)
+    except PlanError as exc:
+        if not inputs or "labels" not in inputs or "on meta tensors failed" not in str(exc):
+            raise
+        return auto_plan(model, mesh, example_inputs={k: v for k, v in inputs.items() if k != "labels"}, base=base,
+                         split_convolutions=split_convolutions)
 
 
 #: the share of a model's parameters in convolutions from which the sweep plans it with ``split_convolutions``
@@ -186,14 +212,16 @@ def plan_source(model) -> str:
 
 
 def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, functional: bool,
-            loss_fn=loss_of) -> dict[str, Any]:
+            loss_fn=loss_of, tol: float = TOL) -> dict[str, Any]:
     """Shard, run ``.backward()`` (and ``torch.func.grad``), gather every gradient; the largest
-    differences and this rank's share of the parameters.  ``loss_fn``: the loss of one output."""
+    differences and this rank's share of the parameters.  ``loss_fn``: the loss of one output;
+    every forward starts from torch's global generator seeded with ``FORWARD_SEED``, as the reference's."""
     from ..core.gather import unshard
     from ..runtime.shard import shard
 
     apply_fn, params, info = shard(model, plan, mesh, example_inputs=inputs)
     proof = apply_fn.runtime.checks.get("proof", "")
+    torch.manual_seed(FORWARD_SEED)
     out = apply_fn(params, **inputs)
     loss = loss_fn(out)
     loss.backward()
@@ -203,6 +231,7 @@ def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, func
         try:
             # only what trains: a frozen parameter (Whisper's sinusoidal positions) has no reference gradient
             frozen = {k: p.detach() for k, p in params.items() if not p.requires_grad}
+            torch.manual_seed(FORWARD_SEED)
             grads, value = torch.func.grad_and_value(lambda p: loss_fn(apply_fn({**frozen, **p}, **inputs)))(
                 {k: p.detach() for k, p in params.items() if p.requires_grad})
             runs.append(("func.grad", value.detach(), {k: grads.get(k) for k in params}))
@@ -215,7 +244,7 @@ def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, func
     for label, value, grads in runs:
         full = unshard({k: (g if g is not None else torch.zeros_like(params[k])) for k, g in grads.items()}, info)
         d = (value.float() - ref_loss.float()).abs().item()
-        ok &= d <= TOL + TOL * ref_loss.abs().item()
+        ok &= d <= tol + tol * ref_loss.abs().item()
         worst["loss"] = max(worst["loss"], d)
         for k, ref in ref_grads.items():
             got = full.get(k)
@@ -228,7 +257,7 @@ def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, func
             diff = (got.float() - ref.float()).abs()
             d = diff.max().item() if diff.numel() else 0.0
             scale = ref.float().abs().max() if ref.numel() else 0.0  # relative to the tensor's scale
-            if not bool((diff <= TOL * (1 + scale)).all()):
+            if not bool((diff <= tol * (1 + scale)).all()):
                 ok = False
                 if d >= worst["grad"]:
                     worst["where"] = f"{label} grad {k}"
@@ -236,6 +265,26 @@ def compare(model, inputs: dict[str, Any], ref_loss, ref_grads, mesh, plan, func
     held = sum(p.numel() for p in params.values())
     total = sum(p.numel() for p in model.parameters())
     return {"ok": ok, **worst, "share": held / max(total, 1), "proof": proof}
+
+
+def rejudged_in_float64(model, inputs: dict[str, Any], mesh, plan, functional: bool,
+                        loss_fn=loss_of) -> dict[str, Any] | None:
+    """``compare`` rerun with the model and its floating inputs in float64 (tolerance ``TOL64``),
+    for a row whose float32 difference exceeds ``TOL``: a loss that amplifies rounding (CTC's
+    hundreds, a contrastive loss's temperature) agrees there to 1e-15, a wrong plan does not.
+    ``model`` (the sweep's own) is cast in place; None where it does not run in float64."""
+    try:
+        model = model.double()
+        inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(FORWARD_SEED)
+        ref = loss_fn(model(**inputs))
+        ref.backward()
+    except Exception:  # noqa: BLE001 - a model with a float32-only path: the float32 verdict stands
+        return None
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return compare(model, inputs, ref.detach(), grads, mesh, plan, functional, loss_fn, tol=TOL64)
 
 
 def _functional_works(model, inputs: dict[str, Any], loss_fn=loss_of) -> bool:
@@ -278,6 +327,7 @@ def check_extra(name: str, builder, mesh=None, *, functional: bool = True, seed:
             model, inputs, row["category"] = made
         row["task"] = "extra"
         model = model.eval()
+        torch.manual_seed(FORWARD_SEED)
         ref = loss_fn[0](model(**inputs))
         if not torch.isfinite(ref):
             raise ValueError(f"unsharded loss is {ref.item()}")
@@ -288,6 +338,21 @@ def check_extra(name: str, builder, mesh=None, *, functional: bool = True, seed:
 
     row: dict[str, Any] = {"model_type": name}
     return _check(row, make, mesh, functional, lambda out: loss_fn[0](out))
+
+
+def _first_accepted(model, inputs: dict[str, Any], ref: tuple, mesh, functional: bool, loss_fn) -> tuple[dict, Any, str]:
+    """``compare`` on the first plan of ``plans_in_turn`` that ``shard()`` accepts: (its result, the
+    plan, its source); the last refusal where it accepts none."""
+    from ..core.errors import PlanError
+
+    first, source = plan_for(model, mesh, inputs)
+    refusal = None
+    for plan, name in plans_in_turn(model, mesh, inputs, first, source):
+        try:
+            return compare(model, inputs, *ref, mesh, plan, functional, loss_fn), plan, name
+        except PlanError as exc:
+            refusal = exc
+    raise refusal
 
 
 def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -> dict[str, Any]:
@@ -313,16 +378,7 @@ def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -
         row["plan"] = plan_source(model)
         row["inputs"] = ", ".join(inputs)
         try:
-            plan, row["plan"] = plan_for(model, mesh, inputs)
-            try:
-                res = compare(model, inputs, ref_loss, ref_grads, mesh, plan, functional, loss_fn)
-            except PlanError:  # shard() refuses what auto_plan added to HF's plan: HF's alone, as a user would
-                if row["plan"] != "from_hf+auto_plan":
-                    raise
-                from ..plan.plan import ShardingPlan
-
-                plan, row["plan"] = ShardingPlan.from_hf(model), "from_hf"
-                res = compare(model, inputs, ref_loss, ref_grads, mesh, plan, functional, loss_fn)
+            res, plan, row["plan"] = _first_accepted(model, inputs, (ref_loss, ref_grads), mesh, functional, loss_fn)
         except (PlanError, ReplicationError, CheckpointError) as exc:  # the library's own refusal, by name
             row.update(outcome=REFUSED, reason=first_line(exc))
         except CollectiveError as exc:  # a collective that did not complete: a rank stuck or out of step
@@ -333,6 +389,11 @@ def _check(row: dict[str, Any], make, mesh, functional: bool, loss_fn=loss_of) -
                 row.update(outcome=UNBUILDABLE, reason=f"{MEMORY_CAP} ({first_line(exc)[:80]})")
         else:
             row["share"], row["proof"] = res["share"], proof_label(res["proof"])
+            if not res["ok"] and (again := rejudged_in_float64(model, inputs, mesh, plan, functional, loss_fn)):
+                res = {**res, "ok": again["ok"], "note": res["note"] + (
+                    f"; float32 rounding (loss {res['loss']:.1g}, grad {res['grad']:.1g}): exact in float64 to "
+                    f"{max(again['loss'], again['grad']):.0e}" if again["ok"] else
+                    f"; wrong in float64 too (loss {again['loss']:.2g}, grad {again['grad']:.2g})")}
             if not res["ok"]:
                 row.update(outcome=WRONG, reason=f"loss {res['loss']:.2g}, grad {res['grad']:.2g} ({res['where']})")
             elif row["proof"] == UNPROVED:  # shard()'s obligation broken (verify=True, allow_unproved=False): a bug

@@ -19,7 +19,7 @@ own (``out.loss``), else the mean square of its main output (``loss_of``).
 
 from __future__ import annotations
 
-__all__ = ["config_overrides", "loss_of", "reference"]
+__all__ = ["FORWARD_SEED", "config_overrides", "loss_of", "reference"]
 
 import inspect
 import math
@@ -39,6 +39,9 @@ _BOUNDARIES = {"image": (("image_start_token_id", "image_end_token_id"), ("visio
 BATCH, SEQ, SAMPLES, FRAMES, NUM_LABELS, IMAGE_SIDE = 2, 8, 400, 16, 3, 32
 #: tokens: labels are the input ids; target: other ids (a seq2seq decoder's); class: one of NUM_LABELS
 #: per sample; ctc: a short transcript per sample; contrastive: return_loss=True; none: no labels.
+#: torch's global generator is seeded with this before every forward the sweep compares: a model that
+#: draws from it (VibeVoice's diffusion noise) draws the same values unsharded and sharded
+FORWARD_SEED = 1234
 LABELS = ("none", "tokens", "target", "class", "ctc", "contrastive")
 _MISMATCH = re.compile(r"tokens\D{0,12}?(\d+)\D{0,16}?features\D{0,12}?(\d+)", re.IGNORECASE)
 #: the pixel argument of a forward, the first it takes (Video-LLaVA: images before videos)
@@ -384,6 +387,7 @@ def reference(model, config, task: Task, gen: torch.Generator) -> tuple[dict[str
         retry = False
         for inputs, tokens in _candidates(model, config, task, gen, placeholders):
             try:
+                torch.manual_seed(FORWARD_SEED)
                 loss = loss_of(model(**inputs))
                 if not torch.isfinite(loss):
                     raise ValueError(f"unsharded loss is {loss.item()}")

@@ -58,3 +58,57 @@ def test_the_config_stays_in_step_with_the_blocks_kept():
     assert [layer.self_attn.layer_idx for layer in layers] == [0, 1]
     assert [layer.self_attn.layer_type for layer in layers] == copied.layer_types
     assert model.config.num_hidden_layers == 4 and model.config.layer_types == kinds  # the model's own
+
+
+def _granite_encoder(layers: int = 2):
+    """Granite Speech 5's CTC encoder (the sweep's tiny config; ``layers`` plain blocks past 2) and a
+    batch: its forward runs the CTC head ``out`` (and ``out_mid`` on its softmax) after layer
+    ``num_hidden_layers // 2``."""
+    import torch
+    from transformers import GraniteSpeech5Encoder
+
+    from hp_functional.tools.sweep import build
+
+    model, inputs, _, _ = build("granite_speech5_encoder", 2)
+    if layers != 2:
+        config = model.config
+        config.num_hidden_layers, config.subsample_layers = layers, []
+        torch.manual_seed(0)
+        model = GraniteSpeech5Encoder(config).eval()
+    return model, inputs
+
+
+def test_a_forward_that_counts_its_layers_keeps_what_it_calls():
+    """A one-block copy of Granite Speech's encoder has ``num_hidden_layers // 2 == 0`` and never
+    runs its CTC head, so the probe and the dataflow pass saw nothing of ``out``/``out_mid`` and a
+    plan splitting them went through unproved: given a batch, the reduction is checked on meta
+    tensors and keeps two blocks of a kind where one does not call every module the model calls."""
+    from hp_functional.analysis.copies import meta_copy
+    from hp_functional.compile.reduced_copy import called_modules
+
+    model, inputs = _granite_encoder(layers=4)
+    whole = called_modules(meta_copy(model), ((), inputs))
+    assert {"out", "out_mid"} <= whole, whole
+    unchecked = reduced_copy(model)
+    assert len(unchecked.model.layers) < len(model.layers) and "out" not in called_modules(unchecked.model, ((), inputs))
+    checked = reduced_copy(model, inputs=((), inputs))
+    assert 1 < len(checked.model.layers) < len(model.layers), len(checked.model.layers)
+    assert {"out", "out_mid"} <= called_modules(checked.model, ((), inputs))
+    assert len(model.layers) == model.config.num_hidden_layers  # the model is only read
+
+
+def case_split_ctc_head():
+    from tests.support.helpers import mesh, raised
+
+    model, inputs = _granite_encoder()
+    plan = hpf.ShardingPlan({"out": hpf.Colwise(gather_output=False), "out_mid": hpf.Rowwise()})
+    return raised(hpf.shard, model, plan, mesh(), example_inputs=inputs)
+
+
+def test_a_plan_splitting_a_head_the_copy_skipped_is_refused():
+    """The CTC head's vocabulary split before a softmax over it: wrong (loss 3e-5 off, the head's
+    gradients 100 % off); refused now that the probe's copy runs the head."""
+    from tests.conftest import get_pool
+
+    for got in get_pool(2).run(case_split_ctc_head):
+        assert got is not None and got[0] == "PlanError" and "shard-time probe" in got[1], got

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import hp_functional as hpf
 from hp_functional.tools.models import TINY
+from tests.conftest import get_pool
 from tests.support.helpers import assert_close, build_hf, mesh
 from tests.support.models import MLP
 from tests.support.titan_llama import RMSNorm
@@ -257,7 +258,7 @@ def test_coverage_lists_every_parameter():
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     assert sorted([*cov.planned, *cov.replicated]) == sorted(names)
     assert not set(cov.planned) & set(cov.replicated)
-    assert cov.replicated["transformer.wpe.weight"].startswith("auxiliary embedding")
+    assert plan.entries["transformer.wpe"] == hpf.VocabEmbedding() and "transformer.wpe.weight" in cov.planned
     assert cov.replicated["transformer.h.0.attn.c_proj.bias"].startswith("rowwise bias")
     assert cov.replicated["transformer.ln_f.weight"].startswith("norm")
     assert cov.planned["transformer.h.0.attn.c_attn.weight"].endswith("packed 3")
@@ -347,13 +348,14 @@ def test_moe_is_found_by_routing_not_by_name():
     assert plan.coverage.replicated["moe.router.weight"].startswith("MoE")
     assert plan.entries["head"] == hpf.Colwise(gather_output=True) and plan.entries["embed"] == hpf.VocabEmbedding()
     soft = hpf.simulate(look(WithMoE(SoftMixture)), world_size=2)
-    assert soft.coverage.replicated["moe.router.weight"].startswith("lone projection")
-    assert soft.coverage.replicated["moe.experts.0.weight"].startswith("lone projection")
+    roles = {r.param: r.role for r in soft.coverage.rows}
+    assert roles["moe.router.weight"].startswith("lone projection (colwise, output gathered")
+    assert roles["moe.experts.0.weight"].startswith("lone projection (colwise, output gathered")
 
 
-def test_convolutions_and_other_parameters_are_replicated_and_reported():
+def test_lone_convolutions_split_and_other_parameters_are_replicated_and_reported():
     plan = hpf.simulate(look(WithUnknown(), example_inputs=torch.zeros(1, 8, dtype=torch.long)), world_size=2)
-    assert plan.coverage.replicated["mix.weight"].startswith("convolution (replicated")
+    assert plan.entries["mix"] == hpf.Colwise(gather_output=True)  # 17 % of the parameters, pairs with nothing
     assert plan.coverage.replicated["gain"].startswith("other parameter (replicated")
 
 
@@ -596,9 +598,10 @@ class ChainOfThree(nn.Module):
         return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
 
 
-def test_the_last_of_a_chain_of_three_is_fed_by_no_colwise_and_stays_replicated():
+def test_the_last_of_a_chain_of_three_is_fed_by_no_colwise_and_stays_lone():
     plan = hpf.simulate(look(ChainOfThree(), example_inputs=torch.randn(2, 5, 16)), world_size=2)
-    assert plan.entries == {"fc1": hpf.Colwise(), "fc2": hpf.Rowwise(), "fc3": hpf.NoParallel()}, plan.entries
+    assert plan.entries == {"fc1": hpf.Colwise(), "fc2": hpf.Rowwise(), "fc3": hpf.Colwise(gather_output=True)}, \
+        plan.entries
 
 
 # ---------------------------------------------------------------- convolutions, on request
@@ -625,15 +628,19 @@ class ConvNet(nn.Module):
         return self.head(self.block(self.stem(x)).mean((2, 3)))
 
 
-def test_convolutions_split_only_on_request():
+def test_convolutions_pair_only_on_request():
+    """By default each ungrouped convolution worth it is split on its own, its output gathered, and
+    none pairs; ``split_convolutions=True`` pairs them as projections."""
     x = torch.randn(2, 3, 8, 8)
     default = hpf.simulate(look(ConvNet(), example_inputs=x), world_size=2)
-    assert not any(isinstance(s, (hpf.Colwise, hpf.Rowwise, hpf.Channels)) for s in default.entries.values())
-    assert default.coverage.replicated["block.expand.weight"].startswith("convolution (replicated: split its channels")
+    assert not any(isinstance(s, (hpf.Rowwise, hpf.Channels)) for s in default.entries.values())
+    assert default.entries["block.expand"] == default.entries["block.project"] == hpf.Colwise(gather_output=True)
+    assert "block.dw.weight" in default.coverage.replicated  # grouped: never split on its own
     plan = hpf.simulate(look(ConvNet(), example_inputs=x, split_convolutions=True), world_size=2)
     assert {k: v for k, v in plan.entries.items() if not isinstance(v, hpf.NoParallel)} == {
         "block.expand": hpf.Colwise(), "block.bn1": hpf.Channels(), "block.dw": hpf.Channels(),
-        "block.bn2": hpf.Channels(), "block.project": hpf.Rowwise()}, plan.entries
+        "block.bn2": hpf.Channels(), "block.project": hpf.Rowwise(),
+        "stem": hpf.Colwise(gather_output=True)}, plan.entries  # the stem pairs with none: lone
 
 
 def case_resnet_split_convolutions():
@@ -733,3 +740,51 @@ def test_an_output_embedding_that_is_no_projection_is_not_taken_for_the_head():
 
     row = combine(get_pool(2).run(case_musicgen))
     assert row["outcome"] == EXACT, row
+
+
+class Lone(nn.Module):
+    """Projections, tables and a convolution that pair with nothing: a classifier and a convolution
+    worth splitting, a gate under 1 % of the parameters, a position table looked up by its own
+    forward only, a type table its parent also reads by weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos, self.types = nn.Embedding(32, 16), nn.Embedding(8, 16), nn.Embedding(4, 16)
+        self.conv = nn.Conv1d(16, 16, 3, padding=1)
+        self.gate, self.cls, self.head = nn.Linear(16, 1), nn.Linear(16, 16), nn.Linear(16, 32)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos(torch.arange(ids.shape[1])) + self.types(torch.zeros_like(ids))
+        h = h + self.types.weight.mean(0) + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(torch.sigmoid(self.gate(h)) * self.cls(h))
+
+
+def test_lone_projections_tables_and_convolutions_worth_it_are_split():
+    """What pairs with nothing is split where it holds 1 % of the parameters or more and only its
+    own forward reads its weight (``ModelTrace.param_users``): a lone projection or convolution
+    colwise with its output gathered, a table by rows (``VocabEmbedding``); else replicated."""
+    plan = hpf.simulate(look(Lone(), example_inputs=torch.zeros(2, 8, dtype=torch.long)), world_size=2)
+    assert plan.entries["cls"] == hpf.Colwise(gather_output=True) == plan.entries["conv"]
+    assert plan.entries["pos"] == hpf.VocabEmbedding()
+    assert plan.coverage.replicated["gate.weight"].startswith("lone projection (replicated")  # 17 of 2321
+    assert plan.coverage.replicated["types.weight"].startswith("auxiliary embedding (positions, types: replicated")
+
+
+def case_lone():
+    torch.manual_seed(0)
+    model, m = Lone(), mesh()
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    apply_fn, params, info = hpf.shard(model, hpf.auto_plan(model, m, example_inputs=ids), m)
+    model(ids).square().mean().backward()
+    out = apply_fn(params, ids)
+    out.square().mean().backward()
+    assert_close(out, model(ids).detach(), "output")
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    return {k: assert_close(full[k], p.grad, f"grad {k}") for k, p in model.named_parameters()}, \
+        {k: str(i.placements) for k, i in info.items()}
+
+
+def test_lone_modules_split_are_exact():
+    for diffs, placements in get_pool(2).run(case_lone):
+        assert max(diffs.values()) < 1e-5, diffs
+        assert placements["cls.weight"] == placements["conv.weight"] == placements["pos.weight"] == "(Shard(dim=0),)"

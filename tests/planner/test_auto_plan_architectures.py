@@ -213,11 +213,11 @@ def test_encoder_decoder_roles_come_from_the_dataflow():
     assert not [n for n in plan.notes if "gathered" in n], plan.notes
 
 
-def test_clip_projections_and_convolutions_are_replicated_and_reported():
+def test_clip_projections_and_convolutions_are_split_or_replicated_and_reported():
     model, inputs = clip()
     plan = hpf.simulate(lambda mesh: hpf.auto_plan(model, mesh, example_inputs=inputs), world_size=2)
     replicated = plan.coverage.replicated
-    assert replicated["visual_projection.weight"].startswith("lone projection")
+    assert plan.entries["visual_projection"] == hpf.Colwise(gather_output=True)  # lone, worth an all-gather
     assert replicated["vision_model.embeddings.patch_embedding.weight"].startswith("convolution (replicated")
     assert plan.coverage.planned["vision_model.encoder.layers.0.mlp.fc1.weight"] == "S(0)"
 

@@ -81,10 +81,13 @@ def reduced_copy(model: nn.Module, marks: Mapping[str, str] | None = None,
     different widths breaks a one-block copy; then two blocks of each kind are kept, else none is
     dropped (the checks then cost the whole model's depth).  ``keep``: the blocks of each kind to
     start from (None: none dropped)."""
-    whole = None if inputs is None or keep is None else called_modules(meta_copy(model), inputs)
+    whole: set[str] | None = None
     for level in (1, 2) if keep == 1 else (keep,) if keep else ():
         reduced = _reduced(model, marks or {}, level)
-        if whole is None or not reduced.renames or _stands_in(reduced, inputs, whole):
+        if inputs is None or not reduced.renames:
+            return reduced
+        whole = whole if level > 1 else called_modules(meta_copy(model), inputs)
+        if whole is None or _stands_in(reduced, inputs, whole):
             return reduced
     return Reduced(meta_copy(model), {name: [name] for name, _ in model.named_parameters(remove_duplicate=False)})
 

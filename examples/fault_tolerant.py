@@ -5,13 +5,15 @@ dimension, each one sharded inside by ``hpf.shard`` (TP) and, with ``--fsdp N``,
     export TORCHFT_LIGHTHOUSE=http://localhost:29510
     REPLICA_GROUP_ID=0 torchrun --nproc-per-node 2 --master-port 29600 --max-restarts 3 examples/fault_tolerant.py &
     REPLICA_GROUP_ID=1 torchrun --nproc-per-node 2 --master-port 29601 --max-restarts 3 examples/fault_tolerant.py \\
-        --crash-at 5
+        --crash-at 5 --fsdp 2
 
 Each ``torchrun`` is one replica group (its own world, its own ``--master-port``); torchft's Lighthouse
 keeps the quorum of groups.  ``--crash-at K`` makes the group's last rank SIGKILL itself at step K on
 its first start, as a crash would: torchrun's agent restarts the group (``--max-restarts``), the
 restarted group heals from the other over the network (no checkpoint read) while the other never
-stops.  Every group trains until ``--steps`` steps are committed and the last step had all
+stops.  The groups may shard differently (``--fsdp 2`` in one, TP in the other): a group heals at its
+own layout (``hpf.reshard`` inside it) and the groups average their gradients at a layout they
+share.  Every group trains until ``--steps`` steps are committed and the last step had all
 ``--groups`` groups (or gives up at ``--max-steps``); rank 0 of each prints its step, loss and a
 digest of the whole state (params and optimizer state), the same in every group.
 """
@@ -51,8 +53,10 @@ def train(mesh, group: int, args) -> tuple[FaultTolerant, dict, float]:
     apply_fn, params, shard_info = hpf.fsdp(*hpf.shard(model, plan, mesh), mesh, "dp_shard")
     params = {k: p.detach() for k, p in params.items()}
     opt = hpf.optim.adamw(1e-3, weight_decay=0.1)
+    # every group builds the same weights (seed 0), so no step-0 sync is needed; groups at different layouts
+    # (--fsdp differs) cannot take one: torchft syncs step 0 rank by rank
     ft = FaultTolerant(opt, params, opt.init(params), shard_info, replica_id=f"group_{group}",
-                       timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
+                       timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30), init_sync=False)
 
     def loss_fn(p, ids):
         return apply_fn(p, input_ids=ids, labels=ids, use_cache=False).loss

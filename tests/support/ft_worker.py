@@ -1,7 +1,8 @@
 """One rank of one replica group under torchft, for tests/train/test_fault_tolerance.py.
 
 ``run_rank`` is forked (from the rank pool's forkserver) once per rank and per attempt of a replica
-group: it joins its group's own gloo world (TP over ``tp`` ranks), shards the test MLP, and trains
+group: it joins its group's own gloo world of ``tp`` ranks, shards the test MLP at the group's layout
+(``cfg["layouts"][replica]``: ``"tp"``, the default, or ``"fsdp"``), and trains
 with ``FaultTolerant`` until ``steps`` steps are committed and the last one had ``want``
 participants.  Rank 0 appends every committed step to ``progress_<replica>`` and writes the final
 full state to ``replica<replica>.pt``.  ``cfg["kill"]`` makes a rank SIGKILL itself, as a crash
@@ -62,19 +63,29 @@ def _setup(cfg: dict, replica: int, attempt: int, rank: int, port: int):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cfg["tp"]))
     timeout = timedelta(seconds=cfg["timeout"])
     dist.init_process_group("gloo", timeout=timeout)
-    mesh = init_device_mesh("cpu", (cfg["tp"],), mesh_dim_names=("tp",))
-    model = MLP()
-    model.load_state_dict(make_mlp_state())
-    apply_fn, params, info = hpf.shard(model, PLANS["tp"], mesh)
+    apply_fn, params, info = sharded(cfg["layouts"].get(replica, "tp"), cfg["tp"])
     opt = hpf.optim.adamw(LR)
     kill = cfg["kill"].get((replica, attempt))
     transport = _transport(timeout, kill is not None and kill[0] == rank and kill[1] == "recv")
     ft = FaultTolerant(opt, params, opt.init(params), info, replica_id=f"replica_{replica}", lighthouse=cfg["lighthouse"],
                        hostname="127.0.0.1", timeout=timeout, quorum_timeout=timedelta(seconds=cfg["quorum_timeout"]),
-                       connect_timeout=timedelta(seconds=10), checkpoint_transport=transport)
+                       connect_timeout=timedelta(seconds=10), checkpoint_transport=transport,
+                       init_sync=cfg.get("init_sync", True))
     if attempt == 0:  # the first starts wait for each other, so that the first quorum has every group
         _barrier(cfg, f"ready_{replica}_{rank}", cfg["groups"] * cfg["tp"])
     return apply_fn, info, ft, kill
+
+
+def sharded(layout: str, ranks: int) -> tuple:
+    """The test MLP over the group's ``ranks``: ``"tp"`` (colwise/rowwise over a ``tp`` mesh) or ``"fsdp"``
+    (``hpf.fsdp`` over a ``dp`` mesh: every leaf's rows chunked over the ranks, each rank feeding the whole batch)."""
+    model = MLP()
+    model.load_state_dict(make_mlp_state())
+    if layout == "tp":
+        return hpf.shard(model, PLANS["tp"], init_device_mesh("cpu", (ranks,), mesh_dim_names=("tp",)))
+    mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("dp",))
+    apply_fn, params, info = hpf.fsdp(*hpf.shard(model, {}, mesh), mesh, "dp")
+    return apply_fn, {k: p.detach() for k, p in params.items()}, info
 
 
 def _barrier(cfg: dict, name: str, count: int) -> None:

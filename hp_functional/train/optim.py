@@ -33,7 +33,7 @@ from ..core.placement import ShardInfo
 from .optim_masks import Mask, PatternMask, decay_mask, mask_fn
 from .optim_muon import NS_COEFFICIENTS, adjusted_lr, check_muon, is_matrix, orthogonalized
 from .optim_schedules import Schedule, check_lr, constant, linear_warmup, lr_at, warmup_cosine
-from .optim_zero import gather_rows, row_infos, rows_of, scatter_rows
+from .optim_zero import agree_stepped, gather_rows, row_infos, rows_of, scatter_rows
 
 Params = Mapping[str, Tensor]
 Grads = Mapping[str, Tensor | None]
@@ -388,7 +388,8 @@ def zero(inner: Optimizer, shard_info: Mapping[str, ShardInfo], mesh, axis: str 
     on its ranks; each rank reads its rows.  ``stage=2`` (ZeRO-2): ``grads`` are each rank's own,
     unreduced; one reduce-scatter per bucket gives each rank its rows of their mean (instead of an
     all-reduce of everything).  A collective over ``axis``; a leaf's ``None`` gradient must be so on
-    every rank (it keeps its parameter).  Inverse view: ``state_info(state, zero_info(...))``."""
+    every rank of it (it keeps its parameter), else a ``PlanError`` on each, before the data collectives
+    (one small all-gather a step agrees it).  Inverse view: ``state_info(state, zero_info(...))``."""
     if not isinstance(inner, Optimizer):
         raise TypeError(f"zero: inner must be an hpf.optim Optimizer, got {type(inner).__name__}")
     if stage not in (1, 2):
@@ -413,10 +414,10 @@ def zero(inner: Optimizer, shard_info: Mapping[str, ShardInfo], mesh, axis: str 
         if list(state.over) != [axis]:
             raise PlanError(f"zero.update: the state is sharded over {list(state.over)}, this optimizer over {axis!r}")
         with torch.no_grad():
-            rows = rows_of(grads, infos) if stage == 1 else scatter_rows(grads, infos, group, bucket_bytes)
+            stepped = agree_stepped(grads, infos, group, "zero.update")
+            rows = rows_of(grads, infos) if stage == 1 else scatter_rows(grads, infos, stepped, group, bucket_bytes)
         new_rows, new_state = inner.update(rows, state.over[axis], rows_of(params, infos))
         with torch.no_grad():
-            stepped = [k for k in params if grads[k] is not None]
             full = gather_rows(new_rows, infos, stepped, group, bucket_bytes)
         return {k: full.get(k, params[k]) for k in params}, ZeroState({axis: new_state})
 

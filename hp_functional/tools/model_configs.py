@@ -7,16 +7,19 @@ Why generic: the support table (``benchmarks/models.py``) sweeps every causal-LM
 the installed transformers; a table of hand-written configs would go stale with each release.
 Per-layer layouts (``layer_types``, hybrid block lists, index lists such as ``full_attn_idxs``)
 keep one layer of each distinct kind, so hybrid linear-attention, sliding-window and MoE/dense
-mixes are still exercised at 2 to 4 layers.  ``FAMILY`` holds the few per-family fix-ups.
+mixes are still exercised at 2 to 4 layers.  ``FAMILY`` holds the few per-family fix-ups (more of
+them: ``model_configs_fixes``).
 """
 
 from __future__ import annotations
 
-__all__ = ["VOCAB", "special_ids", "tiny_config_for"]
+__all__ = ["IMAGE", "VOCAB", "special_ids", "tiny_config_for"]
 
 import functools
 import math
 from typing import Any
+
+from .model_configs_fixes import family_fixes
 
 HIDDEN, FFN, MOE_FFN, HEADS, HEAD_DIM, VOCAB, POSITIONS, WINDOW = 64, 128, 64, 4, 16, 128, 64, 4
 EXPERTS, TOP_K, RANK, ROPE_DIM = 4, 2, 32, 8
@@ -271,6 +274,7 @@ FAMILY: dict[str, Any] = {  # a dict of fields, or a function of the KV head cou
     **{t: {"quantization_dim": FFN, "num_key_value_heads": HEADS} for t in ("xcodec2", "neucodec")},
     "zamba": {"num_hidden_layers": 5, "layers_block_type": None,  # two hybrid layers share one transformer
               "attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS},
+    **family_fixes(HIDDEN, HEADS, VOCAB),  # more, in their own module (model_configs_fixes)
 }
 
 

@@ -108,17 +108,17 @@ def hf_declares_plan(model) -> bool:
 
 def build(model_type: str, tp: int, seed: int = 0, task=None):
     """The tiny model of ``task`` (default: the type's main head, ``sweep_tasks.task_for``; eval
-    mode: no dropout; weights perturbed so no parameter sits at its symmetric init), its inputs (a
-    dict of keyword arguments: token ids avoid every special token) and the unsharded loss and
-    gradients."""
+    mode: no dropout, except the few ``sweep_tasks.TRAIN_MODE`` types; weights perturbed so no parameter
+    sits at its symmetric init), its inputs (a dict of keyword arguments: token ids avoid every special
+    token) and the unsharded loss and gradients."""
     from .model_configs import tiny_config_for
     from .sweep_inputs import config_overrides, reference
-    from .sweep_tasks import instantiate, task_for
+    from .sweep_tasks import TRAIN_MODE, instantiate, task_for
 
     task = task or task_for(model_type)
     config = tiny_config_for(model_type, tp=tp, **config_overrides(task))
     torch.manual_seed(seed)
-    model = instantiate(model_type, task, config).eval()
+    model = instantiate(model_type, task, config).train(model_type in TRAIN_MODE)
     if hasattr(model, "set_default_language") and getattr(config, "languages", None):  # X-MOD: adapters per language
         model.set_default_language(config.languages[0])
     g = torch.Generator().manual_seed(seed + 1)

@@ -8,11 +8,12 @@ too; they are re-exported here for ``sweep_inputs``.
 ``audio_count`` asks the model how many placeholder tokens one sample's audio fills (the rows of
 its ``get_audio_features``, else its audio tower's ``_get_feat_extract_output_lengths``; one per
 frame of codes), so the ids carry exactly that many, as the processor writes them.
+``AUDIO_INPUTS``: the audio inputs of the types no layout fits (``sweep_inputs.EXTRA_INPUTS`` adds them).
 """
 
 from __future__ import annotations
 
-__all__ = ["audio_count", "audio_inputs"]
+__all__ = ["AUDIO_INPUTS", "audio_count", "audio_inputs"]
 
 import inspect
 from typing import Any
@@ -71,3 +72,37 @@ def _tower_rows(model, media: dict[str, Any]) -> int | None:
         return None
     lengths = lengths[-1] if isinstance(lengths, tuple) else lengths
     return int(lengths.sum()) if isinstance(lengths, torch.Tensor) else None
+
+
+#: the frames of codes (a codec's, a speech LM's) the per-type inputs carry
+CODE_FRAMES = 4
+
+
+def _folded_spectrogram(config, gen: torch.Generator) -> dict[str, Any]:
+    """CLAP's (HTSAT's) log-mel features ``(batch, 1, frames, mel bins)``: as many frames as it folds into
+    its square input (``spec_size x spec_size // num_mel_bins``)."""
+    audio = config.audio_config
+    frames = audio.spec_size * (audio.spec_size // audio.num_mel_bins)
+    return {"input_features": torch.randn((BATCH, 1, frames, audio.num_mel_bins), generator=gen)}
+
+
+def _text_and_codes(config, gen: torch.Generator) -> dict[str, Any]:
+    """Kyutai STT's ids, per frame its text token and one code per codebook ``(batch, frames, 1 + codebooks)``
+    (codes below the audio BOS, text above its special ids); its labels the text."""
+    text = torch.randint(config.pad_token_id + 1, config.vocab_size, (BATCH, CODE_FRAMES, 1), generator=gen)
+    codes = torch.randint(0, config.audio_bos_token_id, (BATCH, CODE_FRAMES, config.num_codebooks), generator=gen)
+    return {"input_ids": torch.cat([text, codes], dim=-1), "labels": text[..., 0]}
+
+
+def _channel_frames(config, gen: torch.Generator) -> dict[str, Any]:
+    """Dia's decoder ids, a code per channel per frame ``(batch, frames, channels)``, and its labels with
+    the channels flattened into the batch ``(batch x channels, frames)``, as its logits (above pad, BOS, EOS)."""
+    decoder = config.decoder_config
+    shape = (BATCH, CODE_FRAMES, decoder.num_channels)
+    return {"decoder_input_ids": torch.randint(3, decoder.vocab_size, shape, generator=gen),
+            "labels": torch.randint(3, decoder.vocab_size, (BATCH * decoder.num_channels, CODE_FRAMES), generator=gen)}
+
+
+#: model type -> ``(config, gen) -> audio inputs`` where no layout of ``audio_inputs`` fits
+AUDIO_INPUTS: dict[str, Any] = {"clap": _folded_spectrogram, "kyutai_speech_to_text": _text_and_codes,
+                                "dia": _channel_frames}

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from .model_configs import VOCAB, special_ids
-from .sweep_audio import audio_count, audio_inputs
-from .sweep_media import feature_count, find, image_inputs, token_inputs
+from .sweep_audio import AUDIO_INPUTS, audio_count, audio_inputs
+from .sweep_media import IMAGE_INPUTS, feature_count, find, image_inputs, token_inputs
 from .sweep_tasks import Task
 
 #: the ids that open and close a modality's placeholders, per modality, the first pair the config names
@@ -72,7 +72,9 @@ def loss_of(out) -> torch.Tensor:
 def _first_tensor(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor) and out.is_floating_point():
         return out
-    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    # (a detector's keypoints: coordinates picked by thresholds, no gradient; SuperPoint's come first)
+    items = [v for k, v in out.items() if k != "keypoints"] if isinstance(out, dict) else \
+        out if isinstance(out, (tuple, list)) else ()
     for item in items:
         if item is not None and (t := _first_tensor_or_none(item)) is not None:
             return t
@@ -310,6 +312,7 @@ EXTRA_INPUTS: dict[str, Any] = {
     # SegGPT stacks the image over its prompt: each half the height of its image_size
     "seggpt": lambda c, g: {k: _float(g, BATCH, c.num_channels, _pair(c.image_size)[0] // 2, _pair(c.image_size)[1])
                             for k in ("pixel_values", "prompt_pixel_values", "prompt_masks")},
+    **IMAGE_INPUTS, **AUDIO_INPUTS,  # more images and audio (sweep_media, sweep_audio)
 }
 
 

@@ -6,11 +6,12 @@ per sample, plain pixels, flattened patches: ``image_inputs``) are built from th
 here for ``sweep_inputs``.  ``feature_count`` asks the model how many placeholder tokens one
 sample's image fills (its ``get_image_features`` on those inputs), so the ids carry exactly that
 many; ``token_inputs`` builds the per-token arguments a processor returns with them.
+``IMAGE_INPUTS``: the image inputs of the types no layout fits (``sweep_inputs.EXTRA_INPUTS`` adds them).
 """
 
 from __future__ import annotations
 
-__all__ = ["feature_count", "feature_rows", "find", "image_inputs", "token_inputs"]
+__all__ = ["IMAGE_INPUTS", "feature_count", "feature_rows", "find", "image_inputs", "token_inputs"]
 
 import inspect
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from ..analysis.media import BATCH, find, image_inputs
+from .model_configs import IMAGE, special_ids
 
 _RENAMED = {"pixel_values_images": "pixel_values"}
 
@@ -81,3 +83,31 @@ def _types_mark_images(model) -> bool:
     """Whether ``model``'s ``token_type_ids`` mark its image tokens with 1 (Gemma 3's modeling code
     builds its bidirectional image blocks from them: ``get_block_sequence_ids_for_mask``)."""
     return hasattr(inspect.getmodule(type(model)), "get_block_sequence_ids_for_mask")
+
+
+def _merged_patches(config, gen: torch.Generator) -> dict[str, Any]:
+    """Inkling 2's vision tower: a row per language-model token, its ``(merge x patch)²`` pixels by
+    channels (its processor's layout), and each image's grid in those tokens (``1 x side x side``)."""
+    side = config.spatial_merge_size * config.patch_size
+    n = IMAGE // side
+    return {"pixel_values": torch.randn((BATCH * n * n, side, side, config.num_channels), generator=gen),
+            "image_grid_thw": torch.tensor([[1, n, n]] * BATCH)}
+
+
+def _one_video(config, gen: torch.Generator) -> dict[str, Any]:
+    """TVP: one sample (it views its column position embeddings with the batch size, so only a batch of
+    one runs), ``num_frames`` frames at its ``max_img_size`` and 8 token ids."""
+    allowed = torch.tensor([i for i in range(3, config.vocab_size) if i not in special_ids(config)])
+    size = config.max_img_size
+    return {"pixel_values": torch.randn((1, config.num_frames, 3, size, size), generator=gen),
+            "input_ids": allowed[torch.randint(0, len(allowed), (1, 8), generator=gen)]}
+
+
+#: model type -> ``(config, gen) -> image inputs`` where no layout of ``image_inputs`` fits
+IMAGE_INPUTS: dict[str, Any] = {
+    "efficientloftr": lambda c, g: {"pixel_values": torch.randn((BATCH, 2, 3, IMAGE, IMAGE), generator=g)},  # a pair
+    "inkling2_vision": _merged_patches,
+    "tvp": _one_video,
+    # UVDoc's backbone downsamples 16x: twice the tiny side leaves 4 x 4 for its reflect-padded 5 x 5 head
+    "uvdoc": lambda c, g: {"pixel_values": torch.randn((BATCH, 3, 2 * IMAGE, 2 * IMAGE), generator=g)},
+}

@@ -11,7 +11,7 @@ made is ``sweep_inputs``.
 
 from __future__ import annotations
 
-__all__ = ["NOT_TINY", "Task", "category_of", "instantiate", "task_for"]
+__all__ = ["NOT_TINY", "TRAIN_MODE", "Task", "category_of", "instantiate", "task_for"]
 
 import inspect
 from dataclasses import dataclass, replace
@@ -54,7 +54,6 @@ NOT_TINY: dict[str, str] = {
         "qwen2_5_omni", "qwen3_omni_moe")},
     **{t: "its forward tracks objects through a video inference session, not a batch of tensors" for t in (
         "sam2_video", "sam3_video", "sam3_tracker_video", "edgetam_video")},
-    "reformer": "its reversible layers' backward runs in train mode only (the sweep compares models in eval mode)",
     "voxtral_realtime_text": "its auto mapping names a class transformers does not define",
     "chameleon": "its image-token vocabulary map comes with a checkpoint (the config's default is None)",
     **{t: "a drafter: its forward runs on the KV states its target model shares with it" for t in (
@@ -62,6 +61,12 @@ NOT_TINY: dict[str, str] = {
     "muse_glimmer_assistant": "a block drafter: its forward runs on its target model's hidden states and block masks",
     "glm_image_vqmodel": "no forward: GLM-Image's VQ-VAE runs through its encode/decode methods only",
     "wavtokenizer_encoder": "an encoder to discrete codes: its output holds no floating-point tensor to differentiate",
+}
+
+#: types the sweep builds in train mode (every other in eval mode), and why that is still deterministic
+TRAIN_MODE: dict[str, str] = {
+    "reformer": "its reversible layers' backward runs in train mode only; every dropout of the tiny config is 0, and "
+                "its LSH attention's 8 tokens in 2 chunks of 4 each see the whole causal past whatever the hash",
 }
 
 CATEGORIES = ("decoder LM", "encoder", "encoder-decoder", "vision", "speech", "dual encoder", "vision-language",

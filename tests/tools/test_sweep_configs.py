@@ -1,8 +1,10 @@
 """The support table's tiny configs, inputs and proof column (``tools.model_configs``,
 ``tools.sweep_inputs``, ``tools.sweep``, ``benchmarks/models.py``): the rules that made the types
 which did not build tiny build (backbone outputs within the tiny layers, nested configs shrunk, codec
-ratios, a Qwen-VL tower's own patches and grid, per-type inputs), how a row's proof is labelled, and
-the goal counted over every type.  Configs only (no model is built): cheap."""
+ratios, a Qwen-VL tower's own patches and grid, per-type inputs, the loss of a detector, a type built
+in train mode), how a row's proof is labelled, and the goal counted over every type.  Mostly configs;
+the few that build a tiny model (a tenth of a second each, once transformers' modules are loaded) are
+marked slow."""
 
 import importlib.util
 import inspect
@@ -13,15 +15,26 @@ import pytest
 import torch
 
 from hp_functional.analysis.media import image_inputs
-from hp_functional.tools.model_configs import HIDDEN, tiny_config_for
+from hp_functional.tools.model_configs import FAMILY, HEADS, HIDDEN, VOCAB, tiny_config_for
+from hp_functional.tools.model_configs_fixes import family_fixes
 from hp_functional.tools.sweep import EXACT, UNBUILDABLE, UNPROVED, build, first_line, proof_label, unbuildable
-from hp_functional.tools.sweep_inputs import EXTRA_INPUTS
-from hp_functional.tools.sweep_tasks import NOT_TINY, instantiate, task_for
+from hp_functional.tools.sweep_inputs import EXTRA_INPUTS, loss_of
+from hp_functional.tools.sweep_tasks import NOT_TINY, TRAIN_MODE, instantiate, task_for
 
 _SPEC = importlib.util.spec_from_file_location("support_table", Path(__file__).resolve().parents[2] / "benchmarks" / "models.py")
 _TABLE = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(_TABLE)
 goal, proofs = _TABLE.goal, _TABLE.proofs
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread while tiny models build, as in the rank pool's ranks (two threads on a busy
+    2-core machine spin: a build then takes seconds instead of a tenth of one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_a_row_is_labelled_by_what_proved_it_and_anything_else_is_unproved():
@@ -141,3 +154,71 @@ def test_a_composite_head_is_built_from_its_part_with_the_labels_it_takes():
     assert type(model.config) is type(config.decoder)
     _, inputs, loss, _ = build("musicgen", 2)
     assert inputs["labels"].shape == (2, 8, config.decoder.num_codebooks) and torch.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_a_field_only_a_checkpoint_carries_and_a_stale_derived_field_get_tiny_values(one_thread):
+    """PP-OCRv6's detectors: PP-LCNetV4 restated as a detector's backbone (its stage widths those of its
+    blocks, not the stale shrunk defaults; four stages out, as its neck reads); PP-OCRv5's neck
+    convolutions (None by default); X-Codec's semantic frames at its acoustic hop, with quantizers left
+    at its bandwidth: each built and run unsharded.  (These fixes live in ``model_configs_fixes``: each is
+    the one ``FAMILY`` applies.)"""
+    fixes = family_fixes(HIDDEN, HEADS, VOCAB)
+    assert "pp_ocrv6_small_det" in fixes and all(FAMILY[t] == fix for t, fix in fixes.items())
+    small = tiny_config_for("pp_ocrv6_small_det")
+    backbone = small.backbone_config
+    assert backbone.stage_out_channels == [blocks[-1][2] for blocks in backbone.block_configs] == small.layer_list_out_channels
+    assert backbone.out_features == ["stage1", "stage2", "stage3", "stage4"]
+    server = tiny_config_for("pp_ocrv5_server_det")
+    assert server.intraclass_block_config and len(server.scale_factor_list) == len(server.backbone_config.stage_out_channels)
+    xcodec = tiny_config_for("xcodec")
+    assert math.prod(xcodec.semantic_model_config.conv_stride) == xcodec.hop_length and xcodec.num_quantizers >= 1
+    for model_type in ("pp_ocrv6_small_det", "pp_ocrv5_server_det", "xcodec"):
+        _, _, loss, grads = build(model_type, 2)
+        assert torch.isfinite(loss) and any(g is not None for g in grads.values()), model_type
+
+
+@pytest.mark.slow
+def test_a_type_whose_forward_takes_no_generic_layout_gets_inputs_of_its_own(one_thread):
+    """CLAP's spectrogram (batch, 1, frames, mel bins); Kyutai STT's ids, a text token and a code per
+    codebook per frame, its padding id the embedding's last row; Dia's codes per channel and labels per
+    channel; TVP's one video (its forward runs a batch of one only); Inkling 2's tower's patches per
+    language-model token: each built and run unsharded."""
+    _, inputs, loss, _ = build("clap", 2)
+    assert inputs["input_features"].dim() == 4 and torch.isfinite(loss)
+    model, inputs, loss, _ = build("kyutai_speech_to_text", 2)
+    table = model.model.embed_tokens.embed_tokens
+    assert inputs["input_ids"].shape[-1] == 1 + model.config.num_codebooks and table.padding_idx == table.num_embeddings - 1
+    model, inputs, loss, _ = build("dia", 2)
+    channels = model.config.decoder_config.num_channels
+    assert inputs["labels"].shape[0] == 2 * channels and inputs["decoder_input_ids"].shape[-1] == channels
+    _, inputs, loss, _ = build("tvp", 2)
+    assert inputs["pixel_values"].shape[0] == inputs["input_ids"].shape[0] == 1 and torch.isfinite(loss)
+    model, inputs, loss, _ = build("inkling2_vision", 2)
+    side = model.config.spatial_merge_size * model.config.patch_size
+    assert inputs["pixel_values"].shape[1:3] == (side, side) and torch.isfinite(loss)
+
+
+def test_a_detector_loss_is_not_taken_from_its_keypoints():
+    """SuperPoint's first output is its keypoints, coordinates picked by thresholds (no gradient): the
+    loss is the mean square of its scores, the next output."""
+    scores = torch.tensor([[0.5, 2.0]], requires_grad=True)
+    out = {"keypoints": torch.tensor([[[0.1, 0.2], [0.3, 0.4]]]), "scores": scores}
+    assert torch.equal(loss_of(out), scores.pow(2).mean())
+
+
+@pytest.mark.slow
+def test_superpoint_and_reformer_build_reformer_in_train_mode(one_thread):
+    """SuperPoint's loss reaches its encoder and keypoint decoder.  Reformer's reversible layers run their
+    backward in train mode only: it is built in train mode, deterministic there (every dropout 0; its
+    LSH buckets cannot change what a token attends), so two forwards from different seeds agree."""
+    _, _, loss, grads = build("superpoint", 2)
+    assert grads["encoder.conv_blocks.0.conv_a.weight"] is not None and grads["keypoint_decoder.conv_score_b.weight"] is not None
+    model, inputs, loss, grads = build("reformer", 2)
+    assert model.training and "reformer" in TRAIN_MODE and "reformer" not in NOT_TINY
+    assert grads["reformer.embeddings.word_embeddings.weight"] is not None
+    again = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        again.append(model(**inputs).loss.detach())
+    assert torch.allclose(again[0], loss) and torch.allclose(again[1], loss)

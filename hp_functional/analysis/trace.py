@@ -55,6 +55,10 @@ MIXING_OPS = {
     **{f: ("norm", None) for f in (torch.nn.functional.layer_norm, torch.nn.functional.rms_norm,
                                    torch.nn.functional.group_norm)},
 }
+#: ops whose output features are new ones, contracted from two operands (a ``MIXING_OPS`` op after them
+#: combines those, not a projection's)
+CONTRACTIONS = {torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.bmm, Tensor.bmm, torch.mm,
+                Tensor.mm, torch.einsum, torch.baddbmm, Tensor.baddbmm, torch.nn.functional.scaled_dot_product_attention}
 RESHAPES = ("view", "reshape", "unflatten")  # calls whose ints are a shape
 SPLITS = RESHAPES + ("split", "chunk")  # calls whose attribute ints must be local on the skeleton
 
@@ -165,6 +169,9 @@ class _Tracer(TorchFunctionMode):
         self.dispatch: set[str] = set()  # modules in which an op took routed data
         self.failed_routed: str | None = None  # where the last op that raised took routed data
         self.mixes: list[ShapeCall] = []  # ops that combined the entries of their input's last dim
+        #: id of a tensor -> the modules whose output features reach it with no contraction on the way
+        #: (a matmul with another tensor makes new features: GroupViT's ``attn = q @ k^T`` is no q_proj output)
+        self.direct: dict[int, frozenset[str]] = {}
         self.param_names: dict[int, list[str]] = {}  # id of each traced parameter -> its FQNs (set by ``_trace``)
         self.param_users: dict[str, set[str]] = {}  # parameter FQN -> the innermost modules of the ops that took it
 
@@ -176,6 +183,11 @@ class _Tracer(TorchFunctionMode):
             if isinstance(t, Tensor):
                 self.keep.append(t)
                 self.sources[id(t)] = sources
+                self.direct[id(t)] = sources
+
+    def features_of(self, obj) -> frozenset[str]:
+        """The modules whose output features reach ``obj`` with no contraction on the way (``direct``)."""
+        return frozenset().union(*(self.direct.get(id(t), ()) for t in _leaves(obj) if isinstance(t, Tensor)))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -193,9 +205,11 @@ class _Tracer(TorchFunctionMode):
             for name in self.param_names.get(id(t), ()) if isinstance(t, nn.Parameter) else ():
                 self.param_users.setdefault(name, set()).add(self.stack[-1] if self.stack else "")
         outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
+        direct = frozenset() if func in CONTRACTIONS else self.features_of((args, kwargs))
         for t in outs:
             self.keep.append(t)
             self.sources[id(t)] = sources | self.sources.get(id(t), frozenset())
+            self.direct[id(t)] = direct | self.direct.get(id(t), frozenset())
         route = ROUTING_OPS.get(func)
         selects = any(not t.is_floating_point() for t in routed)  # routed indices or masks select data
         if route and sources - {INPUT}:  # a selection by a score some module computed (not by the input ids)
@@ -212,7 +226,8 @@ class _Tracer(TorchFunctionMode):
                                                   frozenset(), (), (tuple(outs[0].shape),)))
         if func in MIXING_OPS and args and isinstance(args[0], Tensor) and _mixes_last(func, args, kwargs):
             self.mixes.append(ShapeCall(self.stack[-1] if self.stack else "", MIXING_OPS[func][0], frozenset(),
-                                        self.src(args[0]), tuple(args[0].shape), tuple(tuple(t.shape) for t in outs)))
+                                        self.features_of(args[0]), tuple(args[0].shape),
+                                        tuple(tuple(t.shape) for t in outs)))
         op = SHAPE_OPS.get(func)
         if op and args and isinstance(args[0], Tensor):
             attrs = frozenset().union(*(x.tags for x in _leaves((args[1:], kwargs)) if isinstance(x, TracedInt)))

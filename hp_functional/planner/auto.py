@@ -125,6 +125,11 @@ def _covered(model: nn.Module, base: ShardingPlan | None) -> set[str]:
     return {p for p in paths if any(p == r or inside(p, r) for r in roots)}
 
 
+#: the convolutions' own forwards: a subclass's (Parakeet's CTC head transposes its input) lays out its
+#: channels otherwise
+_CONV_FORWARDS = (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
+
+
 class _Generator:
     """The per-module entries, their roles and the notes, decided rule by rule (``run``)."""
 
@@ -220,6 +225,12 @@ class _Generator:
             if not roles:
                 continue
             pending -= set(roles)
+            if uneven := [p for p, r in roles.items() if B.split_width(self.modules[p], r) % self.n]:
+                for p in roles:
+                    self.entries[p], self.roles[p] = NoParallel(), "replicated: its pair's features do not divide the axis"
+                self.notes.append(f"{scope}: {uneven[0]}'s features do not split over {self.n} ranks; its pair is "
+                                  "left replicated")
+                continue
             self._add_block(B.plan_block(self.trace, self.model, scope, roles, between, self.n, self.axis, cache))
         for p in sorted(pending):
             self._lone(p)
@@ -236,12 +247,15 @@ class _Generator:
         self.notes.append(f"{p}: a lone projection (no colwise/rowwise partner in the traced forward), replicated")
 
     def _worth_splitting(self, path: str) -> bool:
-        """Whether ``path``'s own parameters hold 1 % of the model's or more and the traced forward
-        took them in its own forward only (``ModelTrace.param_users``: a weight read elsewhere, tied or
-        sliced by a parent, cannot follow its module's style)."""
+        """Whether ``path``'s own parameters hold 1 % of the model's or more, the traced forward took
+        them in its own forward only (``ModelTrace.param_users``: a weight read elsewhere, tied or
+        sliced by a parent, cannot follow its module's style) and no integer attribute of it shaped a
+        tensor (a split divides its sizes on the skeleton)."""
         own = list(self.modules[path].named_parameters(recurse=False))
         if sum(q.numel() for _, q in own) * 100 < self.total or path not in self.trace.calls:
             return False
+        if any(owner == path for c in self.trace.shape_calls for owner, _ in c.attrs):
+            return False  # its sizes shape something (Whisper's arange(embed_positions.num_embeddings))
         return all(self.trace.param_users.get(join(path, n), set()) <= {path} for n, _ in own)
 
     def _replicate_blocks_whose_heads_do_not_split(self) -> None:
@@ -440,7 +454,19 @@ class _Generator:
         dividing the axis, ``_worth_splitting``)."""
         m = self.modules[path]
         return (type(m).forward is nn.Embedding.forward and m.max_norm is None and not m.scale_grad_by_freq
-                and not m.sparse and m.num_embeddings % self.n == 0 and self._worth_splitting(path))
+                and not m.sparse and m.num_embeddings % self.n == 0 and self._worth_splitting(path)
+                and not self._feeds_a_block(path))
+
+    def _feeds_a_block(self, path: str) -> bool:
+        """Whether ``path``'s output (or its parent's, where it is the parent's output) goes straight
+        into a planned block (SpeechT5's relative positions into each attention): a value split there
+        per rank would need its gradient summed over the ranks, which only a planned entry decides."""
+        parent = path.rpartition(".")[0]
+        users = set(self.trace.consumers.get(path, ()))
+        if parent in self.trace.calls and path in self.trace.calls[parent].main:
+            users |= self.trace.consumers.get(parent, set())
+        return any(u == path or (path and inside(u, path)) or any(u == p or inside(u, p) for p in blk.roles)
+                   for u in users for path, blk in self.blocks.items())
 
     # -------------------------------------------------------------- rules 5-7
     def _rest(self, skip: list[str]) -> None:
@@ -458,7 +484,8 @@ class _Generator:
                 self.roles[path] = "auxiliary embedding (rows split, each rank's lookups all-reduced)"
             elif isinstance(m, nn.Embedding):
                 self.roles[path] = "auxiliary embedding (positions, types: replicated)"
-            elif B.is_channel_conv(m) and m.out_channels % self.n == 0 and self._worth_splitting(path):
+            elif (B.is_channel_conv(m) and type(m).forward in _CONV_FORWARDS and m.out_channels % self.n == 0
+                  and self._worth_splitting(path)):
                 self.entries[path] = Colwise(gather_output=True)
                 self.roles[path] = "convolution (output channels split, gathered: it pairs with no other)"
             elif isinstance(m, nn.modules.conv._ConvNd):

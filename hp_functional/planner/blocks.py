@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["Block", "is_channel_conv", "is_norm", "is_projection", "out_features", "pair", "plan_block"]
+__all__ = ["Block", "is_channel_conv", "is_norm", "is_projection", "out_features", "pair", "plan_block", "split_width"]
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,6 +77,15 @@ def is_norm(module: nn.Module) -> bool:
 
 def out_features(module: nn.Module) -> int:
     return module.nf if is_conv1d(module) else module.out_channels if isinstance(module, CONVS) else module.out_features
+
+
+def split_width(module: nn.Module, role: str) -> int:
+    """The features a ``role`` ("colwise"/"rowwise") splits: the output's of a colwise projection,
+    the input's of a rowwise one."""
+    if role == "colwise":
+        return out_features(module)
+    return module.weight.shape[0] if is_conv1d(module) else module.in_channels if isinstance(module, CONVS) \
+        else module.in_features
 
 
 @dataclass

@@ -788,3 +788,65 @@ def test_lone_modules_split_are_exact():
     for diffs, placements in get_pool(2).run(case_lone):
         assert max(diffs.values()) < 1e-5, diffs
         assert placements["cls.weight"] == placements["conv.weight"] == placements["pos.weight"] == "(Shard(dim=0),)"
+
+
+class TransposingHead(nn.Conv1d):
+    """Parakeet's CTC head: a convolution subclass that takes (N, T, C) and transposes it itself."""
+
+    def forward(self, x):
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class Narrow(nn.Module):
+    """A pair of 3 features between its ends: they do not divide the axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 3), nn.Linear(3, 16)
+
+    def forward(self, h):
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+class KeysAsWide(nn.Module):
+    """An attention whose scores are normalised over as many keys as its width (GroupViT's
+    ``attn / attn.sum(-1)``), with an additive bias on its keys from outside."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, h, bias):
+        scores = (self.q(h) @ (self.k(h) + bias).transpose(1, 2)).exp()
+        return self.o((scores / scores.sum(-1, keepdim=True)) @ self.v(h))
+
+
+class WhatStaysWhole(nn.Module):
+    """Modules worth splitting by size that auto_plan must leave whole: a convolution whose class lays
+    out its input otherwise (Parakeet), a position table looked up over ``arange(num_embeddings)``
+    (Whisper's encoder: a split divides that count on the skeleton), a relative-position table whose
+    lookup goes straight into an attention block (SpeechT5), and a pair whose features (3) do not
+    divide the axis (LightGlue's matchability); the attention's projections still pair though a sum
+    over its keys is as wide as they are (the scores are contracted, not their features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos, self.rel = nn.Embedding(32, 16), nn.Embedding(16, 16), nn.Embedding(16, 16)
+        self.norm, self.attn, self.narrow, self.head = nn.LayerNorm(16), KeysAsWide(), Narrow(), TransposingHead(16, 32, 1)
+
+    def forward(self, ids):  # ids [N, 16]: 16 keys, as many as the width
+        h = self.norm(self.embed(ids) + self.pos(torch.arange(self.pos.num_embeddings)))
+        h = h + self.attn(h, self.rel(torch.arange(16)))
+        return self.head(h + self.narrow(h))
+
+
+def test_what_a_split_would_break_stays_whole():
+    plan = hpf.simulate(look(WhatStaysWhole(), example_inputs=torch.zeros(2, 16, dtype=torch.long)), world_size=2)
+    replicated = plan.coverage.replicated
+    assert replicated["head.weight"].startswith("convolution (replicated"), replicated.get("head.weight")
+    assert replicated["pos.weight"].startswith("auxiliary embedding (positions, types: replicated")
+    assert replicated["rel.weight"].startswith("auxiliary embedding (positions, types: replicated")
+    assert plan.entries["narrow.fc1"] == plan.entries["narrow.fc2"] == hpf.NoParallel(), plan.entries
+    roles = {r.param: r.role for r in plan.coverage.rows}
+    assert all(roles[f"attn.{p}.weight"].startswith("colwise") for p in "qkv"), roles  # paired, not lone
+    assert roles["attn.o.weight"].startswith("rowwise"), roles

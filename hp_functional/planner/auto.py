@@ -238,8 +238,10 @@ class _Generator:
     def _lone(self, p: str) -> None:
         """A projection that pairs with no other: ``Colwise(gather_output=True)`` where its output
         features divide the axis and it is worth an all-gather (``_worth_splitting``): exact for any
-        projection, each rank computing its share of the output features; else replicated."""
-        if B.out_features(self.modules[p]) % self.n == 0 and self._worth_splitting(p):
+        projection, each rank computing its share of the output features; else (and a MoE router,
+        whose scores a routing op takes) replicated."""
+        routes = any(p in r.sources for r in self.trace.routes)  # a router: its scores pick experts, kept whole
+        if not routes and B.out_features(self.modules[p]) % self.n == 0 and self._worth_splitting(p):
             self.entries[p] = Colwise(gather_output=True)
             self.roles[p] = "lone projection (colwise, output gathered: it pairs with no other)"
             return

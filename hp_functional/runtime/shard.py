@@ -45,16 +45,8 @@ from ..planner.report import AutoPlan
 from .apply_fn import ApplyFn, make_apply_fn
 from .boundary import ConversionCache, install_boundary
 from .initial_values import InitialValues
-from .probe import (
-    ProbeCache,
-    Verdict,
-    own_draws,
-    probe_copy_or_reason,
-    probe_inputs,
-    probe_key,
-    probe_varying_uses,
-    run_probe,
-)
+from .probe import ProbeCache, Verdict, own_draws, probe_key, probe_varying_uses, run_probe
+from .probe_copy import probe_copy_or_reason, probe_inputs
 from .remat import (
     Remat,
     RematPlan,

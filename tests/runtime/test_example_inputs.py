@@ -197,7 +197,7 @@ def test_a_root_parameter_reaching_a_region_is_refused_or_traced():
 def test_the_probe_shrinks_the_token_table_the_model_names():
     """Qwen3-VL's first embedding is its vision tower's position table: the probe's copy shrinks
     the table ``get_input_embeddings()`` names, and the positions keep their rows."""
-    from hp_functional.runtime.probe import shrink_vocab
+    from hp_functional.runtime.probe_copy import shrink_vocab
 
     class VL(nn.Module):
         def __init__(self):

@@ -852,4 +852,12 @@ MUTATIONS: tuple[Mutation, ...] = (
              "routes = any(p in r.sources for r in self.trace.routes)", "routes = False",
              ("tests/parallel/test_experts_params.py::test_auto_plan_shards_experts_it_finds_by_routing",),
              "a MoE router (its scores feed a routing op) stays replicated, not split as a lone projection"),
+    Mutation("own-recompute-run-with-a-gradient", "hp_functional/runtime/apply_fn.py::_Leaves.values",
+             "if self.no_gradient is not None and torch.is_grad_enabled():", "if False:",
+             ("tests/analysis/test_recompute.py::test_reformer_is_refused_with_a_gradient_and_exact_without",),
+             "a model whose own code recomputes modules in the backward (Reformer) is refused by name with a gradient"),
+    Mutation("own-recompute-function-missed", "hp_functional/analysis/recompute.py::recomputing_code",
+             "        if cls is not None:\n", "        if False:\n",
+             ("tests/analysis/test_recompute.py::test_the_models_own_recompute_is_found_by_module",),
+             "a custom autograd.Function that calls modules in its forward is found, by module"),
 )

@@ -120,13 +120,16 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
         dtypes=dtypes,
         param_buckets=bucket_parameter_conversions(param_steps, infos, dtypes),
         dataflow_skipped=None if varying_uses is not None else flow.skipped,
+        recomputed=flow.recomputed,
     )
 
 
 def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh,
-                 inputs: tuple[tuple, dict] | None = None) -> tuple[dict[str, frozenset[str]], str | None]:
+                 inputs: tuple[tuple, dict] | None = None
+                 ) -> tuple[dict[str, frozenset[str]], str | None, dict[str, str]]:
     """(``compile.dataflow``'s varying uses of ``model``'s parameters traced on ``model`` itself —
-    real tensors, for a private probe copy whose forward cannot run on meta —, why not if it failed: None when it ran);
+    real tensors, for a private probe copy whose forward cannot run on meta —, why not if it failed: None when it ran,
+    the modules its own code recomputes in the backward: ``Program.recomputed``);
     ``inputs``: ``(args, kwargs)`` of that forward, on ``model``'s device (None: synthesized token ids)."""
     program = _build(model, as_plan(plan), mesh, run_lint=False, real=True, inputs=inputs)
     uses: dict[str, frozenset[str]] = {}
@@ -134,7 +137,7 @@ def varying_uses(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMes
         axes = frozenset(s.axis for s in steps if s.collective is CopyTo)
         if axes:
             uses[key] = axes
-    return uses, program.dataflow_skipped
+    return uses, program.dataflow_skipped, program.recomputed
 
 
 def build_program(model: nn.Module, plan: ShardingPlan | Mapping, mesh: DeviceMesh, *,

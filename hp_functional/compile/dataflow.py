@@ -13,7 +13,7 @@ __all__ = ["Unchecked", "synthesize_inputs", "trace_dataflow", "unchecked_in_reg
 
 import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from torch.distributed.tensor import Partial, Shard
 from torch.overrides import TorchFunctionMode
 
 from ..analysis.copies import to_meta
+from ..analysis.recompute import watch_recomputed
 from ..analysis.trace import _leaves
 from ..core.errors import PlanError
 from ..core.lowering import Step
@@ -44,6 +45,9 @@ class Dataflow:
     #: (GPT-NeoX-Japanese's ``dense_bias``: a parameter of the attention that the attention only
     #: returns, added to the residual stream after the rowwise reduce)
     unvarying: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: module path → the model's own code that recomputes its forward in the backward
+    #: (``analysis.recompute``: Reformer's reversible layers)
+    recomputed: dict[str, str] = field(default_factory=dict)
 
 
 #: the first layers whose input ``synthesize_inputs`` can make: features of this width on the last dim
@@ -172,16 +176,19 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     args, kwargs = (inputs if real else (to_meta(inputs[0]), to_meta(inputs[1])))
     mode.set((args, kwargs), frozenset())
     handles = _hook_boundaries(reduced, boundaries, analysis, mode)
+    recomputed, unwatch = watch_recomputed(reduced.model)
     try:
         with torch.no_grad(), mode:
             reduced.model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - meta-hostile code, or a forward that does not take token ids: reported
         where = "real" if real else "meta"
-        return Dataflow({}, f"one forward on {where} tensors failed ({type(exc).__name__}: {str(exc)[:120]})")
+        return Dataflow({}, f"one forward on {where} tensors failed ({type(exc).__name__}: {str(exc)[:120]})",
+                        recomputed=recomputed)
     finally:
+        unwatch()
         for h in handles:
             h.remove()
-    return _uses(mode, reduced, leaf_of, covered, analysis)
+    return replace(_uses(mode, reduced, leaf_of, covered, analysis), recomputed=recomputed)
 
 
 def _stored_axes(reduced: Reduced, infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str],

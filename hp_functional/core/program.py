@@ -73,3 +73,6 @@ class Program:
     param_buckets: tuple[ParamBucket, ...] = ()
     # why compile.dataflow could not trace the model (None when it did): shard()'s probe then traces a real copy
     dataflow_skipped: str | None = None
+    # module path → the model's own code that recomputes its forward in the backward (Reformer's
+    # reversible layers): apply_fn refuses to run with a gradient (runtime.apply_fn)
+    recomputed: dict[str, str] = field(default_factory=dict)

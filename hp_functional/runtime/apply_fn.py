@@ -111,9 +111,13 @@ class _Leaves:
         in_bucket = {i for idx, _, _ in self.bucketed for i in idx}
         self.converted = tuple(i for i, s in enumerate(self.steps) if s and i not in in_bucket)
         self.devices = frozenset({program.mesh.device_type, "meta"})  # meta: shapes only (explain, simulate)
+        self.no_gradient = _recompute_refusal(program.recomputed)
 
     def values(self, params: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
-        """``params``' leaves in key order, or a PlanError naming the key, shape or device that is off."""
+        """``params``' leaves in key order, or a PlanError naming the key, shape or device that is off
+        (or the model's own recompute, run with a gradient)."""
+        if self.no_gradient is not None and torch.is_grad_enabled():
+            raise PlanError(self.no_gradient)
         keys, shapes = self.keys, self.shapes
         values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, self.key_set)
         if tuple(v.shape for v in values) != shapes:
@@ -290,6 +294,20 @@ class ThreadGuard:
             f"{self.ranks} ranks and it belongs to the thread that built it (id {self.owner}): calls from two threads "
             "cannot be ordered alike on every rank, so they would pair with each other's collectives (wrong values or "
             "a hang). Call it from one thread on every rank: the one that called hpf.shard() (or hpf.fsdp())")
+
+
+def _recompute_refusal(recomputed: Mapping[str, str]) -> str | None:
+    """Why a call with a gradient is refused where the model's own code recomputes modules in the
+    backward (``Program.recomputed``), else None."""
+    if not recomputed:
+        return None
+    (path, code), more = next(iter(recomputed.items())), len(recomputed) - 1
+    others = f" (and {more} more module{'s' * (more > 1)})" if more else ""
+    return (f"{path or '<root module>'}{others}: its forward runs inside {code}, which recomputes it in the backward "
+            "and reads its parameters then, after apply_fn has returned and the private skeleton holds none: this "
+            "model's backward cannot run through apply_fn. Call apply_fn without a gradient (torch.no_grad(), "
+            "hpf.generate), or use a model whose forward does not recompute itself and recompute with "
+            "shard(remat=...) instead (docs/transforms.md#activation-recompute-remat)")
 
 
 _PASS_PARAMS = "pass the params pytree that shard() returned (this rank's local shards), not model.state_dict()"

@@ -122,12 +122,12 @@ def _signature(inputs: tuple[tuple, dict]) -> tuple:
 
 
 def probe_varying_uses(probe: Reduced, plan, mesh, inputs: tuple[tuple, dict] | None = None
-                       ) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]], str | None]:
+                       ) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]], str | None, dict[str, str]]:
     """``compile.dataflow`` on the probe's real copy (fed ``inputs``, on its device; None: synthesized
     token ids): (its varying uses by the copy's FQNs, the same by the original FQNs, why not if that
-    forward failed too: None when it ran)."""
-    uses, skipped = varying_uses(probe.model, plan, mesh, inputs)
-    return uses, {o: axes for k, axes in uses.items() for o in probe.names.get(k, [k])}, skipped
+    forward failed too: None when it ran, the modules the copy's own code recomputes in the backward)."""
+    uses, skipped, recomputed = varying_uses(probe.model, plan, mesh, inputs)
+    return uses, {o: axes for k, axes in uses.items() for o in probe.names.get(k, [k])}, skipped, recomputed
 
 
 def _batch(model: nn.Module, mesh) -> tuple[tuple, dict] | None:

@@ -250,10 +250,11 @@ def compile_sharding(model: nn.Module, plan: ShardingPlan | Mapping, mesh: Devic
     copy_plan = reduced_plan(as_plan(plan), model, copy, mesh.mesh_dim_names or ())  # its blocks are renumbered
     uses = None
     if program.dataflow_skipped:  # trace the real copy instead (local, no collective)
-        uses, original_uses, failed = probe_varying_uses(copy, copy_plan, mesh, fed)
+        uses, original_uses, failed, recomputed = probe_varying_uses(copy, copy_plan, mesh, fed)
         if not failed:
             program = build_program(model, plan, mesh, varying_uses=original_uses)
             checks["dataflow"] = f"traced on the probe's real copy{given}"
+        program = dataclasses.replace(program, recomputed={**recomputed, **program.recomputed})
     unchecked: tuple[Unchecked, ...] = ()
     if program.dataflow_skipped:
         if fed is None and synthesize_inputs(copy.model) is None:  # the probe has no batch either

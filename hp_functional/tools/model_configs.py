@@ -58,7 +58,8 @@ _RANKS = ("q_lora_rank", "kv_lora_rank", "o_lora_rank", "laurel_rank", "gated_no
           "loop_gate_rank", "adapter_rank")
 _ROPE_DIMS = ("qk_rope_head_dim", "qk_nope_head_dim")
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions",
-              "max_source_positions", "context_length", "model_max_length")
+              "max_source_positions", "context_length", "model_max_length", "max_encoder_position_embeddings",
+              "max_decoder_position_embeddings")
 _WINDOWS = ("sliding_window", "sliding_window_size", "attention_window_size", "local_attention_window_len",
             "attention_chunk_size")
 _FIXED = {  # name -> tiny value, where the default is larger
@@ -73,6 +74,10 @@ _FIXED = {  # name -> tiny value, where the default is larger
     "number_output_channels": 32, "num_depth_bins": 16, "num_queries": 8, "num_relative_features": 8,
     "fpn_hidden_size": 32, "encoder_hash_byte_group_vocab": VOCAB, "upsample_initial_channel": 32,
     "context_size": 32,  # a conformer's attention context (Granite Speech 5), within the tiny positions
+    # a vision tower's learned position grid, sized by the largest image it takes (RADIO, HunYuan-VL,
+    # Gemma 4): within twice the tiny image's side, so the grid does not outweigh the tiny tower
+    "max_img_size": 64, "max_image_size": 64, "position_embedding_size": 64,
+    "num_bpe_labels": VOCAB, "num_wordpiece_labels": VOCAB,  # MGP-STR's subword heads: vocabularies
     "head_out_channels": VOCAB,  # a text recogniser's characters (PP-OCR)
     "index_kpool": 2, "num_windows": 4,  # GLM-5-Next's index pooling (divides index_topk); LW-DETR's windows
     "codebook_size": 64, "num_embeddings": VOCAB,  # an audio codec's or an image VQ's codebook
@@ -144,6 +149,9 @@ FAMILY: dict[str, Any] = {  # a dict of fields, or a function of the KV head cou
     **{t: lambda kv: {"backbone_config": _resnet("stage4")} for t in (
         "detr", "conditional_detr", "dab-detr", "table-transformer")},
     "deformable_detr": lambda kv: {"backbone_config": _resnet("stage2", "stage3", "stage4")},
+    "led": {"attention_window": 8},  # its encoder pads the input to the window: within the tiny positions
+    # one tag and one subscript table per XPath depth: 4 depths, not 50; a subscript vocabulary of 128
+    "markuplm": {"max_depth": 4, "max_xpath_subs_unit_embeddings": VOCAB, "subs_pad_id": VOCAB - 1},
     "bamba": {"attn_layer_indices": [1]},  # its default is all Mamba: keep one attention layer
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
     "recurrent_gemma": {"num_hidden_layers": 3},  # block_types cycles (recurrent, recurrent, attention)

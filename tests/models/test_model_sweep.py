@@ -79,6 +79,11 @@ def test_tiny_configs_follow_the_family_rules():
     llama = tiny_config_for("llama")
     assert (llama.hidden_size, llama.num_key_value_heads, llama.vocab_size) == (64, 2, 128)
     assert tiny_config_for("llama", tp=4).num_key_value_heads == 4 and heads_allow("llama", 4)
+    # position tables and label vocabularies shrink with the model, so none outweighs the tiny blocks
+    led = tiny_config_for("led")
+    assert (led.max_encoder_position_embeddings, led.max_decoder_position_embeddings) == (64, 64)
+    assert tiny_config_for("radio").max_img_size == 64 and tiny_config_for("gemma4_vision").position_embedding_size == 64
+    assert tiny_config_for("mgp-str").num_bpe_labels == 128
 
 
 def test_a_family_that_cannot_be_built_is_classified_not_crashed():

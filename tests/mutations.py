@@ -860,4 +860,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "        if cls is not None:\n", "        if False:\n",
              ("tests/analysis/test_recompute.py::test_the_models_own_recompute_is_found_by_module",),
              "a custom autograd.Function that calls modules in its forward is found, by module"),
+    Mutation("lint-per-head-gate-cut", "hp_functional/compile/lint.py::_heads",
+             "            continue  # one value per head", "            pass",
+             ("tests/compile/test_lint.py::test_a_projection_of_one_value_per_head_splits_whole_heads",),
+             "a projection of one value per head (LFM3's output gate) split over the ranks is not a head cut"),
 )

@@ -222,14 +222,18 @@ def _siblings(f: _Family) -> list[Finding]:
 
 
 def _heads(f: _Family, producers: list[str], axis: str) -> list[Finding]:
-    """HF attention reshapes with ``-1`` and ``head_dim``: every rank needs whole heads."""
+    """HF attention reshapes with ``-1`` and ``head_dim``: every rank needs whole heads (a producer of
+    one value per head, as wide as the widest producer holds heads — LFM3's output gate — splits whole heads)."""
     head_dim = getattr(f.modules[f.parent], "head_dim", None)
     if not isinstance(head_dim, int) or head_dim <= 0 or (f.parent in f.specs and f.specs[f.parent].divide_attrs):
         return []
     n = f.mesh.size(list(f.mesh.mesh_dim_names).index(axis))
+    heads = max((f.modules[c].out_features for c in producers), default=0) // head_dim
     findings = []
     for c in producers:
         out = f.modules[c].out_features
+        if out == heads:
+            continue  # one value per head
         weight = f.specs[c].params.get("weight", {}).get(axis)
         if getattr(f.by_fqn[c].style, "packed", None) or out % n or replica_group(weight) > 1:
             continue  # packed: not split by heads; indivisible dims raise ShapeError; KV heads replicated

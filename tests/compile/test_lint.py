@@ -122,6 +122,30 @@ def test_heads_split_by_too_many_ranks():
     assert raised and "head_dim=8" in raised and "model.layers.*.self_attn.k_proj" in raised and "(2 modules)" in raised
 
 
+def test_a_projection_of_one_value_per_head_splits_whole_heads():
+    """LFM3's output gate ``g_proj`` (hidden -> one value per head) split over the ranks holds each
+    rank's heads' gates: no "heads" finding, while a q/k/v cut inside a head still is one."""
+
+    class GatedAttention(nn.Module):
+        def __init__(self, heads: int = 4, head_dim: int = 16):
+            super().__init__()
+            self.head_dim = head_dim
+            self.q_proj, self.o_proj = nn.Linear(64, heads * head_dim), nn.Linear(heads * head_dim, 64)
+            self.g_proj = nn.Linear(64, heads)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q = self.q_proj(x).view(b, s, -1, self.head_dim)
+            return self.o_proj((q * self.g_proj(x).sigmoid().unsqueeze(-1)).reshape(b, s, -1))
+
+    def run(m):
+        plan = {"q_proj": hpf.Colwise(), "g_proj": hpf.Colwise(), "o_proj": hpf.Rowwise()}
+        return [f.code for f in lint(GatedAttention(), plan, m)]
+
+    assert "heads" not in simulate(run, world_size=2)  # 2 whole heads (and their gates) a rank
+    assert "heads" in simulate(run, world_size=8)  # half a head a rank: still refused
+
+
 def test_shard_raises_every_error_and_warns_once_per_pattern():
     def run(m):
         model = build_hf("llama")

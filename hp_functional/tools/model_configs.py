@@ -149,6 +149,8 @@ FAMILY: dict[str, Any] = {  # a dict of fields, or a function of the KV head cou
     **{t: lambda kv: {"backbone_config": _resnet("stage4")} for t in (
         "detr", "conditional_detr", "dab-detr", "table-transformer")},
     "deformable_detr": lambda kv: {"backbone_config": _resnet("stage2", "stage3", "stage4")},
+    # 4 codebooks, not 32: its audio tables and codebook heads are one per codebook
+    "csm": {"num_codebooks": 4, "depth_decoder_config": {"num_codebooks": 4}, "codec_config": {"num_quantizers": 4}},
     "led": {"attention_window": 8},  # its encoder pads the input to the window: within the tiny positions
     # one tag and one subscript table per XPath depth: 4 depths, not 50; a subscript vocabulary of 128
     "markuplm": {"max_depth": 4, "max_xpath_subs_unit_embeddings": VOCAB, "subs_pad_id": VOCAB - 1},

@@ -83,7 +83,7 @@ def test_tiny_configs_follow_the_family_rules():
     led = tiny_config_for("led")
     assert (led.max_encoder_position_embeddings, led.max_decoder_position_embeddings) == (64, 64)
     assert tiny_config_for("radio").max_img_size == 64 and tiny_config_for("gemma4_vision").position_embedding_size == 64
-    assert tiny_config_for("mgp-str").num_bpe_labels == 128
+    assert tiny_config_for("mgp-str").num_bpe_labels == 128 and tiny_config_for("csm").codec_config.num_quantizers == 4
 
 
 def test_a_family_that_cannot_be_built_is_classified_not_crashed():

@@ -864,4 +864,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "            continue  # one value per head", "            pass",
              ("tests/compile/test_lint.py::test_a_projection_of_one_value_per_head_splits_whole_heads",),
              "a projection of one value per head (LFM3's output gate) split over the ranks is not a head cut"),
+    Mutation("probe-float32-mismatch-final", "hp_functional/runtime/probe.py::_rejudged_in_float64",
+             "    model.double()  # the probe's private copy", "    raise mismatch",
+             ("tests/runtime/test_probe_float64.py::test_a_float32_mismatch_that_float64_resolves_is_accepted",),
+             "a float32 probe mismatch that float64 resolves (rounding the model amplifies: Dory) is not a refusal"),
 )

@@ -37,6 +37,8 @@ from .loss import scalar_loss
 
 #: relative tolerance of the comparison (fp32; the sharded sums run in another order)
 TOLERANCE = 1e-4
+#: the same in float64, where a float32 mismatch is judged again (``_rejudged_in_float64``)
+TOLERANCE64 = 1e-9
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,37 @@ def run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying: Mapping[s
     ``torch.no_grad()``; where the unsharded model has no backward here (flex attention on the
     CPU), only the loss is compared."""
     with torch.enable_grad():  # inside shard()'s own_draws: the seeds below leave the caller's stream alone
-        why = _run_probe(probe, plan, mesh, shard_fn, varying, inputs)
+        try:
+            why = _run_probe(probe, plan, mesh, shard_fn, varying, inputs)
+        except ProbeMismatch as exc:
+            return _rejudged_in_float64(exc, probe, plan, mesh, shard_fn, varying, inputs)
     return Verdict(False, why) if why else EXACT
+
+
+class ProbeMismatch(PlanError):
+    """The probe's numbers differ: the sharded loss or a gradient is not the unsharded one."""
+
+
+def _rejudged_in_float64(mismatch: ProbeMismatch, probe: Reduced, plan, mesh, shard_fn: Callable, varying,
+                         inputs) -> Verdict:
+    """A float32 ``mismatch`` probed again on the copy in float64 (alike on every rank): rounding that
+    the model amplifies (nGPT's query scale of 40,000 saturating the softmax: Dory) agrees there within
+    ``TOLERANCE64`` and the verdict says so; a wrong plan differs there too and ``mismatch`` is raised
+    (also where the copy does not run in float64)."""
+    model = probe.model
+    if not any(p.dtype == torch.float32 for p in model.parameters()):
+        raise mismatch
+    model.double()  # the probe's private copy
+    wide = None if inputs is None else tree_map(
+        lambda x: x.double() if isinstance(x, Tensor) and x.dtype == torch.float32 else x, inputs)
+    try:
+        why = _run_probe(probe, plan, mesh, shard_fn, varying, wide, tolerance=TOLERANCE64)
+    except ProbeMismatch:
+        raise mismatch from None
+    except Exception as exc:  # float32-only code in the model: the float32 verdict stands
+        raise mismatch from exc
+    first = str(mismatch).split(";")[0].removeprefix("shard-time probe: ")
+    return Verdict(not why, f"{why or EXACT.text} in float64 (in float32 {first}: rounding the model amplifies)")
 
 
 #: the seed of torch's global generators before each forward the probe compares
@@ -175,7 +206,7 @@ def _seed_draws(device: torch.device) -> None:
         torch.get_device_module(device.type).manual_seed(DRAW_SEED)
 
 
-def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) -> str:
+def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs, tolerance: float = TOLERANCE) -> str:
     model = probe.model
     batch = inputs if inputs is not None else _batch(model, mesh)
     which = "example_inputs" if inputs is not None else "synthesized batch"
@@ -201,7 +232,7 @@ def _run_probe(probe: Reduced, plan, mesh, shard_fn: Callable, varying, inputs) 
         return "the output is laid out differently per rank and the model takes no labels: nothing to compare"
     else:
         loss, ref = probe_loss(out), probe_loss(ref_out)
-    return _compare_all(model, probe, mesh, (loss, ref), params, info, no_backward)
+    return _compare_all(model, probe, mesh, (loss, ref), params, info, no_backward, tolerance)
 
 
 def _reference(model: nn.Module, batch: tuple[tuple, dict], which: str):
@@ -239,7 +270,7 @@ def _sharded_run(apply_fn, params, args: tuple, kwargs: dict, grad: bool, which:
 
 
 def _compare_all(model: nn.Module, probe: Reduced, mesh, losses: tuple[Tensor, Tensor], params, info,
-                 no_backward: Exception | None) -> str:
+                 no_backward: Exception | None, tolerance: float = TOLERANCE) -> str:
     """The losses and every gradient compared (``_compare``); "" when they were, else what was not."""
     loss, ref = losses
     keys = [k for k, v in params.items() if v.requires_grad]
@@ -251,7 +282,7 @@ def _compare_all(model: nn.Module, probe: Reduced, mesh, losses: tuple[Tensor, T
         except Exception as exc:  # noqa: BLE001 - the unsharded model has no backward here: the loss alone is compared
             no_backward = exc
     if no_backward is not None:
-        _compare(loss.detach(), ref.detach(), {}, {}, probe.names)
+        _compare(loss.detach(), ref.detach(), {}, {}, probe.names, tolerance)
         why = str(no_backward).splitlines()[0][:120] if str(no_backward) else ""
         return (f"the loss agrees; gradients not compared: the unsharded model has no backward here "
                 f"({type(no_backward).__name__}: {why})")
@@ -261,7 +292,7 @@ def _compare_all(model: nn.Module, probe: Reduced, mesh, losses: tuple[Tensor, T
     for k, i in info.items():  # every rank fed the same batch through leaves summed over an axis (experts on dp ranks)
         for axis in i.axes_of(SummedOver):
             full[k] = full[k] / mesh.size(mesh.mesh_dim_names.index(axis))
-    _compare(loss.detach(), ref.detach(), full, ref_grads, probe.names)
+    _compare(loss.detach(), ref.detach(), full, ref_grads, probe.names, tolerance)
     return ""
 
 
@@ -334,11 +365,12 @@ def first_shape(out: object) -> tuple | None:
 
 
 def _compare(loss: Tensor, ref: Tensor, grads: Mapping[str, Tensor], ref_grads: Mapping[str, Tensor | None],
-             names: Mapping[str, list[str]]) -> None:
+             names: Mapping[str, list[str]], tolerance: float = TOLERANCE) -> None:
     hint = ("shard(..., verify=False) skips this check, but the plan would then compute something other than the "
             "model; docs/guarantees.md#exact-or-refused")
-    if not torch.allclose(loss.float(), ref.float(), rtol=TOLERANCE, atol=TOLERANCE):
-        raise PlanError(f"shard-time probe: on a random copy of the model the sharded loss {loss.item():.6g} differs from "
+    wide = torch.float64 if tolerance < TOLERANCE else torch.float32
+    if not torch.allclose(loss.to(wide), ref.to(wide), rtol=tolerance, atol=tolerance):
+        raise ProbeMismatch(f"shard-time probe: on a random copy of the model the sharded loss {loss.item():.6g} differs from "
                         f"the unsharded {ref.item():.6g}; the plan does not compute the model's function. {hint}")
     worst, where = 0.0, ""
     # each gradient against its own largest entry, floored at 1% of the model's largest: a gradient
@@ -348,11 +380,11 @@ def _compare(loss: Tensor, ref: Tensor, grads: Mapping[str, Tensor], ref_grads: 
         r = ref_grads.get(key)
         r = torch.zeros_like(g) if r is None else r
         scale = max(r.abs().max().item() if r.numel() else 0.0, floor)
-        err = (g.float() - r.float()).abs().max().item() / scale if g.numel() else 0.0
+        err = (g.to(wide) - r.to(wide)).abs().max().item() / scale if g.numel() else 0.0
         if err > worst:
             worst, where = err, key
-    if worst > TOLERANCE * 10:
+    if worst > tolerance * 10:
         original = names.get(where, [where])[0]
-        raise PlanError(f"shard-time probe: on a random copy of the model the gradient of {original} differs from the "
+        raise ProbeMismatch(f"shard-time probe: on a random copy of the model the gradient of {original} differs from the "
                         f"unsharded one by {worst:.2g} of its largest entry (the loss agrees); the plan gives that "
                         f"parameter a wrong gradient. {hint}")

@@ -868,4 +868,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "    model.double()  # the probe's private copy", "    raise mismatch",
              ("tests/runtime/test_probe_float64.py::test_a_float32_mismatch_that_float64_resolves_is_accepted",),
              "a float32 probe mismatch that float64 resolves (rounding the model amplifies: Dory) is not a refusal"),
+    Mutation("head-table-handed-on-left-whole", "hp_functional/planner/heads.py::shared_head_tables",
+             "            out += [join(path, name) for name, _ in own]", "            pass",
+             ("tests/planner/test_auto_plan_exact.py::test_auto_plan_is_exact",),
+             "a per-head table outside the blocks whose bias every head-split layer adds (MPNet) is split with the heads"),
 )

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..analysis.arguments import head_counts
 from ..analysis.towers import trace_towers
 from ..analysis.trace import INPUT, ModelTrace, example_call, trace_model
 from ..core.errors import PlanError
@@ -26,7 +27,7 @@ from ..parallel.tensor.styles import Colwise, NoParallel
 from ..parallel.tensor.vocab import VocabEmbedding
 from ..plan.plan import ShardingPlan
 from . import blocks as B
-from .heads import inside, join
+from .heads import inside, join, shared_head_tables
 from .report import AutoPlan, collapse, coverage, merge_overrides
 from .sp import sequence_parallel as sequence_parallel_plan
 
@@ -162,6 +163,7 @@ class _Generator:
         errors = [e for blk in self.blocks.values() for e in blk.errors]
         if errors:
             raise PlanError("auto_plan: " + "; ".join(errors))
+        self._head_tables_handed_on()
         self._rest(skip)
         if self.uncovered and not self.allow:
             raise PlanError("auto_plan: no rule covers " + "; ".join(self.uncovered) + " (pass allow_uncovered=True to "
@@ -291,6 +293,14 @@ class _Generator:
         self.param_roles.update(blk.param_roles)
         self.notes += blk.notes
         self.uncovered += blk.uncovered
+
+    def _head_tables_handed_on(self) -> None:
+        """A table outside the blocks whose per-head output the head-split blocks take (``shared_head_tables``):
+        its columns split with their heads."""
+        heads = {p: head_counts(self.modules[p]) for p, blk in self.blocks.items() if blk.heads}
+        for q in shared_head_tables(self.trace, self.modules, heads, self.blocks, self.n):
+            self.special[q], self.param_roles[q] = "shard_last", "per-head table handed to the blocks (its heads split)"
+            self.roles[q.rpartition(".")[0]] = "per-head table handed to the blocks (columns split)"
 
     def _uncalled(self, uncalled: list[str]) -> None:
         """Projections the traced forward never calls (a decoder's cross-attention without an

@@ -13,7 +13,7 @@ wins; None when none does.
 
 from __future__ import annotations
 
-__all__ = ["inside", "join", "says_heads", "search_heads", "split_tail", "splits_last"]
+__all__ = ["inside", "join", "says_heads", "search_heads", "shared_head_tables", "split_tail", "splits_last"]
 
 import itertools
 import math
@@ -145,3 +145,28 @@ def says_heads(candidate) -> bool:
     kind, x = candidate
     name = (x[1] if kind == "attr" else x.rpartition(".")[2]).lower()
     return ("head" in name and "dim" not in name) or "split" in name
+
+
+def shared_head_tables(trace: ModelTrace, modules: Mapping[str, nn.Module], heads: Mapping[str, frozenset[int]],
+                       blocks: Mapping[str, object], n: int) -> list[str]:
+    """Tables outside every block whose output of one column per head the head-split blocks (``heads``:
+    block → its head counts) take as an argument besides their hidden states (MPNet's relative position
+    bias, computed once by the encoder and handed to every layer; CPM-Ant's segment position bias): on a
+    rank the block adds it to its own heads' scores, so the table is split by its columns too.  Only a
+    module whose own parameters are all tables as wide as a head count that divides the axis, with no
+    parameters below it, whose every consumer is such a block or encloses one."""
+    def serves(c: str) -> bool:
+        return any(c == p or inside(c, p) or inside(p, c) for p in heads)
+
+    counts = frozenset().union(*heads.values())
+    out = []
+    handed = {q for p in heads if p in trace.calls for q in trace.calls[p].producers - trace.calls[p].first}
+    for path in sorted(handed):
+        m = modules.get(path)
+        own = list(m.named_parameters(recurse=False)) if m is not None else []
+        if (own and len(own) == sum(1 for _ in m.parameters())
+                and all(q.dim() == 2 and q.shape[-1] in counts and q.shape[-1] % n == 0 for _, q in own)
+                and not any(path == b or inside(path, b) for b in blocks)
+                and all(serves(c) for c in trace.consumers.get(path, ()))):
+            out += [join(path, name) for name, _ in own]
+    return out

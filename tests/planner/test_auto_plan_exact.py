@@ -8,6 +8,9 @@ unsharded model: loss and every gradient under ``.backward()`` and ``torch.func.
   boolean as True and goes on (the trace used to stop there, in 17 families).
 * GPT-BigCode is multi-query (one KV head) with a fused ``c_attn`` = q | k | v: splitting its
   single K/V head over the ranks is wrong; auto_plan gathers the block (exact) instead.
+* MPNet's encoder computes one relative position bias (a table of one column per head) and hands
+  it to every layer, whose attention adds it to its scores: with the heads split, the table is
+  split by its columns too (it was left whole and the probe refused the plan by shape).
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ def build(kind: str, state=None):
                               eos_token_id=2)
         config._attn_implementation = "sdpa"
         model = BioGptForCausalLM(config)
+    elif kind == "mpnet":
+        from transformers import MPNetConfig, MPNetForMaskedLM
+
+        config = MPNetConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=64, relative_attention_num_buckets=32,
+                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+        model = MPNetForMaskedLM(config)
     else:
         from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
@@ -83,7 +93,7 @@ def case_exact(kind: str, state):
     return diffs, plan.explain(), sharded
 
 
-@pytest.mark.parametrize("kind", ["opt", "gpt_bigcode", "biogpt"])
+@pytest.mark.parametrize("kind", ["opt", "gpt_bigcode", "biogpt", "mpnet"])
 @pytest.mark.slow
 def test_auto_plan_is_exact(pool, kind):
     diffs, text, share = pool.run(case_exact, kind, make_state(kind))[0]
@@ -92,6 +102,8 @@ def test_auto_plan_is_exact(pool, kind):
         assert "Heads(attrs=('num_heads',)" in text, text
     elif kind == "gpt_bigcode":  # the attention block gathered, the MLP sharded
         assert "gathered" in text and "mlp.c_fc" in text, text
+    elif kind == "mpnet":
+        assert "mpnet.encoder.relative_attention_bias" in text and "per-head table handed to the blocks" in text, text
     assert share < 0.8
 
 

@@ -322,7 +322,8 @@ def _collective(name: str, forward: Callable, types: CollectiveType, transpose: 
             grad = keep(grad, *ctx.args)
             if grad is None:
                 return (None, *([None] * len(ctx.args)))
-        conjugate = transpose().apply(grad, *transpose_args(*ctx.args))
+        args = ctx.args if transpose_args is _same_args else transpose_args(*ctx.args)  # per step: no call for most
+        conjugate = transpose().apply(grad, *args)
         return (conjugate, *([None] * len(ctx.args)))
 
     def jvp(ctx, tangent, *_):

@@ -116,7 +116,7 @@ def _issue(g: Group) -> None:
     """Before a collective over ``g``: the check its gate holds, if any (not under ``torch.compile``)."""
     if not torch.compiler.is_compiling():
         gate = getattr(g, "gate", None)
-        if gate is not None:
+        if gate is not None and gate._check is not None:  # a held check: the call's first collective (once a call)
             gate.open()
 
 

@@ -98,6 +98,7 @@ class _Leaves:
         self.keys = tuple(program.infos)
         self.key_set = frozenset(self.keys)
         self.shapes = tuple(torch.Size((local_shapes or {}).get(k, program.infos[k].local_shape)) for k in self.keys)
+        self.shape_list = list(self.shapes)
         self.steps = tuple(tuple(program.param_steps.get(k, ())) for k in self.keys)
         index = {k: i for i, k in enumerate(self.keys)}
         slots = []  # (leaf index, the owning skeleton module's _parameters, attribute name, placeholder)
@@ -120,7 +121,7 @@ class _Leaves:
             raise PlanError(self.no_gradient)
         keys, shapes = self.keys, self.shapes
         values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, self.key_set)
-        if tuple(v.shape for v in values) != shapes:
+        if [v.shape for v in values] != self.shape_list:  # a list comprehension: one call, not one per leaf
             _raise_shape(values, keys, shapes)
         if not {v.device.type for v in values} <= self.devices:
             _raise_device(values, keys, self.devices)

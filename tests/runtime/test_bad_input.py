@@ -182,7 +182,7 @@ def test_apply_fn_params_on_another_device_type_than_the_mesh():
 
     infos = {"weight": SimpleNamespace(local_shape=(2, 2))}
     program = SimpleNamespace(infos=infos, leaf_of={"weight": "weight"}, param_steps={}, param_buckets=(), loss_parallel=None,
-                      groups={}, mesh=SimpleNamespace(device_type="cuda", size=lambda: 1))
+                              recomputed={}, groups={}, mesh=SimpleNamespace(device_type="cuda", size=lambda: 1))
     apply_fn = make_apply_fn(nn.Linear(2, 2, bias=False).to("meta"), program)
     with pytest.raises(hpf.PlanError, match=r"params\['weight'\] is on cpu, but the mesh's device type is cuda"):
         apply_fn({"weight": torch.ones(2, 2)}, torch.ones(1, 2))

@@ -103,9 +103,12 @@ def test_a_family_that_cannot_be_built_is_classified_not_crashed():
 #: - wav2vec2-bert: a CTC loss of ~590 makes float32 rounding exceed the tolerance; exact in float64
 #:   (``sweep.rejudged_in_float64``);
 #: - reformer (trained): its reversible layers' backward re-ran their forward after apply_fn had
-#:   unbound the skeleton (a meta-device crash); now refused by name (``analysis.recompute``).
+#:   unbound the skeleton (a meta-device crash); now refused by name (``analysis.recompute``);
+#: - fastspeech2_conformer: the probe's float64 second look at a float32 mismatch compared less
+#:   than float32 had and accepted a wrong plan (wrong in a rerun of the table); a float32 mismatch
+#:   now stands unless float64 compares the loss and every gradient (``probe._rejudged_in_float64``).
 FIXED_ROWS = {"granite_speech5_encoder": (EXACT,), "vibevoice_asr": (EXACT,), "dac": (EXACT, LITTLE),
-              "eomt": (REFUSED,), "wav2vec2-bert": (EXACT,), "reformer": (REFUSED,)}
+              "eomt": (REFUSED,), "wav2vec2-bert": (EXACT,), "reformer": (REFUSED,), "fastspeech2_conformer": (REFUSED,)}
 
 
 def test_rows_that_were_wrong_or_crashed():
@@ -119,6 +122,7 @@ def test_rows_that_were_wrong_or_crashed():
     assert "cannot run on a random copy" in rows["eomt"]["reason"], rows["eomt"]
     assert "exact in float64" in rows["wav2vec2-bert"]["reason"], rows["wav2vec2-bert"]
     assert "_ReversibleFunction, which recomputes it" in rows["reformer"]["reason"], rows["reformer"]
+    assert "shard-time probe: on a random copy" in rows["fastspeech2_conformer"]["reason"], rows["fastspeech2_conformer"]
     assert all(unchanged for _, unchanged in per_rank), "shard() leaves torch's global generator where it was"
 
 

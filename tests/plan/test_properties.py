@@ -31,7 +31,7 @@ MESHES = {
     4: [((4,), ("tp",)), ((4,), ("model",)), ((2, 2), ("dp", "tp"))],
 }
 HF_NAMES = [(style, name) for name, style in HF_STYLES.items()]
-EXAMPLES = int(os.environ.get("HPF_PROPERTY_EXAMPLES", "100"))  # per test and world size (more on demand)
+EXAMPLES = int(os.environ.get("HPF_PROPERTY_EXAMPLES", "60"))  # per test and world size (more on demand)
 
 
 def _settings(examples: int):

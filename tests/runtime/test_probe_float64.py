@@ -35,3 +35,41 @@ def test_a_float32_mismatch_that_float64_resolves_is_accepted():
         assert "in float64 (in float32 on a random copy of the model the gradient of" in verdict, verdict
         assert "sqk" in verdict, verdict
         assert loss_diff < 1e-5 and grad_diff < 1e-5, (loss_diff, grad_diff)
+
+
+def _scripted(monkeypatch, first_error: float, second: str):
+    """``run_probe`` over a stand-in copy whose float32 probe misses by ``first_error`` (relative) and
+    whose float64 probe returns ``second`` (its reason for comparing less; "" compares everything)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from hp_functional.runtime import probe
+
+    tolerances = []
+
+    def scripted(_copy, _plan, _mesh, _shard_fn, _varying, _inputs, tolerance=probe.TOLERANCE):
+        tolerances.append(tolerance)
+        if len(tolerances) == 1:
+            raise probe._mismatch("shard-time probe: on a random copy of the model the gradient of w differs; x",
+                                  first_error)
+        return second
+
+    monkeypatch.setattr(probe, "_run_probe", scripted)
+    copy = SimpleNamespace(model=nn.Linear(2, 2), names={})
+    try:
+        return probe.run_probe(copy, None, None, None, None), tolerances
+    except hpf.PlanError as exc:
+        return exc, tolerances
+
+
+def test_a_near_miss_stands_unless_float64_compares_everything(monkeypatch):
+    from hp_functional.runtime.probe import TOLERANCE, TOLERANCE64
+
+    verdict, tolerances = _scripted(monkeypatch, 1e-3, "")  # float64 compares all and agrees: accepted
+    assert not isinstance(verdict, Exception) and verdict.compared and "in float64" in str(verdict), verdict
+    assert tolerances == [TOLERANCE, TOLERANCE64]
+    refused, _ = _scripted(monkeypatch, 1e-3, "the loss agrees; gradients not compared: no backward")
+    assert isinstance(refused, hpf.PlanError) and "differs" in str(refused), refused  # compared less: refused
+    refused, tolerances = _scripted(monkeypatch, 0.5, "")  # far off: refused without a second look
+    assert isinstance(refused, hpf.PlanError) and tolerances == [TOLERANCE], (refused, tolerances)

@@ -10,7 +10,7 @@ communicates.  See docs/auto-plan.md#the-trace.
 from __future__ import annotations
 
 __all__ = [
-    "INPUT", "ModelTrace", "ModuleCall", "ShapeCall", "TracedInt", "_leaves", "_plain", "example_call",
+    "INPUT", "ModelTrace", "ModuleCall", "RESHAPES", "ShapeCall", "TracedInt", "_leaves", "_plain", "example_call",
     "fake_mode", "trace_model"
 ]
 
@@ -29,9 +29,39 @@ from torch.overrides import TorchFunctionMode
 
 from ..core.errors import PlanError
 from .copies import meta_copy, snapshot, to_meta
-from .trace_ops import CONTRACTIONS, FACTORIES, MIXING_OPS, ROUTING_OPS, SHAPE_OPS, SPLITS, mixes_last
 
 INPUT = "<input>"  # the source of the example inputs
+
+SHAPE_OPS = {
+    Tensor.view: "view", Tensor.reshape: "reshape", torch.reshape: "reshape", Tensor.unflatten: "unflatten",
+    torch.unflatten: "unflatten", Tensor.split: "split", torch.split: "split", Tensor.split_with_sizes: "split",
+    Tensor.chunk: "chunk", torch.chunk: "chunk", Tensor.__getitem__: "getitem",
+}
+#: ops that select by a learned score: a mixture of experts routes tokens with one of them (``ModelTrace.routes``).
+ROUTING_OPS = {torch.topk: "topk", Tensor.topk: "topk", torch.argmax: "argmax", Tensor.argmax: "argmax",
+               torch.argsort: "argsort", Tensor.argsort: "argsort", torch.sort: "sort", Tensor.sort: "sort"}
+#: factories whose ints are a shape (``torch.zeros((1, self.n_heads, q, k))``: T5's position bias).
+FACTORIES = {torch.zeros: "zeros", torch.ones: "ones", torch.empty: "empty", torch.full: "full", torch.arange: "arange"}
+#: ops that combine the entries of a dim (by name: where its ``dim`` argument sits, None: always the last
+#: dim): a colwise projection's output split there cannot pass through one (Granite Speech's CTC head:
+#: ``softmax(out(h))`` fed to ``out_mid``).  Normalisation ops always combine the last dim.
+MIXING_OPS = {
+    **{f: ("softmax", 1) for f in (torch.softmax, Tensor.softmax, torch.nn.functional.softmax, torch.log_softmax,
+                                   Tensor.log_softmax, torch.nn.functional.log_softmax)},
+    **{f: ("reduce", 1) for f in (torch.sum, Tensor.sum, torch.mean, Tensor.mean, torch.amax, Tensor.amax,
+                                  torch.logsumexp, Tensor.logsumexp, torch.cumsum, Tensor.cumsum, torch.var,
+                                  Tensor.var, torch.std, Tensor.std)},
+    torch.nn.functional.normalize: ("normalize", 2),
+    **{f: ("norm", None) for f in (torch.nn.functional.layer_norm, torch.nn.functional.rms_norm,
+                                   torch.nn.functional.group_norm)},
+}
+#: ops whose output features are new ones, contracted from two operands (a ``MIXING_OPS`` op after them
+#: combines those, not a projection's)
+CONTRACTIONS = {torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.bmm, Tensor.bmm, torch.mm,
+                Tensor.mm, torch.einsum, torch.baddbmm, Tensor.baddbmm, torch.nn.functional.scaled_dot_product_attention}
+RESHAPES = ("view", "reshape", "unflatten")  # calls whose ints are a shape
+SPLITS = RESHAPES + ("split", "chunk")  # calls whose attribute ints must be local on the skeleton
+
 
 class TracedInt(int):
     """An ``int`` that remembers the ``(module path, attribute)`` pairs it was computed from."""
@@ -194,7 +224,7 @@ class _Tracer(TorchFunctionMode):
             if attrs:
                 self.shape_calls.append(ShapeCall(self.stack[-1] if self.stack else "", FACTORIES[func], attrs,
                                                   frozenset(), (), (tuple(outs[0].shape),)))
-        if func in MIXING_OPS and args and isinstance(args[0], Tensor) and mixes_last(func, args, kwargs):
+        if func in MIXING_OPS and args and isinstance(args[0], Tensor) and _mixes_last(func, args, kwargs):
             self.mixes.append(ShapeCall(self.stack[-1] if self.stack else "", MIXING_OPS[func][0], frozenset(),
                                         self.features_of(args[0]), tuple(args[0].shape),
                                         tuple(tuple(t.shape) for t in outs)))
@@ -204,6 +234,21 @@ class _Tracer(TorchFunctionMode):
             self.shape_calls.append(ShapeCall(self.stack[-1] if self.stack else "", op, attrs, self.src(args[0]),
                                               tuple(args[0].shape), tuple(tuple(t.shape) for t in outs)))
         return out
+
+
+def _mixes_last(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a ``MIXING_OPS`` call combines its input's last dim (its ``dim``: None or the last)."""
+    position = MIXING_OPS[func][1]
+    if position is None:
+        return True
+    dim = kwargs.get("dim", args[position] if len(args) > position else None)
+    if dim is None and func is torch.nn.functional.normalize:
+        dim = 1  # its default
+    if dim is None:
+        return True  # a reduction over every dim
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    ndim = args[0].dim()
+    return any(isinstance(d, int) and ndim and d % ndim == ndim - 1 for d in dims)
 
 
 def _meta_flag(t) -> bool:

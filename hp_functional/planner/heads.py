@@ -24,8 +24,7 @@ from torch.distributed.tensor import Shard
 
 from ..analysis.arguments import per_head_arguments
 from ..analysis.audit import compare, handoff, record
-from ..analysis.trace import ModelTrace, ShapeCall
-from ..analysis.trace_ops import RESHAPES
+from ..analysis.trace import RESHAPES, ModelTrace, ShapeCall
 from ..core.style import Style
 from ..parallel.tensor.channels import Channels
 

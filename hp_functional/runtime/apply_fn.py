@@ -97,8 +97,8 @@ class _Leaves:
     def __init__(self, skeleton: nn.Module, program: Program, local_shapes: Mapping[str, torch.Size] | None):
         self.keys = tuple(program.infos)
         self.key_set = frozenset(self.keys)
-        # a list, as the per-call check builds one (a list comprehension: one call, not one per leaf)
-        self.shapes = [torch.Size((local_shapes or {}).get(k, program.infos[k].local_shape)) for k in self.keys]
+        self.shapes = tuple(torch.Size((local_shapes or {}).get(k, program.infos[k].local_shape)) for k in self.keys)
+        self.shape_list = list(self.shapes)
         self.steps = tuple(tuple(program.param_steps.get(k, ())) for k in self.keys)
         index = {k: i for i, k in enumerate(self.keys)}
         slots = []  # (leaf index, the owning skeleton module's _parameters, attribute name, placeholder)
@@ -121,7 +121,7 @@ class _Leaves:
             raise PlanError(self.no_gradient)
         keys, shapes = self.keys, self.shapes
         values = tuple(params.values()) if tuple(params) == keys else _reordered(params, keys, self.key_set)
-        if [v.shape for v in values] != shapes:
+        if [v.shape for v in values] != self.shape_list:  # a list comprehension: one call, not one per leaf
             _raise_shape(values, keys, shapes)
         if not {v.device.type for v in values} <= self.devices:
             _raise_device(values, keys, self.devices)
@@ -325,7 +325,7 @@ def _reordered(params: Mapping[str, Tensor], keys: tuple[str, ...], key_set: fro
     return tuple(params[k] for k in keys)
 
 
-def _raise_shape(values: tuple[Tensor, ...], keys: tuple[str, ...], shapes: Sequence[torch.Size]) -> None:
+def _raise_shape(values: tuple[Tensor, ...], keys: tuple[str, ...], shapes: tuple[torch.Size, ...]) -> None:
     key, got, want = next((k, tuple(v.shape), tuple(s)) for k, v, s in zip(keys, values, shapes, strict=True) if v.shape != s)
     raise PlanError(f"apply_fn: params[{key!r}] has shape {got}, expected local {want}; {_PASS_PARAMS}")
 

@@ -383,7 +383,8 @@ def _compare(loss: Tensor, ref: Tensor, grads: Mapping[str, Tensor], ref_grads: 
              names: Mapping[str, list[str]], tolerance: float = TOLERANCE) -> None:
     hint = ("shard(..., verify=False) skips this check, but the plan would then compute something other than the "
             "model; docs/guarantees.md#exact-or-refused")
-    if not torch.allclose(loss.double(), ref.double(), rtol=tolerance, atol=tolerance):
+    wide = torch.float64 if tolerance < TOLERANCE else torch.float32
+    if not torch.allclose(loss.to(wide), ref.to(wide), rtol=tolerance, atol=tolerance):
         # judged again whatever its size: a wrong plan's loss may differ by rank, and every rank must take the same path
         raise _mismatch(f"shard-time probe: on a random copy of the model the sharded loss {loss.item():.6g} differs from "
                         f"the unsharded {ref.item():.6g}; the plan does not compute the model's function. {hint}", 0.0)
@@ -395,7 +396,7 @@ def _compare(loss: Tensor, ref: Tensor, grads: Mapping[str, Tensor], ref_grads: 
         r = ref_grads.get(key)
         r = torch.zeros_like(g) if r is None else r
         scale = max(r.abs().max().item() if r.numel() else 0.0, floor)
-        err = (g.double() - r.double()).abs().max().item() / scale if g.numel() else 0.0
+        err = (g.to(wide) - r.to(wide)).abs().max().item() / scale if g.numel() else 0.0
         if err > worst:
             worst, where = err, key
     if worst > tolerance * 10:

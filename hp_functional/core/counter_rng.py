@@ -3,18 +3,19 @@
 Every value is computed from its global index alone, with torch integer ops on the tensor's own
 device (no generator state), so a shard draws exactly the values of its slice of the whole
 tensor, whatever the layout, and any slice can be drawn without the rest (``gaussian_like``,
-``hpf.rng``'s dropout).  The bits are two rounds of the SplitMix64 finalizer over
-``index * golden + key`` (SplitMix64 as a counter-based generator, keyed per stream); uniforms
+``hpf.rng``'s dropout).  The bits are SplitMix64's output at position ``index`` of the sequence
+that starts at ``key`` (one round of its finalizer over ``key + index * golden``); uniforms
 take the top bits; normals are Box–Muller over two independent words, with the logarithm and
 the cosine computed as polynomials of correctly rounded ops only (``+ - * / sqrt``, ``frexp``),
 so that a value is bit-identical whichever vector lane, kernel or device type computes it
 (torch's ``log``/``cos`` are not: a CPU kernel's scalar tail and its vector body may differ in
 the last bit).  See docs/randomness.md.
 
-Speed: the hash is ~25 elementwise int64 ops, memory-bound.  ``draw`` runs them in place on pieces
+Speed: the hash is ~11 elementwise int64 ops.  ``draw`` runs them in place on pieces
 small enough that a piece's two int64 buffers stay in a CPU core's L2 cache (``PIECE_CPU``; on an
-accelerator one piece is large, ``CHUNK``, so kernel launches stay few); values never depend on the
-piece size: each is a function of its global index alone.
+accelerator one piece is large, ``CHUNK``, so kernel launches stay few), each piece's indices one
+``arange`` where they are a run of the global index; values never depend on the piece size: each is a
+function of its global index alone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .placement import Box, ShardInfo, boxes
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_SIGN = -(1 << 63)  # the int64 word whose only set bit is the sign bit
 #: the most elements drawn at once on an accelerator (bounds the int64 temporaries)
 CHUNK = 1 << 22
 #: the elements drawn at once on a CPU: two int64 buffers of a piece (512 KiB) stay in L2
@@ -92,11 +94,10 @@ def _fmix_(z: Tensor, tmp: Tensor) -> Tensor:
 
 def random_bits(key: int, index: Tensor) -> Tensor:
     """64 random bits (an int64 tensor shaped like ``index``) per element of ``index`` (int64
-    global element indices) in stream ``key``."""
+    global element indices) in stream ``key``: SplitMix64's output at position ``index`` of the
+    sequence that starts at ``key`` (one finalizer round over ``key + index * golden``)."""
     z = index * _signed(_GOLDEN)
-    tmp = torch.empty_like(z)
-    z.add_(_signed(key))
-    return _fmix_(_fmix_(z, tmp).bitwise_xor_(_signed(_mix(key ^ 0x5851F42D4C957F2D))), tmp)
+    return _fmix_(z.add_(_signed(key)), torch.empty_like(z))
 
 
 _BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
@@ -116,8 +117,10 @@ def uniform(key: int, index: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def keep_mask(key: int, index: Tensor, p: float) -> Tensor:
-    """Dropout's keep mask: True with probability ``1 - p`` (to 2**-32), compared on integers."""
-    return _lsr(random_bits(key, index), 32) >= int(p * 2.0 ** 32)
+    """Dropout's keep mask: True with probability ``1 - p`` (to 2**-32), compared on integers: the
+    top 32 bits read unsigned are at least ``floor(p * 2**32)`` (the sign bit flipped, so that a
+    signed comparison orders the words as unsigned ones)."""
+    return random_bits(key, index).bitwise_xor_(_SIGN) >= (int(p * 2.0 ** 32) << 32) + _SIGN
 
 
 # Polynomial coefficients, highest power first (Horner): log(m) = 2 s (1 + s^2/3 + s^4/5 + ...)
@@ -171,6 +174,15 @@ def normal(key: int, index: Tensor, dtype: torch.dtype) -> Tensor:
     return (r * c).to(dtype)
 
 
+def _contiguous(local_shape: Sequence[int], global_shape: Sequence[int], offset: Sequence[int | Tensor]) -> bool:
+    """Whether a block at integer ``offset`` is one run of the global row-major index: one index in
+    the leading dims, then one dim cut, then dims whole."""
+    if any(isinstance(o, Tensor) for o in offset):
+        return False
+    cut = next((d for d, k in enumerate(local_shape) if k != 1), len(local_shape))
+    return all(k == g for k, g in zip(local_shape[cut + 1:], global_shape[cut + 1:], strict=True))
+
+
 def global_index(local_shape: Sequence[int], global_shape: Sequence[int], offset: Sequence[int | Tensor],
                  device: torch.device | str) -> Tensor:
     """The row-major flat index in ``global_shape`` of every element of a local block of
@@ -179,6 +191,9 @@ def global_index(local_shape: Sequence[int], global_shape: Sequence[int], offset
     of ``local_shape[d]`` global positions, in local order (a non-affine map: context
     parallelism's zigzag sequence chunks)."""
     n = len(local_shape)
+    if _contiguous(local_shape, global_shape, offset):  # one run of the global flat index: one arange
+        start = sum(o * math.prod(global_shape[d + 1:]) for d, o in enumerate(offset))
+        return torch.arange(start, start + math.prod(local_shape), dtype=torch.int64, device=device).view(tuple(local_shape))
     index = torch.zeros((1,) * n, dtype=torch.int64, device=device)
     stride = 1
     for d in reversed(range(n)):

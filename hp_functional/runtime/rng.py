@@ -38,6 +38,9 @@ from ..core.facets import flat_index
 from .rng_layout import Table, layout_table
 from .rng_ops import Draw, Source, drawn
 
+#: the layout tables kept per runtime (argument signatures: a generation loop's growing lengths drop the oldest)
+TABLES_KEPT = 16
+
 
 def _signature(obj) -> object:
     """What the layout table depends on in the call's arguments: shapes, dtypes, plain values."""
@@ -117,10 +120,9 @@ class _Scope:
 class Rng(TorchFunctionMode):
     """The active generator of a ``with hpf.rng(seed):`` block (see the module docstring).
     ``count`` is how many random ops the block has drawn; ``fold_in(i)`` is a generator for
-    another stream (a step, a micro-batch) that shares this one's layout tables."""
+    another stream (a step, a micro-batch)."""
 
-    def __init__(self, seed: int, data_axes: str | Sequence[str] | None = None,
-                 tables: dict | None = None):
+    def __init__(self, seed: int, data_axes: str | Sequence[str] | None = None):
         super().__init__()
         stream_key(seed)  # checks it is an int
         if data_axes is not None and not isinstance(data_axes, str) and not (
@@ -131,18 +133,16 @@ class Rng(TorchFunctionMode):
         self.count = 0
         self.scope: _Scope | None = None
         self.active = False
-        self.tables = {} if tables is None else tables  # (id(runtime), data, signature) -> (runtime, table)
 
     def fold_in(self, data: int) -> Rng:
-        """A generator over stream ``(seed, data)`` (JAX's ``fold_in``): per-step seeds without
-        recomputing the layout tables.
+        """A generator over stream ``(seed, data)`` (JAX's ``fold_in``): per-step or per-micro-batch seeds.
 
         Args:
             data: an int (the step, the micro-batch index).
         Returns:
             A new ``Rng`` to enter with ``with``.
         """
-        return Rng(stream_key(self.seed, int(data)) >> 1, self.data_axes, self.tables)
+        return Rng(stream_key(self.seed, int(data)) >> 1, self.data_axes)
 
     def __enter__(self):
         if self.active:
@@ -154,15 +154,22 @@ class Rng(TorchFunctionMode):
         self.active, self.scope = False, None
         return super().__exit__(*exc)
 
-    def table(self, apply_fn, args: tuple, kwargs: dict, data: bool) -> Table:
-        """The layout table of ``apply_fn`` on arguments shaped like these (computed once)."""
-        runtime = getattr(apply_fn, "runtime", None)
-        key = (id(runtime), data, _signature((args, kwargs)))
-        hit = self.tables.get(key)
-        if hit is None or hit[0] is not runtime:
-            with temporarily_clear_interpreter_stack():  # the meta runs are no part of a torch.func transform
-                hit = self.tables[key] = (runtime, layout_table(apply_fn, args, kwargs, data))
-        return hit[1]
+    @staticmethod
+    def table(apply_fn, args: tuple, kwargs: dict, data: bool) -> Table:
+        """The layout table of ``apply_fn`` on arguments shaped like these: computed once per runtime
+        and argument signature (``Runtime.rng_tables``), whichever ``Rng`` asks (a new
+        ``hpf.rng(seed)`` per step does not redo the meta runs)."""
+        memo = getattr(getattr(apply_fn, "runtime", None), "rng_tables", None)
+        key = (data, _signature((args, kwargs)))
+        if memo is not None and key in memo:
+            return memo[key]
+        with temporarily_clear_interpreter_stack():  # the meta runs are no part of a torch.func transform
+            table = layout_table(apply_fn, args, kwargs, data)
+        if memo is not None:
+            if len(memo) >= TABLES_KEPT:
+                del memo[next(iter(memo))]  # the oldest signature
+            memo[key] = table
+        return table
 
     def call(self, apply_fn, params, *args, **kwargs):
         """Run ``apply_fn(params, *args, **kwargs)`` as one scope of this generator (what

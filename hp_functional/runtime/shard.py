@@ -75,6 +75,9 @@ class Runtime:
     program: Program
     remat: RematPlan | None
     checks: Mapping[str, str] = field(default_factory=dict)  # shard-time proof: what ran, what was skipped and why
+    #: ``hpf.rng``'s layout tables by (data axes, argument signature): each a function of this runtime and those
+    #: shapes alone, kept so that every ``with hpf.rng(seed):`` over this apply_fn reuses them (``runtime.rng``)
+    rng_tables: dict = field(default_factory=dict, compare=False, repr=False)
 
     def build(self, program: Program | None = None, install: Installer | None = None, *,
               axes: Sequence[AxisGroup] = (), local_shapes: Mapping[str, torch.Size] | None = None) -> Callable:

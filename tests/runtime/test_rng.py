@@ -29,9 +29,11 @@ def test_bits_match_the_reference_and_any_slice():
     m = counter_rng._M64
 
     def ref(i: int) -> int:
-        z = counter_rng._mix((i * counter_rng._GOLDEN + key) & m)
-        return counter_rng._signed(counter_rng._mix(z ^ counter_rng._mix(key ^ 0x5851F42D4C957F2D)))
+        return counter_rng._signed(counter_rng._mix((i * counter_rng._GOLDEN + key) & m))  # SplitMix64's output
     assert [bits[i].item() for i in (0, 1, 2, 777, 19_999)] == [ref(i) for i in (0, 1, 2, 777, 19_999)]
+    for p in (0.1, 0.5, 0.9):  # dropout keeps an element when its top 32 bits, unsigned, reach floor(p * 2**32)
+        keep = counter_rng.keep_mask(key, idx, p)
+        assert keep.tolist() == [((ref(i) & m) >> 32) >= int(p * 2 ** 32) for i in range(20_000)], p
     for dtype in (torch.float32, torch.float64):
         z = counter_rng.normal(key, idx, dtype)
         assert torch.equal(counter_rng.normal(key, idx[13:19_001:7].clone(), dtype), z[13:19_001:7])
@@ -62,6 +64,19 @@ def test_draw_by_pieces_is_the_draw_of_the_whole_block():
                                counter_rng.uniform(key, index, dtype)), local
         assert torch.equal(counter_rng.draw("normal", key, local, glob, offset, "cpu", torch.float64),
                            counter_rng.normal(key, index, torch.float64)), local
+
+
+def test_global_index_of_any_block_is_that_slice_of_the_row_major_index():
+    """Every block at integer offsets (one run of the flat index, drawn with one arange, or not) indexes
+    like the slice of ``arange(numel).view(global shape)``."""
+    glob = (3, 4, 5)
+    whole = torch.arange(60).view(glob)
+    cases = [((1, 1, 5), (2, 3, 0)), ((1, 2, 5), (1, 1, 0)), ((2, 4, 5), (1, 0, 0)), ((1, 1, 3), (0, 2, 1)),
+             ((1, 2, 3), (2, 2, 2)), ((2, 1, 5), (0, 3, 0)), ((3, 4, 2), (0, 0, 3)), ((1, 0, 5), (0, 4, 0))]
+    for local, offset in cases:
+        want = whole[tuple(slice(o, o + k) for o, k in zip(offset, local, strict=True))]
+        assert torch.equal(counter_rng.global_index(local, glob, offset, "cpu"), want), (local, offset)
+    assert counter_rng.global_index((), (), (), "cpu").tolist() == 0
 
 
 def test_global_index_takes_a_vector_of_positions_per_dim():
@@ -233,6 +248,7 @@ def case_rng_step(state, family: str, cfg: dict, mesh_shape: tuple, fsdp: bool, 
         loss = apply_fn(params, input_ids=mine, labels=mine).loss
     loss.backward()  # outside the block: the backward draws nothing
     draws = r.count
+    tables = dict(apply_fn.runtime.rng_tables)  # the layout table, kept on the runtime for every later generator
     if dp:
         loss = loss.detach().clone()
         dist.all_reduce(loss, group=dp.get_group())
@@ -247,7 +263,9 @@ def case_rng_step(state, family: str, cfg: dict, mesh_shape: tuple, fsdp: bool, 
             assert_close(grads[k], p.grad, f"torch.func grad {k}", atol=1e-6, rtol=1e-5)
     with hpf.rng(seed + 1):  # another seed: other masks
         other = apply_fn(params, input_ids=mine, labels=mine).loss
-    return draws, worst, abs(other.item() - loss.item()) > 1e-4
+    kept = len(tables) == 1 and apply_fn.runtime.rng_tables == tables and all(
+        apply_fn.runtime.rng_tables[k] is t for k, t in tables.items())
+    return draws, worst, abs(other.item() - loss.item()) > 1e-4 and kept
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)

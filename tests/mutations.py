@@ -535,6 +535,10 @@ MUTATIONS: tuple[Mutation, ...] = (
              "            memo[key] = table", "            pass",
              ("tests/runtime/test_rng.py::test_rng_tp2_attention_dropout_matches_unsharded",),
              "hpf.rng's layout table is computed once per runtime and signature, reused by a new generator per step"),
+    Mutation("ghost-kept-run-holds-the-last-step", "hp_functional/train/clip_per_example.py::_Plan.run_ghost",
+             "                    run.release()", "                    pass",
+             ("tests/train/test_ghost_norms.py::test_ghost_equals_the_definition_and_the_vmap_path_at_tp_2",),
+             "the ghost run kept for the next call holds no tensor of the last step (its leaves, booked activations)"),
     # ------------------------------------------------------------ false refusals on standard models
     Mutation("jetmoe-counts-handed-back-as-a-tensor", "hp_functional/parallel/experts/calls.py::SortedCall.run",
              "counts.tolist() if self.counts_as_list else counts", "counts",

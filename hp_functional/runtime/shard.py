@@ -78,6 +78,9 @@ class Runtime:
     #: ``hpf.rng``'s layout tables by (data axes, argument signature): each a function of this runtime and those
     #: shapes alone, kept so that every ``with hpf.rng(seed):`` over this apply_fn reuses them (``runtime.rng``)
     rng_tables: dict = field(default_factory=dict, compare=False, repr=False)
+    #: ``hpf.clip_per_example``'s ghost runs (a tapped skeleton each) by (owned leaves, layout), kept for the
+    #: next call (``train.clip_per_example``)
+    ghost_runs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def build(self, program: Program | None = None, install: Installer | None = None, *,
               axes: Sequence[AxisGroup] = (), local_shapes: Mapping[str, torch.Size] | None = None) -> Callable:

@@ -225,23 +225,32 @@ class _Plan:
 
     def run_ghost(self, loss_fn: LossFn, params: Mapping[str, Tensor], batch, max_norm: float, chunk_size: int):
         """Both passes over one forward per chunk (``train.ghost_norms``); a leaf that a check sends to
-        the delta path starts the call again on a new skeleton (at most once per such leaf)."""
+        the delta path starts the call again on a new skeleton (at most once per such leaf).  The run
+        (its skeleton) is kept on the runtime for the next call with the same leaves
+        (``Runtime.ghost_runs``); its checks run on every call."""
         local, scatter = self._local(params)
         owned = frozenset(k for k in self.infos if self._owned(self.infos[k]))
-        excluded: frozenset[str] = frozenset()
+        runs, key = self.apply_fn.runtime.ghost_runs, (owned, tuple(self.infos.items()))
+        run = runs.pop(key, None)
+        excluded = run.excluded if run is not None else frozenset()
         with torch.enable_grad():
             while True:
-                run = GhostRun(self.apply_fn.runtime, self.infos, owned, excluded)
+                if run is None:
+                    run = GhostRun(self.apply_fn.runtime, self.infos, owned, excluded)
                 versions = _versions(run.apply_fn)
-                out = self._ghost_chunks(run, loss_fn, local, batch, max_norm, chunk_size)
+                try:
+                    out = self._ghost_chunks(run, loss_fn, local, batch, max_norm, chunk_size)
+                finally:
+                    run.release()
                 if isinstance(out, frozenset):
                     if out <= excluded:  # a delta leaf is never flagged: a second pass over the same set would loop
                         raise RuntimeError(f"{WHERE}: the ghost checks flagged delta leaves {sorted(out)[:3]}")
-                    excluded |= out
+                    excluded, run = excluded | out, None
                     continue
                 break
         grads, norms = out
         _check_versions(run.apply_fn, versions)
+        runs[key] = run
         return self._finish(grads, scatter, params), norms.to(torch.float32)
 
     def _ghost_chunks(self, run: GhostRun, loss_fn: LossFn, local: dict[str, Tensor], batch, max_norm: float,

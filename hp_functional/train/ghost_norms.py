@@ -435,7 +435,13 @@ class GhostRun:
         self.apply_fn = dataclasses.replace(runtime, template=template).build(install=self._count_calls)
         self.ghost = frozenset(k for r in self.rules.values() for k, g in zip(r.keys, r.ghost, strict=True) if g)
         self.delta = tuple(k for k in infos if k not in self.ghost)
-        self.owned = owned
+        self.owned, self.excluded = owned, excluded
+
+    def release(self) -> None:
+        """Drop what the call left on the taps (its leaves, booked activations), so a kept run holds no
+        tensor of a past step."""
+        taps = self.taps
+        taps.values, taps.z, taps.book, taps.reads, taps.calls, taps.unmeasured = {}, None, [], {}, {}, set()
 
     def forward(self, loss_fn: Callable, local: Mapping[str, Tensor], chunk, n: int, acc: torch.dtype) -> _Chunk:
         """``loss_i`` of each example of ``chunk`` (under vmap), the ghost leaves read from the taps,

@@ -140,6 +140,16 @@ def case_zoo(kind: str) -> dict:
     for k in params:  # the two paths agree leaf by leaf, local shards
         assert_close(results["ghost"][0][k], results["vmap"][0][k], f"{kind}: ghost vs vmap, {k}", atol=1e-6)
     out["template_untouched"] = not any("forward" in vars(m) for m in apply_fn.runtime.template.modules())
+    kept = apply_fn.runtime.ghost_runs  # the run (its skeleton, its delta leaves) is kept, holding no tensor
+    run = next(iter(kept.values()))
+    out["kept"] = len(kept) == 1 and not run.taps.values and not run.taps.book
+    half = {k: v * 0.5 for k, v in params.items()}  # the next step's parameters: the kept run, exact on them
+    again = hpf.clip_per_example(zoo_loss, apply_fn, half, info, mine, max_norm=max_norm, method="ghost")
+    ref = hpf.clip_per_example(zoo_loss, apply_fn, half, info, mine, max_norm=max_norm, method="vmap")
+    out["kept"] &= next(iter(kept.values())) is run
+    assert_close(again[1], ref[1], f"{kind}: kept run, norms", atol=1e-6, rtol=1e-5)
+    for k in params:
+        assert_close(again[0][k], ref[0][k], f"{kind}: kept run vs vmap, {k}", atol=1e-6)
     return out
 
 
@@ -147,7 +157,7 @@ def case_zoo(kind: str) -> dict:
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_ghost_equals_the_definition_and_the_vmap_path_at_tp_2(pool):
     for out in pool.run(case_zoo, "tp"):
-        assert out["template_untouched"]
+        assert out["template_untouched"] and out["kept"]
         checks = out["checks"]
         assert checks["rules"] == ["conv1:conv", "conv2:conv", "down:linear", "emb:embedding", "head:linear",
                                    "ln:layer_norm", "pos:embedding", "rms:rms_norm", "twice:linear", "up:linear",
@@ -162,7 +172,7 @@ def test_ghost_equals_the_definition_and_the_vmap_path_at_tp_2(pool):
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_ghost_equals_the_definition_under_fsdp(pool):
     for out in pool.run(case_zoo, "fsdp"):
-        assert out["template_untouched"]
+        assert out["template_untouched"] and out["kept"]
 
 
 # ---------------------------------------------------------------- refusals

@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the one export table (`name as name`: an explicit re-export
         PrepareOutput as PrepareOutput,
         Rowwise as Rowwise,
         SequenceParallel as SequenceParallel,
+        ShardedParams as ShardedParams,
     )
     from .parallel.tensor.vocab import (
         VocabEmbedding as VocabEmbedding,

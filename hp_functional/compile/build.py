@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from ..analysis.trace import example_call
 from ..core.collectives import AxisGroup, CopyTo
@@ -97,8 +98,9 @@ def _build(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *, run_lint: 
     boundaries = lower_boundaries(planned, specs, analysis, groups)
     tree_steps = lower_parameter_conversions(placed, specs, analysis, groups)
     covered = {k: {s.axis for s in v} for k, v in tree_steps.items()}
+    whole = {k: frozenset(s.axis for s in v if isinstance(s.dst, Replicate)) for k, v in tree_steps.items()}
     flow = trace_dataflow(model, boundaries, analysis, placed.infos, placed.leaf_of, list(groups), covered, inputs,
-                          real=real)
+                          real=real, whole=whole)
     uses = dict(flow.varying_uses)
     for key, axes in (varying_uses or {}).items():
         uses[key] = uses.get(key, frozenset()) | axes

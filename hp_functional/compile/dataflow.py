@@ -147,7 +147,7 @@ class _Taint(TorchFunctionMode):
 def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: Mapping[str, Varying],
                    infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str], axes: Sequence[str],
                    covered: Mapping[str, set[str]], inputs: tuple[tuple, dict] | None = None, *,
-                   real: bool = False) -> Dataflow:
+                   real: bool = False, whole: Mapping[str, frozenset[str]] | None = None) -> Dataflow:
     """The varying uses of every parameter: one forward (global shapes, a synthesized batch,
     nothing communicated) carrying each tensor's varying axes, where
 
@@ -172,7 +172,7 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     if inputs is None:
         return Dataflow({}, f"{type(model).__name__} does not start with an embedding or a linear layer: no batch to trace")
     reduced = Reduced(model, {}) if real else reduced_copy(model, plan_marks(boundaries, infos, leaf_of), inputs)
-    mode = _Taint(_stored_axes(reduced, infos, leaf_of, axes), list(axes))
+    mode = _Taint(_stored_axes(reduced, infos, leaf_of, axes, whole or {}), list(axes))
     args, kwargs = (inputs if real else (to_meta(inputs[0]), to_meta(inputs[1])))
     mode.set((args, kwargs), frozenset())
     handles = _hook_boundaries(reduced, boundaries, analysis, mode)
@@ -191,14 +191,16 @@ def trace_dataflow(model: nn.Module, boundaries: Sequence[Boundary], analysis: M
     return replace(_uses(mode, reduced, leaf_of, covered, analysis), recomputed=recomputed)
 
 
-def _stored_axes(reduced: Reduced, infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str],
-                 axes: Sequence[str]) -> dict[int, tuple[str, frozenset[str]]]:
-    """``id`` of each parameter of the traced copy -> (its name there, the mesh axes it is stored sharded on)."""
+def _stored_axes(reduced: Reduced, infos: Mapping[str, ShardInfo], leaf_of: Mapping[str, str], axes: Sequence[str],
+                 whole: Mapping[str, frozenset[str]]) -> dict[int, tuple[str, frozenset[str]]]:
+    """``id`` of each parameter of the traced copy -> (its name there, the mesh axes it is used sharded on: stored
+    sharded, less those its conversions gather whole before the forward, ``whole``: ``ShardedParams``)."""
     params: dict[int, tuple[str, frozenset[str]]] = {}
     for name, prm in reduced.model.named_parameters(remove_duplicate=False):
         original = reduced.names.get(name, [name])
-        info = infos[leaf_of[original[0]]]
-        stored = frozenset(a for a, p in zip(axes, info.placements, strict=True) if splits(p))
+        key = leaf_of[original[0]]
+        info = infos[key]
+        stored = frozenset(a for a, p in zip(axes, info.placements, strict=True) if splits(p)) - whole.get(key, frozenset())
         params.setdefault(id(prm), (name, stored))
     return params
 

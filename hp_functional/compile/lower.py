@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import Placement, Replicate
 
 from ..core.buckets import BUCKET_BYTES, plan_buckets
-from ..core.collectives import AxisGroup, CopyTo
+from ..core.collectives import AllGather, AxisGroup, CopyTo, GatherFrom
 from ..core.errors import PlanError
 from ..core.lowering import Step, lower
 from ..core.placement import ShardInfo, splits
@@ -129,10 +129,18 @@ def bucket_parameter_conversions(param_steps: Mapping[str, Sequence[Step]], info
     for key, steps in param_steps.items():
         if steps and all(s.collective is CopyTo for s in steps):
             by_axes.setdefault(tuple(s.axis for s in steps), []).append(key)
-    out = []
-    for axes, keys in by_axes.items():
-        index = {k: i for i, k in enumerate(keys)}
-        items = ((k, dtypes[k], math.prod(infos[k].local_shape) * dtypes[k].itemsize) for k in keys)
-        buckets = tuple(tuple(index[k] for k in b) for b in plan_buckets(items, bucket_bytes))
-        out.append(ParamBucket(tuple(keys), axes, buckets))
+    out = [_bucketed(keys, axes, infos, dtypes, bucket_bytes, False) for axes, keys in by_axes.items()]
+    gathers: dict[tuple[str, object], list[str]] = {}  # one gather of dim 0 (ShardedParams): by axis and collective
+    for key, steps in param_steps.items():
+        if len(steps) == 1 and steps[0].collective in (GatherFrom, AllGather) and steps[0].forward == "all_gather(0)":
+            gathers.setdefault((steps[0].axis, steps[0].collective), []).append(key)
+    out += [_bucketed(keys, (axis,), infos, dtypes, bucket_bytes, True) for (axis, _), keys in gathers.items()]
     return tuple(out)
+
+
+def _bucketed(keys: list[str], axes: tuple[str, ...], infos: Mapping[str, ShardInfo], dtypes: Mapping[str, torch.dtype],
+              bucket_bytes: int, gather: bool) -> ParamBucket:
+    index = {k: i for i, k in enumerate(keys)}
+    items = ((k, dtypes[k], math.prod(infos[k].local_shape) * dtypes[k].itemsize) for k in keys)
+    return ParamBucket(tuple(keys), axes, tuple(tuple(index[k] for k in b) for b in plan_buckets(items, bucket_bytes)),
+                       gather)

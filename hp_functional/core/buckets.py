@@ -9,9 +9,9 @@ gradients from a handful of collectives (the gradient of ``apply_fn`` is its gra
 
 from __future__ import annotations
 
-__all__ = ["BUCKET_BYTES", "copy_to_many", "plan_buckets"]
+__all__ = ["BUCKET_BYTES", "copy_to_many", "gather_many", "plan_buckets"]
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -90,3 +90,18 @@ def copy_to_many(tensors: Sequence[Tensor], buckets: Sequence[Sequence[int]], gr
     and axis.  Inverse direction: ``reduce_from`` on each bucket's flat buffer."""
     fn = CopyToManyTraced if torch.compiler.is_compiling() else CopyToMany
     return fn.apply(tuple(tuple(b) for b in buckets), tuple(groups), *tensors)
+
+
+def gather_many(tensors: Sequence[Tensor], gather: Callable[[Tensor], Tensor], size: int) -> list[Tensor]:
+    """Each of ``tensors`` (this rank's dim-0 rows of a parameter) whole, by one ``gather`` (a
+    differentiable all-gather of dim 0 over ``size`` ranks: its backward keeps this rank's part, or
+    reduce-scatters) of their flat concatenation: rank ``r``'s rows of tensor ``i`` are the ``i``-th
+    run of the ``r``-th row of the result viewed ``[size, total]``."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+    whole = gather(flat).view(size, -1)
+    out, start = [], 0
+    for t in tensors:
+        n = t.numel()
+        out.append(whole[:, start:start + n].reshape(size * t.shape[0], *t.shape[1:]))
+        start += n
+    return out

@@ -51,11 +51,14 @@ class Boundary:
 class ParamBucket:
     """Leaves whose only conversions are ``copy_to`` on ``axes`` (replicated parameters consumed by
     rank-varying compute), applied together by ``core.buckets.copy_to_many``: ``buckets`` are
-    lists of indices into ``keys``, one all-reduce per bucket and axis in the backward."""
+    lists of indices into ``keys``, one all-reduce per bucket and axis in the backward.  With
+    ``gather``: leaves whose only conversion is one gather of dim 0 on ``axes[0]`` (``ShardedParams``),
+    all of the same collective, one all-gather of a bucket's flat concatenation (``core.buckets.gather_many``)."""
 
     keys: tuple[str, ...]
     axes: tuple[str, ...]
     buckets: tuple[tuple[int, ...], ...]
+    gather: bool = False
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = ["auto_plan"]
 
+from collections import Counter
 from collections.abc import Mapping
 
 from torch import nn
@@ -23,7 +24,7 @@ from ..core.errors import PlanError
 from ..core.paths import path_matches
 from ..core.style import Style
 from ..parallel.experts.styles import Experts, expert_members, expert_weights, is_experts, not_per_expert
-from ..parallel.tensor.styles import Colwise, NoParallel
+from ..parallel.tensor.styles import Colwise, NoParallel, ShardedParams
 from ..parallel.tensor.vocab import VocabEmbedding
 from ..plan.plan import ShardingPlan
 from . import blocks as B
@@ -165,6 +166,7 @@ class _Generator:
             raise PlanError("auto_plan: " + "; ".join(errors))
         self._head_tables_handed_on()
         self._rest(skip)
+        self._stored_split(skip)
         if self.uncovered and not self.allow:
             raise PlanError("auto_plan: no rule covers " + "; ".join(self.uncovered) + " (pass allow_uncovered=True to "
                             "leave them replicated, or plan them with overrides={...})")
@@ -250,17 +252,37 @@ class _Generator:
         self.entries[p], self.roles[p] = NoParallel(), "lone projection (replicated: it pairs with no other)"
         self.notes.append(f"{p}: a lone projection (no colwise/rowwise partner in the traced forward), replicated")
 
-    def _worth_splitting(self, path: str) -> bool:
+    def _worth_splitting(self, path: str, sizes: bool = True) -> bool:
         """Whether ``path``'s own parameters hold 1 % of the model's or more, the traced forward took
         them in its own forward only (``ModelTrace.param_users``: a weight read elsewhere, tied or
-        sliced by a parent, cannot follow its module's style) and no integer attribute of it shaped a
-        tensor (a split divides its sizes on the skeleton)."""
+        sliced by a parent, cannot follow its module's style) and, with ``sizes``, no integer attribute
+        of it shaped a tensor (a split divides its sizes on the skeleton; ``ShardedParams`` divides none)."""
         own = list(self.modules[path].named_parameters(recurse=False))
         if sum(q.numel() for _, q in own) * 100 < self.total or path not in self.trace.calls:
             return False
-        if any(owner == path for c in self.trace.shape_calls for owner, _ in c.attrs):
+        if sizes and any(owner == path for c in self.trace.shape_calls for owner, _ in c.attrs):
             return False  # its sizes shape something (Whisper's arange(embed_positions.num_embeddings))
         return all(self.trace.param_users.get(join(path, n), set()) <= {path} for n, _ in own)
+
+    def _stored_split(self, skip: list[str]) -> None:
+        """Rule 8: a module left replicated whose own parameters hold 1 % of the model or more, read in
+        its own forward only (``_worth_splitting``: an LSTM, a grouped convolution, a position table
+        looked up whole), each splitting on dim 0: ``ShardedParams`` (stored split, gathered whole for
+        its unchanged compute).  Norms stay replicated (small; sequence parallelism plans them)."""
+        names = Counter(id(q) for _, q in self.model.named_parameters(remove_duplicate=False))  # a tied tensor: left alone
+        for path, m in self.modules.items():
+            style = self.entries.get(path)
+            if (not path or path in self.covered or any(path == s or inside(path, s) for s in skip) or B.is_norm(m)
+                    or (style is not None and style != NoParallel()) or path in self.blocks):
+                continue
+            own = list(m.named_parameters(recurse=False))
+            if not own or any(q.dim() == 0 or q.shape[0] % self.n or names[id(q)] > 1 or join(path, k) in self.special
+                              for k, q in own) or not self._worth_splitting(path, sizes=False):
+                continue
+            self.entries[path] = ShardedParams()
+            self.roles[path] = "stored split on dim 0, gathered whole for its compute (ShardedParams: TP cannot split it)"
+            for k, _ in own:
+                self.param_roles.pop(join(path, k), None)
 
     def _replicate_blocks_whose_heads_do_not_split(self) -> None:
         """In a model whose attention blocks differ (a vision pyramid: 1 head in its first stage,

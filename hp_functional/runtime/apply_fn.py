@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from ..core.buckets import copy_to_many
+from ..core.buckets import copy_to_many, gather_many
 from ..core.collectives import AxisGroup
 from ..core.errors import PlanError, ReentrancyError
 from ..core.program import Program
@@ -108,8 +108,11 @@ class _Leaves:
             slots.append((index[key], store, name, store[name]))
         self.slots = tuple(slots)
         self.bucketed = tuple((tuple(index[k] for k in b.keys), b.buckets, tuple(program.groups[a] for a in b.axes))
-                              for b in program.param_buckets)
-        in_bucket = {i for idx, _, _ in self.bucketed for i in idx}
+                              for b in program.param_buckets if not b.gather)
+        self.gathered = tuple((tuple(tuple(index[b.keys[j]] for j in bucket) for bucket in b.buckets),
+                               self.steps[index[b.keys[0]]][0], program.groups[b.axes[0]].size)
+                              for b in program.param_buckets if b.gather)  # (buckets of leaf indices, gather, size)
+        in_bucket = {i for b in program.param_buckets for i in (index[k] for k in b.keys)}
         self.converted = tuple(i for i, s in enumerate(self.steps) if s and i not in in_bucket)
         self.devices = frozenset({program.mesh.device_type, "meta"})  # meta: shapes only (explain, simulate)
         self.no_gradient = _recompute_refusal(program.recomputed)
@@ -128,8 +131,9 @@ class _Leaves:
         return values
 
     def convert(self, values: tuple[Tensor, ...]) -> Sequence[Tensor]:
-        """Every leaf through its conversions (the ``copy_to``-only ones: one all-reduce per bucket backward)."""
-        if not (self.converted or self.bucketed):
+        """Every leaf through its conversions (the ``copy_to``-only ones: one all-reduce per bucket backward;
+        the gathers of ``ShardedParams``: one all-gather per bucket)."""
+        if not (self.converted or self.bucketed or self.gathered):
             return values
         values = list(values)
         for i in self.converted:
@@ -138,6 +142,10 @@ class _Leaves:
         for idx, buckets, groups in self.bucketed:
             for i, v in zip(idx, copy_to_many([values[i] for i in idx], buckets, groups), strict=True):
                 values[i] = v
+        for buckets, gather, size in self.gathered:  # ShardedParams: one all-gather per bucket
+            for bucket in buckets:
+                for i, v in zip(bucket, gather_many([values[i] for i in bucket], gather, size), strict=True):
+                    values[i] = v
         return values
 
     def bind(self, values: Sequence[Tensor]) -> None:

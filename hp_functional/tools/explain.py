@@ -262,7 +262,9 @@ def _recorders(program: Program, params: Mapping[str, torch.Tensor]) -> Callable
     bucketed = {k for b in program.param_buckets for k in b.keys}
     flat = [(key.rpartition(".")[0], s.backward) for key in program.infos if params[key].requires_grad
             and key not in bucketed for s in program.param_steps.get(key, ())]
-    flat += [("(parameters)", "all_reduce") for _ in program.param_buckets]
+    flat += [("(parameters)", "all_reduce") for b in program.param_buckets if not b.gather]
+    flat += [("(parameters)", program.param_steps[b.keys[0]][0].backward) for b in program.param_buckets if b.gather
+             for _ in b.buckets]  # ShardedParams: one gather node per bucket
 
     def recorder() -> tuple[ModuleClock, CollectiveRecorder]:
         clock = ModuleClock({b.planned.fqn for b in program.boundaries})

@@ -582,7 +582,8 @@ class ConvBetween(nn.Module):
 
 def test_a_module_between_the_pair_that_no_rule_splits_leaves_the_pair_replicated():
     plan = hpf.simulate(look(ConvBetween(), example_inputs=torch.randn(2, 5, 16)), world_size=2)
-    assert plan.entries == {"fc1": hpf.NoParallel(), "fc2": hpf.NoParallel()}
+    # the pair and the convolution compute whole (replicated); each stores its rows split (rule 8: ShardedParams)
+    assert plan.entries == {"fc1": hpf.ShardedParams(), "fc2": hpf.ShardedParams(), "dw": hpf.ShardedParams()}
     assert any(n.startswith(": dw (Conv1d: between colwise and rowwise projections): no rule splits it") or
                "dw (Conv1d: between colwise and rowwise projections): no rule splits it" in n for n in plan.notes)
 
@@ -635,9 +636,9 @@ def test_convolutions_pair_only_on_request():
     default = hpf.simulate(look(ConvNet(), example_inputs=x), world_size=2)
     assert not any(isinstance(s, (hpf.Rowwise, hpf.Channels)) for s in default.entries.values())
     assert default.entries["block.expand"] == default.entries["block.project"] == hpf.Colwise(gather_output=True)
-    assert "block.dw.weight" in default.coverage.replicated  # grouped: never split on its own
+    assert default.entries["block.dw"] == hpf.ShardedParams()  # grouped: its compute never split on its own, its storage
     plan = hpf.simulate(look(ConvNet(), example_inputs=x, split_convolutions=True), world_size=2)
-    assert {k: v for k, v in plan.entries.items() if not isinstance(v, hpf.NoParallel)} == {
+    assert {k: v for k, v in plan.entries.items() if not isinstance(v, (hpf.NoParallel, hpf.ShardedParams))} == {
         "block.expand": hpf.Colwise(), "block.bn1": hpf.Channels(), "block.dw": hpf.Channels(),
         "block.bn2": hpf.Channels(), "block.project": hpf.Rowwise(),
         "stem": hpf.Colwise(gather_output=True)}, plan.entries  # the stem pairs with none: lone
@@ -708,8 +709,9 @@ def test_a_linear_subclass_with_its_own_forward_is_not_split():
     """Unless that forward takes its input alone (Falcon's linears pair as any MLP's do)."""
     plan = hpf.simulate(look(WithVisualTable(), example_inputs=(torch.randn(2, 5, 16), torch.randint(0, 32, (2, 5)))),
                         world_size=2)
-    assert "table" not in plan.entries or plan.entries["table"] == hpf.NoParallel(), plan.entries
-    assert not plan.coverage.planned.get("table.weight"), plan.coverage.planned
+    assert plan.entries.get("table", hpf.ShardedParams()) in (hpf.NoParallel(), hpf.ShardedParams()), plan.entries
+    roles = {r.param: r.role for r in plan.coverage.rows}
+    assert "table" not in plan.entries or "ShardedParams" in roles["table.weight"], roles  # computed whole
     plain = hpf.simulate(look(WithPlainLinears()), world_size=2)
     assert plain.entries["up"] == hpf.Colwise() and plain.entries["down"] == hpf.Rowwise(), plain.entries
 
@@ -842,11 +844,9 @@ class WhatStaysWhole(nn.Module):
 
 def test_what_a_split_would_break_stays_whole():
     plan = hpf.simulate(look(WhatStaysWhole(), example_inputs=torch.zeros(2, 16, dtype=torch.long)), world_size=2)
-    replicated = plan.coverage.replicated
-    assert replicated["head.weight"].startswith("convolution (replicated"), replicated.get("head.weight")
-    assert replicated["pos.weight"].startswith("auxiliary embedding (positions, types: replicated")
-    assert replicated["rel.weight"].startswith("auxiliary embedding (positions, types: replicated")
-    assert plan.entries["narrow.fc1"] == plan.entries["narrow.fc2"] == hpf.NoParallel(), plan.entries
     roles = {r.param: r.role for r in plan.coverage.rows}
+    for p in ("head", "pos", "rel", "narrow.fc2"):  # computed whole, stored split on dim 0 (rule 8)
+        assert plan.entries[p] == hpf.ShardedParams() and "ShardedParams" in roles[f"{p}.weight"], (p, roles)
+    assert plan.entries["narrow.fc1"] == hpf.NoParallel(), plan.entries  # 3 rows do not split over 2
     assert all(roles[f"attn.{p}.weight"].startswith("colwise") for p in "qkv"), roles  # paired, not lone
     assert roles["attn.o.weight"].startswith("rowwise"), roles

@@ -4,7 +4,8 @@ into a ``ModuleSpec`` (the contract in ``core.style``)."""
 
 from __future__ import annotations
 
-__all__ = ["Colwise", "Heads", "NoParallel", "PrepareInput", "PrepareOutput", "Rowwise", "SequenceParallel", "is_conv1d"]
+__all__ = ["Colwise", "Heads", "NoParallel", "PrepareInput", "PrepareOutput", "Rowwise", "SequenceParallel", "ShardedParams",
+           "is_conv1d"]
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -152,6 +153,27 @@ class NoParallel(Style):
 
     def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
         return ModuleSpec(varying=True if self.reduce_grads else None)
+
+
+@dataclass(frozen=True)
+class ShardedParams(Style):
+    """The module computes as unsharded, on its whole parameters, which each rank stores split on
+    dim 0 over the axis and gathers before every call (ZeRO-3's storage on the TP axis): for a
+    module TP cannot split (an LSTM, a grouped convolution, a position table read whole) that every
+    rank would otherwise hold whole.  Exact as ``NoParallel``: the same compute on the same values.
+    The gather's backward keeps this rank's rows of the gradient (summed over the axis first where
+    the data the module sees differs per rank, ``core.lowering``).  Costs one all-gather per
+    parameter per call; the gathered weights live as long as autograd keeps them (to the backward)."""
+
+    axis: str | None = None
+
+    def spec(self, module: nn.Module, fqn: str, axis: str) -> ModuleSpec:
+        own = dict(module.named_parameters(recurse=False))
+        if not own or any(p.dim() == 0 for p in own.values()):
+            raise PlanError(f"{fqn or '<root module>'}: ShardedParams() splits each of the module's own parameters on "
+                            f"dim 0; it has {'none' if not own else 'a scalar one'} ({sorted(own)[:6]}): use NoParallel()")
+        return ModuleSpec(params={n: {axis: Shard(0)} for n in own}, param_dst={n: {axis: Replicate()} for n in own},
+                          varying=False)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,66 @@
+"""``ShardedParams``: a module computed whole on parameters each rank stores split on dim 0 (an LSTM, a
+grouped convolution, a position table, a head with a forward of its own), as ``auto_plan``'s rule 8 plans
+it: loss and every gradient equal the unsharded model's, a rank stores under 65 % of the parameters, and
+the gathers are one all-gather per bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hp_functional as hpf
+from tests.support.helpers import assert_close, mesh
+
+
+class Streams(nn.Module):
+    """What TP cannot split, each worth splitting by size, around a splittable MLP."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(32, dim), nn.Embedding(8, dim)
+        self.lstm = nn.LSTM(dim, dim, batch_first=True)
+        self.dw = nn.Conv1d(dim, dim, 3, padding=1, groups=4)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, 32)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos(torch.arange(self.pos.num_embeddings))  # its size shapes a tensor (Whisper)
+        h = self.lstm(h)[0]
+        h = h + self.dw(h.transpose(1, 2)).transpose(1, 2)
+        h = h + self.down(F.gelu(self.up(h)))
+        return self.head(h)
+
+
+def case_streams():
+    torch.manual_seed(0)
+    model, m = Streams(), mesh((2,), ("tp",))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    plan = hpf.auto_plan(model, m, example_inputs=ids)
+    apply_fn, params, info = hpf.shard(model, plan, m, example_inputs=ids)
+    labels = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
+    ref = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+    ref.backward()
+    params = {k: v.requires_grad_() for k, v in params.items()}
+    loss = F.cross_entropy(apply_fn(params, ids).flatten(0, 1), labels.flatten())
+    loss.backward()
+    assert_close(loss, ref.detach(), "loss", atol=1e-6)
+    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    for k, p in model.named_parameters():
+        assert_close(full[k], p.grad, f"grad {k}", atol=1e-6, rtol=1e-5)
+    held = sum(p.numel() for p in params.values()) / sum(p.numel() for p in model.parameters())
+    gathers = [b for b in apply_fn.program.param_buckets if b.gather]
+    return ({k: type(v).__name__ for k, v in plan.entries.items()}, held,
+            [(b.keys, len(b.buckets)) for b in gathers])
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_what_tp_cannot_split_is_stored_split_and_exact(pool):
+    for entries, held, gathers in pool.run(case_streams):
+        assert {k: entries.get(k) for k in ("pos", "lstm", "dw")} == dict.fromkeys(("pos", "lstm", "dw"),
+                                                                                    "ShardedParams"), entries
+        assert entries["up"] == "Colwise" and entries["down"] == "Rowwise", entries
+        assert held < 0.65, held
+        assert len(gathers) == 1 and gathers[0][1] == 1, gathers  # one all-gather for them all
+        assert {"lstm.weight_ih_l0", "lstm.weight_hh_l0", "dw.weight", "pos.weight"} <= set(gathers[0][0]), gathers

@@ -544,10 +544,6 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/parallel/test_sharded_params.py",),
              "a parameter gathered whole before the forward (ShardedParams) computes like a replicated one: nothing it "
              "feeds is rank-varying"),
-    Mutation("sharded-params-module-taken-as-varying", "hp_functional/compile/regions.py::analyse_regions",
-             "if splits(pl) and splits(spec.param_dst.get(name, {}).get(a, pl))}", "if splits(pl)}",
-             ("tests/parallel/test_sharded_params.py",),
-             "a module whose parameters are gathered whole before it runs does not compute rank-varying values"),
     Mutation("sharded-params-bucket-runs-misaligned", "hp_functional/core/buckets.py::gather_many",
              "        start += n", "        start += n // 2",
              ("tests/parallel/test_sharded_params.py",),

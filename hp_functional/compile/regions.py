@@ -42,9 +42,8 @@ def is_below(fqn: str, ancestor: str) -> bool:
 
 def analyse_regions(planned: Sequence[Planned], specs: Mapping[str, ModuleSpec], axes: Sequence[str]) -> dict[str, Varying]:
     """Planned module FQN → its ``Varying`` (see the module docstring), parents before children."""
-    sharded = {  # the axes a module's parameters are split on where it computes (not only stored: ShardedParams)
-        fqn: {a for name, pls in spec.params.items() for a, pl in pls.items()
-              if splits(pl) and splits(spec.param_dst.get(name, {}).get(a, pl))}
+    sharded = {
+        fqn: {a for pls in spec.params.values() for a, pl in pls.items() if splits(pl)}
         for fqn, spec in specs.items()
     }
     out: dict[str, Varying] = {}

@@ -20,24 +20,48 @@ class Streams(nn.Module):
     def __init__(self, dim: int = 16):
         super().__init__()
         self.embed, self.pos = nn.Embedding(32, dim), nn.Embedding(8, dim)
-        self.lstm = nn.LSTM(dim, dim, batch_first=True)
+        self.lstm, self.norm = nn.LSTM(dim, dim, batch_first=True), nn.LayerNorm(dim)  # the norm: replicated
         self.dw = nn.Conv1d(dim, dim, 3, padding=1, groups=4)
         self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.head = nn.Linear(dim, 32)
 
     def forward(self, ids):
         h = self.embed(ids) + self.pos(torch.arange(self.pos.num_embeddings))  # its size shapes a tensor (Whisper)
-        h = self.lstm(h)[0]
+        h = self.norm(self.lstm(h)[0])
         h = h + self.dw(h.transpose(1, 2)).transpose(1, 2)
         h = h + self.down(F.gelu(self.up(h)))
         return self.head(h)
 
 
-def case_streams():
+class Wrapped(nn.Module):
+    """A planned parent around a ShardedParams module and a replicated norm."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.lstm, self.norm = nn.LSTM(dim, dim, batch_first=True), nn.LayerNorm(dim)
+
+    def forward(self, h):
+        return self.norm(self.lstm(h)[0])
+
+
+class WithParent(nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.embed, self.block, self.head = nn.Embedding(32, dim), Wrapped(dim), nn.Linear(dim, 32)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+
+#: a parent planned around it (its own entry): the parent computes no rank-varying value either
+PARENT_PLAN = {"block": hpf.PrepareInput(), "block.lstm": hpf.ShardedParams(), "head": hpf.Colwise(gather_output=True)}
+
+
+def case_streams(parent: bool = False):
     torch.manual_seed(0)
-    model, m = Streams(), mesh((2,), ("tp",))
+    model, m = (WithParent() if parent else Streams()), mesh((2,), ("tp",))
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-    plan = hpf.auto_plan(model, m, example_inputs=ids)
+    plan = hpf.ShardingPlan(PARENT_PLAN) if parent else hpf.auto_plan(model, m, example_inputs=ids)
     apply_fn, params, info = hpf.shard(model, plan, m, example_inputs=ids)
     labels = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
     ref = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
@@ -64,3 +88,9 @@ def test_what_tp_cannot_split_is_stored_split_and_exact(pool):
         assert held < 0.65, held
         assert len(gathers) == 1 and gathers[0][1] == 1, gathers  # one all-gather for them all
         assert {"lstm.weight_ih_l0", "lstm.weight_hh_l0", "dw.weight", "pos.weight"} <= set(gathers[0][0]), gathers
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_planned_parent_of_sharded_params_computes_whole(pool):
+    for entries, _held, gathers in pool.run(case_streams, True):
+        assert entries["block.lstm"] == "ShardedParams" and len(gathers) == 1, (entries, gathers)

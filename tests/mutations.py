@@ -544,6 +544,10 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/parallel/test_sharded_params.py",),
              "a parameter gathered whole before the forward (ShardedParams) computes like a replicated one: nothing it "
              "feeds is rank-varying"),
+    Mutation("sharded-params-audited-at-stored-shapes", "hp_functional/compile/lint_heads.py::_local_view",
+             "mesh_placements(used, mesh, fqn)", "mesh_placements(per_axis, mesh, fqn)",
+             ("tests/parallel/test_sharded_params.py",),
+             "the shape audit replays a ShardedParams module on its gathered (whole) weights, as its forward sees them"),
     Mutation("sharded-params-bucket-runs-misaligned", "hp_functional/core/buckets.py::gather_many",
              "        start += n", "        start += n // 2",
              ("tests/parallel/test_sharded_params.py",),

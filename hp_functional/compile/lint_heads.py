@@ -274,8 +274,9 @@ def _local_view(parent: str, module: nn.Module, by_fqn: Mapping[str, Planned], s
         spec = specs[fqn]
         for name, per_axis in spec.params.items():
             full = params.get(prefix + name)
+            used = {**per_axis, **spec.param_dst.get(name, {})}  # as the forward sees it (ShardedParams: gathered)
             if full is not None:
-                shapes[prefix + name] = local_layout(full.shape, mesh_placements(per_axis, mesh, fqn), mesh, fqn)[0]
+                shapes[prefix + name] = local_layout(full.shape, mesh_placements(used, mesh, fqn), mesh, fqn)[0]
         size = mesh.size(list(mesh.mesh_dim_names).index(p.axis))
         sub = module.get_submodule(rel) if rel else module
         # a buffer its local forward reads otherwise than stored (Channels: a BatchNorm's slice of its statistics)

@@ -14,6 +14,20 @@ import hp_functional as hpf
 from tests.support.helpers import assert_close, mesh
 
 
+class ConvNeXtBlock(nn.Module):
+    """A grouped convolution, a norm, then a pair (ConvNeXt's layer): the block's ops around its pair see the
+    convolution's whole output (the shape audit takes its weight as gathered, not as stored)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.dw, self.norm = nn.Conv1d(dim, dim, 3, padding=1, groups=4), nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, h):
+        x = self.norm(self.dw(h.transpose(1, 2)).transpose(1, 2))
+        return h + self.down(F.gelu(self.up(x)))
+
+
 class Streams(nn.Module):
     """What TP cannot split, each worth splitting by size, around a splittable MLP."""
 
@@ -21,16 +35,11 @@ class Streams(nn.Module):
         super().__init__()
         self.embed, self.pos = nn.Embedding(32, dim), nn.Embedding(8, dim)
         self.lstm, self.norm = nn.LSTM(dim, dim, batch_first=True), nn.LayerNorm(dim)  # the norm: replicated
-        self.dw = nn.Conv1d(dim, dim, 3, padding=1, groups=4)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.head = nn.Linear(dim, 32)
+        self.block, self.head = ConvNeXtBlock(dim), nn.Linear(dim, 32)
 
     def forward(self, ids):
         h = self.embed(ids) + self.pos(torch.arange(self.pos.num_embeddings))  # its size shapes a tensor (Whisper)
-        h = self.norm(self.lstm(h)[0])
-        h = h + self.dw(h.transpose(1, 2)).transpose(1, 2)
-        h = h + self.down(F.gelu(self.up(h)))
-        return self.head(h)
+        return self.head(self.block(self.norm(self.lstm(h)[0])))
 
 
 class Wrapped(nn.Module):
@@ -82,12 +91,12 @@ def case_streams(parent: bool = False):
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_what_tp_cannot_split_is_stored_split_and_exact(pool):
     for entries, held, gathers in pool.run(case_streams):
-        assert {k: entries.get(k) for k in ("pos", "lstm", "dw")} == dict.fromkeys(("pos", "lstm", "dw"),
-                                                                                    "ShardedParams"), entries
-        assert entries["up"] == "Colwise" and entries["down"] == "Rowwise", entries
+        assert {k: entries.get(k) for k in ("pos", "lstm", "block.dw")} == dict.fromkeys(("pos", "lstm", "block.dw"),
+                                                                                          "ShardedParams"), entries
+        assert entries["block.up"] == "Colwise" and entries["block.down"] == "Rowwise", entries
         assert held < 0.65, held
         assert len(gathers) == 1 and gathers[0][1] == 1, gathers  # one all-gather for them all
-        assert {"lstm.weight_ih_l0", "lstm.weight_hh_l0", "dw.weight", "pos.weight"} <= set(gathers[0][0]), gathers
+        assert {"lstm.weight_ih_l0", "lstm.weight_hh_l0", "block.dw.weight", "pos.weight"} <= set(gathers[0][0]), gathers
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)

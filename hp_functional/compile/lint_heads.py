@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from ..analysis.arguments import head_counts, per_head_arguments
 from ..analysis.audit import Mismatch, boundaries, compare, culprits, handoff, record
@@ -274,7 +275,8 @@ def _local_view(parent: str, module: nn.Module, by_fqn: Mapping[str, Planned], s
         spec = specs[fqn]
         for name, per_axis in spec.params.items():
             full = params.get(prefix + name)
-            used = {**per_axis, **spec.param_dst.get(name, {})}  # as the forward sees it (ShardedParams: gathered)
+            dst = spec.param_dst.get(name, {})  # gathered whole before the forward (ShardedParams): seen whole
+            used = {a: Replicate() if isinstance(dst.get(a), Replicate) else pl for a, pl in per_axis.items()}
             if full is not None:
                 shapes[prefix + name] = local_layout(full.shape, mesh_placements(used, mesh, fqn), mesh, fqn)[0]
         size = mesh.size(list(mesh.mesh_dim_names).index(p.axis))

@@ -2,7 +2,7 @@
 the model's module types, its structure and one forward traced on a meta copy (``analysis.trace``).
 
 Every module takes the role of the first rule that matches; the rules numbered in the comments
-below (1-7: MoE, embeddings, head, projections, norms, biases, the rest) are the table of
+below (1-8: MoE, embeddings, head, projections, norms, biases, the rest, storage split) are the table of
 docs/auto-plan.md#roles.  Nothing here communicates: every error is raised on every rank alike,
 before any collective.
 """
@@ -252,23 +252,24 @@ class _Generator:
         self.entries[p], self.roles[p] = NoParallel(), "lone projection (replicated: it pairs with no other)"
         self.notes.append(f"{p}: a lone projection (no colwise/rowwise partner in the traced forward), replicated")
 
-    def _worth_splitting(self, path: str, sizes: bool = True) -> bool:
+    def _worth_splitting(self, path: str) -> bool:
         """Whether ``path``'s own parameters hold 1 % of the model's or more, the traced forward took
         them in its own forward only (``ModelTrace.param_users``: a weight read elsewhere, tied or
-        sliced by a parent, cannot follow its module's style) and, with ``sizes``, no integer attribute
-        of it shaped a tensor (a split divides its sizes on the skeleton; ``ShardedParams`` divides none)."""
+        sliced by a parent, cannot follow its module's style) and no integer attribute of it shaped a
+        tensor (a split divides its sizes on the skeleton)."""
         own = list(self.modules[path].named_parameters(recurse=False))
         if sum(q.numel() for _, q in own) * 100 < self.total or path not in self.trace.calls:
             return False
-        if sizes and any(owner == path for c in self.trace.shape_calls for owner, _ in c.attrs):
+        if any(owner == path for c in self.trace.shape_calls for owner, _ in c.attrs):
             return False  # its sizes shape something (Whisper's arange(embed_positions.num_embeddings))
         return all(self.trace.param_users.get(join(path, n), set()) <= {path} for n, _ in own)
 
     def _stored_split(self, skip: list[str]) -> None:
-        """Rule 8: a module left replicated whose own parameters hold 1 % of the model or more, read in
-        its own forward only (``_worth_splitting``: an LSTM, a grouped convolution, a position table
-        looked up whole), each splitting on dim 0: ``ShardedParams`` (stored split, gathered whole for
-        its unchanged compute).  Norms stay replicated (small; sequence parallelism plans them)."""
+        """Rule 8: a module left replicated whose own parameters hold 1 % of the model or more, tied to
+        nothing, each splitting on dim 0 (an LSTM, a grouped convolution, a position table read whole by
+        its parent, a tower the batch does not reach): ``ShardedParams``.  Its parameters are gathered
+        into their slots before the forward, so whoever reads them (its forward, a parent, no one) sees
+        them whole: exact as ``NoParallel``.  Norms stay replicated (small; sequence parallelism plans them)."""
         names = Counter(id(q) for _, q in self.model.named_parameters(remove_duplicate=False))  # a tied tensor: left alone
         for path, m in self.modules.items():
             style = self.entries.get(path)
@@ -277,7 +278,7 @@ class _Generator:
                 continue
             own = list(m.named_parameters(recurse=False))
             if not own or any(q.dim() == 0 or q.shape[0] % self.n or names[id(q)] > 1 or join(path, k) in self.special
-                              for k, q in own) or not self._worth_splitting(path, sizes=False):
+                              for k, q in own) or sum(q.numel() for _, q in own) * 100 < self.total:
                 continue
             self.entries[path] = ShardedParams()
             self.roles[path] = "stored split on dim 0, gathered whole for its compute (ShardedParams: TP cannot split it)"

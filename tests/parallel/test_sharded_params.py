@@ -1,7 +1,7 @@
 """``ShardedParams``: a module computed whole on parameters each rank stores split on dim 0 (an LSTM, a
-grouped convolution, a position table, a head with a forward of its own), as ``auto_plan``'s rule 8 plans
-it: loss and every gradient equal the unsharded model's, a rank stores under 65 % of the parameters, and
-the gathers are one all-gather per bucket."""
+grouped convolution, a position table read whole by its parent, a module the batch never reaches), as
+``auto_plan``'s rule 8 plans it: loss and every gradient equal the unsharded model's, a rank stores
+under 65 % of the parameters, and the gathers are one all-gather per bucket."""
 
 from __future__ import annotations
 
@@ -36,9 +36,12 @@ class Streams(nn.Module):
         self.embed, self.pos = nn.Embedding(32, dim), nn.Embedding(8, dim)
         self.lstm, self.norm = nn.LSTM(dim, dim, batch_first=True), nn.LayerNorm(dim)  # the norm: replicated
         self.block, self.head = ConvNeXtBlock(dim), nn.Linear(dim, 32)
+        self.table = nn.Embedding(8, dim)  # read whole by this forward, never called (a ViT's interpolated positions)
+        self.unused = nn.Linear(dim, 2 * dim)  # never reached (a tower the batch does not feed)
 
     def forward(self, ids):
         h = self.embed(ids) + self.pos(torch.arange(self.pos.num_embeddings))  # its size shapes a tensor (Whisper)
+        h = h + self.table.weight[: ids.shape[1]].flip(0)
         return self.head(self.block(self.norm(self.lstm(h)[0])))
 
 
@@ -79,8 +82,11 @@ def case_streams(parent: bool = False):
     loss = F.cross_entropy(apply_fn(params, ids).flatten(0, 1), labels.flatten())
     loss.backward()
     assert_close(loss, ref.detach(), "loss", atol=1e-6)
-    full = hpf.unshard({k: p.grad for k, p in params.items()}, info)
+    full = hpf.unshard({k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}, info)
     for k, p in model.named_parameters():
+        if p.grad is None:  # never used: no gradient either way
+            assert params[k].grad is None or not params[k].grad.any(), k
+            continue
         assert_close(full[k], p.grad, f"grad {k}", atol=1e-6, rtol=1e-5)
     held = sum(p.numel() for p in params.values()) / sum(p.numel() for p in model.parameters())
     gathers = [b for b in apply_fn.program.param_buckets if b.gather]
@@ -91,8 +97,8 @@ def case_streams(parent: bool = False):
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_what_tp_cannot_split_is_stored_split_and_exact(pool):
     for entries, held, gathers in pool.run(case_streams):
-        assert {k: entries.get(k) for k in ("pos", "lstm", "block.dw")} == dict.fromkeys(("pos", "lstm", "block.dw"),
-                                                                                          "ShardedParams"), entries
+        split = ("pos", "lstm", "block.dw", "table", "unused")
+        assert {k: entries.get(k) for k in split} == dict.fromkeys(split, "ShardedParams"), entries
         assert entries["block.up"] == "Colwise" and entries["block.down"] == "Rowwise", entries
         assert held < 0.65, held
         assert len(gathers) == 1 and gathers[0][1] == 1, gathers  # one all-gather for them all

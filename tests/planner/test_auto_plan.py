@@ -769,7 +769,7 @@ def test_lone_projections_tables_and_convolutions_worth_it_are_split():
     assert plan.entries["cls"] == hpf.Colwise(gather_output=True) == plan.entries["conv"]
     assert plan.entries["pos"] == hpf.VocabEmbedding()
     assert plan.coverage.replicated["gate.weight"].startswith("lone projection (replicated")  # 17 of 2321
-    assert plan.coverage.replicated["types.weight"].startswith("auxiliary embedding (positions, types: replicated")
+    assert plan.entries["types"] == hpf.ShardedParams()  # read whole by its parent: stored split, gathered (rule 8)
 
 
 def case_lone():

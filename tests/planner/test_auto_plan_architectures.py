@@ -216,9 +216,8 @@ def test_encoder_decoder_roles_come_from_the_dataflow():
 def test_clip_projections_and_convolutions_are_split_or_replicated_and_reported():
     model, inputs = clip()
     plan = hpf.simulate(lambda mesh: hpf.auto_plan(model, mesh, example_inputs=inputs), world_size=2)
-    replicated = plan.coverage.replicated
     assert plan.entries["visual_projection"] == hpf.Colwise(gather_output=True)  # lone, worth an all-gather
-    assert replicated["vision_model.embeddings.patch_embedding.weight"].startswith("convolution (replicated")
+    assert plan.entries["vision_model.embeddings.patch_embedding"] == hpf.ShardedParams()  # computed whole (rule 8)
     assert plan.coverage.planned["vision_model.encoder.layers.0.mlp.fc1.weight"] == "S(0)"
 
 

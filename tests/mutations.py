@@ -548,6 +548,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              "Replicate() if isinstance(dst.get(a), Replicate) else pl", "pl",
              ("tests/parallel/test_sharded_params.py",),
              "the shape audit replays a ShardedParams module on its gathered (whole) weights, as its forward sees them"),
+    Mutation("audit-takes-a-partial-bias-as-used", "hp_functional/compile/lint_heads.py::_local_view",
+             "Replicate() if isinstance(dst.get(a), Replicate) else pl", "dst.get(a, pl)",
+             ("tests/analysis/test_audit_packed.py::test_fused_gate_up_chunk",),
+             "the shape audit takes a parameter's use only where it is gathered whole (a Rowwise bias's Partial is "
+             "no storage: the region's audit would be skipped)"),
     Mutation("sharded-params-bucket-runs-misaligned", "hp_functional/core/buckets.py::gather_many",
              "        start += n", "        start += n // 2",
              ("tests/parallel/test_sharded_params.py",),

@@ -553,6 +553,18 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/analysis/test_audit_packed.py::test_fused_gate_up_chunk",),
              "the shape audit takes a parameter's use only where it is gathered whole (a Rowwise bias's Partial is "
              "no storage: the region's audit would be skipped)"),
+    Mutation("head-table-width-taken-from-a-head-size", "hp_functional/planner/auto.py::_Generator._head_tables_handed_on",
+             "frozenset(h for q in blk.roles for h in B.heads_of(self.trace, q))",
+             "frozenset(h for q in blk.roles for h in B.heads_of(self.trace, q)) | frozenset(v for m in "
+             "self.modules[p].modules() for k, v in vars(m).items() if type(v) is int and 'head' in k)",
+             ("tests/models/test_model_sweep.py::test_rows_that_were_wrong_or_crashed",),
+             "a table handed to the blocks is split with their heads only where it is as wide as a head count their "
+             "views split into (RoFormer's sinusoidal positions are as wide as a head)"),
+    Mutation("sharded-params-on-a-frozen-table", "hp_functional/planner/auto.py::_Generator._stored_split",
+             "                              or not q.requires_grad for k, q in own)",
+             "                              for k, q in own)",
+             ("tests/models/test_model_sweep.py::test_rows_that_were_wrong_or_crashed",),
+             "rule 8 leaves a frozen table (RoFormer's sinusoidal positions) replicated"),
     Mutation("sharded-params-bucket-runs-misaligned", "hp_functional/core/buckets.py::gather_many",
              "        start += n", "        start += n // 2",
              ("tests/parallel/test_sharded_params.py",),

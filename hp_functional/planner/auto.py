@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..analysis.arguments import head_counts
 from ..analysis.towers import trace_towers
 from ..analysis.trace import INPUT, ModelTrace, example_call, trace_model
 from ..core.errors import PlanError
@@ -266,8 +265,9 @@ class _Generator:
 
     def _stored_split(self, skip: list[str]) -> None:
         """Rule 8: a module left replicated whose own parameters hold 1 % of the model or more, tied to
-        nothing, each splitting on dim 0 (an LSTM, a grouped convolution, a position table read whole by
-        its parent, a tower the batch does not reach): ``ShardedParams``.  Its parameters are gathered
+        nothing, trained (not a frozen table: RoFormer's sinusoidal positions), each splitting on dim 0
+        (an LSTM, a grouped convolution, a position table read whole by its parent, a tower the batch
+        does not reach): ``ShardedParams``.  Its parameters are gathered
         into their slots before the forward, so whoever reads them (its forward, a parent, no one) sees
         them whole: exact as ``NoParallel``.  Norms stay replicated (small; sequence parallelism plans them)."""
         names = Counter(id(q) for _, q in self.model.named_parameters(remove_duplicate=False))  # a tied tensor: left alone
@@ -278,7 +278,7 @@ class _Generator:
                 continue
             own = list(m.named_parameters(recurse=False))
             if not own or any(q.dim() == 0 or q.shape[0] % self.n or names[id(q)] > 1 or join(path, k) in self.special
-                              for k, q in own) or sum(q.numel() for _, q in own) * 100 < self.total:
+                              or not q.requires_grad for k, q in own) or sum(q.numel() for _, q in own) * 100 < self.total:
                 continue
             self.entries[path] = ShardedParams()
             self.roles[path] = "stored split on dim 0, gathered whole for its compute (ShardedParams: TP cannot split it)"
@@ -320,7 +320,8 @@ class _Generator:
     def _head_tables_handed_on(self) -> None:
         """A table outside the blocks whose per-head output the head-split blocks take (``shared_head_tables``):
         its columns split with their heads."""
-        heads = {p: head_counts(self.modules[p]) for p, blk in self.blocks.items() if blk.heads}
+        heads = {p: frozenset(h for q in blk.roles for h in B.heads_of(self.trace, q))  # counts its views split
+                 for p, blk in self.blocks.items() if blk.heads}  # into (not an attribute's: RoFormer's head size)
         for q in shared_head_tables(self.trace, self.modules, heads, self.blocks, self.n):
             self.special[q], self.param_roles[q] = "shard_last", "per-head table handed to the blocks (its heads split)"
             self.roles[q.rpartition(".")[0]] = "per-head table handed to the blocks (columns split)"

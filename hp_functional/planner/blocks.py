@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["Block", "is_channel_conv", "is_norm", "is_projection", "out_features", "pair", "plan_block", "split_width"]
+__all__ = ["Block", "heads_of", "is_channel_conv", "is_norm", "is_projection", "out_features", "pair", "plan_block",
+           "split_width"]
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field

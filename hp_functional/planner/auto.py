@@ -286,18 +286,19 @@ class _Generator:
                 self.param_roles.pop(join(path, k), None)
 
     def _replicate_blocks_whose_heads_do_not_split(self) -> None:
-        """In a model whose attention blocks differ (a vision pyramid: 1 head in its first stage,
-        8 in its last), an attention block whose heads do not split is left replicated, noted,
-        while the others shard; where none splits, the errors stand (a PlanError naming them)."""
-        if not any(blk.attention and not blk.errors for blk in self.blocks.values()):
+        """An attention block whose heads do not split over the axis (a vision pyramid's 1-head first
+        stage; 6 heads over 4 ranks) is computed whole, noted, while the rest of the model shards: its
+        projections are left to rule 8 (stored split, gathered: ``ShardedParams``), exact as replicated.
+        ``PlanError`` only where nothing else of the model would shard (every projection in such a block)."""
+        bad = {path for path, blk in self.blocks.items() if blk.errors}
+        if not bad or all(path in bad for path in self.blocks):
             return
-        for path, blk in self.blocks.items():
-            if not blk.errors:
-                continue
+        for path in sorted(bad):
+            blk = self.blocks[path]
             for p in blk.roles:
                 if self._projection(self.modules.get(p)):
-                    self.entries[p], self.roles[p] = NoParallel(), "replicated: the heads of its block do not split"
-            self.notes.append(f"{path}: {blk.errors[0]}; left replicated (the model's other attention blocks shard)")
+                    self.entries[p], self.roles[p] = NoParallel(), "computed whole: the heads of its block do not split"
+            self.notes.append(f"{path}: {blk.errors[0]}; computed whole (the rest of the model shards)")
             blk.errors = []
 
     def _add_block(self, blk: B.Block) -> None:

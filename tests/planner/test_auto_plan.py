@@ -277,20 +277,23 @@ def test_structure_decides_unknown_names():
 
 def case_bad_heads(kind: str, cfg):
     try:
-        hpf.auto_plan(build(kind, **cfg), mesh())
+        plan = hpf.auto_plan(build(kind, **cfg), mesh())
     except hpf.PlanError as exc:
-        return str(exc)
-    return None
+        return "PlanError: " + str(exc)
+    return " | ".join(plan.notes) + f" | up: {type(plan.entries.get('layers.*.feed_forward.w1')).__name__}" \
+        f" {type(plan.entries.get('model.layers.*.mlp.up_proj')).__name__}"
 
 
 @pytest.mark.parametrize("pool", [4], indirect=True)
-def test_heads_that_do_not_divide_raise_on_every_rank(pool):
-    """6 query heads over 4 ranks: a PlanError naming the module on every rank, before any
-    collective (auto_plan communicates nothing)."""
+def test_heads_that_do_not_divide_leave_attention_whole_on_every_rank(pool):
+    """6 query heads over 4 ranks: the attention is computed whole (its weights stored split, rule 8)
+    and noted, alike on every rank, while the MLP shards (auto_plan communicates nothing)."""
     custom = pool.run(case_bad_heads, "custom", {"dim": 48, "n_heads": 6, "n_kv_heads": 2})
-    assert all(m and "layers.0.attention: n_heads=6 does not divide over 4 ranks" in m for m in custom), custom
+    assert all("layers.0.attention.wq: 6 heads do not split over 4 ranks" in m and "computed whole" in m
+               and "up: Colwise" in m for m in custom), custom
     llama = pool.run(case_bad_heads, "llama", {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2})
-    assert all(m and "model.layers.0.self_attn.q_proj: 6 heads do not split over 4 ranks" in m for m in llama), llama
+    assert all("model.layers.0.self_attn.q_proj: 6 heads do not split over 4 ranks" in m and "computed whole" in m
+               and m.endswith("Colwise") for m in llama), llama
 
 
 class Experts(nn.Module):

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..core.buckets import BUCKET_BYTES, plan_buckets
 from ..core.collectives import AllGather, AxisGroup, CopyTo, GatherFrom
@@ -132,7 +132,8 @@ def bucket_parameter_conversions(param_steps: Mapping[str, Sequence[Step]], info
     out = [_bucketed(keys, axes, infos, dtypes, bucket_bytes, False) for axes, keys in by_axes.items()]
     gathers: dict[tuple[str, object], list[str]] = {}  # one gather of dim 0 (ShardedParams): by axis and collective
     for key, steps in param_steps.items():
-        if len(steps) == 1 and steps[0].collective in (GatherFrom, AllGather) and steps[0].forward == "all_gather(0)":
+        if (len(steps) == 1 and steps[0].collective in (GatherFrom, AllGather)
+                and infos[key].axes.get(steps[0].axis) == Shard(0)):  # stored by rows: gathered whole on dim 0
             gathers.setdefault((steps[0].axis, steps[0].collective), []).append(key)
     out += [_bucketed(keys, (axis,), infos, dtypes, bucket_bytes, True) for (axis, _), keys in gathers.items()]
     return tuple(out)
